@@ -1,0 +1,20 @@
+{
+  "targets": [
+    {
+      "target_name": "vmspace",
+      "sources": [
+        "native/binding.cc",
+        "native/core/clone.cc",
+        "native/core/names.cc",
+        "native/core/pool.cc",
+        "native/core/remove.cc",
+        "native/core/rename.cc"
+      ],
+      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "_GNU_SOURCE"],
+      "cflags!": ["-fno-exceptions"],
+      "cflags_cc!": ["-fno-exceptions", "-fno-rtti"],
+      "cflags_cc": ["-std=c++17", "-fexceptions", "-Wall", "-Wextra", "-Wno-unused-parameter", "-O2"]
+    }
+  ]
+}

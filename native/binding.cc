@@ -1,0 +1,323 @@
+// The N-API binding: converts JS values to core arguments, runs each operation as one unit of work on the libuv
+// thread pool, and converts the result (or the core's Error) back. Arguments arrive validated by lib/; the checks
+// here only keep a wrong call from crashing the process. No file-system logic lives in this file.
+#include <napi.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "core/clone.h"
+#include "core/error.h"
+#include "core/names.h"
+#include "core/pool.h"
+#include "core/remove.h"
+#include "core/rename.h"
+
+namespace {
+
+using vmspace::Error;
+
+// The one error helper: a core Error as a plain object with Node's fs error fields; lib/errors.ts turns it into
+// a VmspaceError where the caller's async stack is at hand.
+Napi::Object errorObject(Napi::Env env, const Error& e) {
+  Napi::Object o = Napi::Object::New(env);
+  const char* name = e.err ? strerrorname_np(e.err) : nullptr;
+  o.Set("code", e.code.empty() ? (name ? name : "EUNKNOWN") : e.code);
+  if (e.err) o.Set("errno", -e.err);
+  if (e.err) o.Set("description", strerrordesc_np(e.err) ? strerrordesc_np(e.err) : "unknown error");
+  if (e.err && !e.code.empty() && name) o.Set("causeCode", name);
+  if (!e.syscall.empty()) o.Set("syscall", e.syscall);
+  if (!e.path.empty()) o.Set("path", e.path);
+  if (!e.dest.empty()) o.Set("dest", e.dest);
+  if (!e.detail.empty()) o.Set("detail", e.detail);
+  return o;
+}
+
+// One operation on the libuv pool: Execute runs `exec` on a pool thread, OnOK resolves or rejects the promise on
+// the JS thread. Lifecycle: created and queued on the JS thread -> Execute (pool) -> OnOK (JS) -> deleted by
+// node-addon-api.
+template <typename R>
+class Work : public Napi::AsyncWorker {
+ public:
+  using Exec = std::function<R()>;
+  using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
+
+  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs) {
+    auto* work = new Work(env, std::move(exec), std::move(toJs));
+    Napi::Promise promise = work->deferred_.Promise();
+    work->Queue();
+    return promise;
+  }
+
+ private:
+  Work(Napi::Env env, Exec exec, ToJs toJs)
+      : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
+        toJs_(std::move(toJs)) {}
+
+  // No V8 here: runs on a libuv pool thread.
+  void Execute() override {
+    try {
+      result_ = exec_();
+    } catch (const Error& e) {
+      error_ = std::make_unique<Error>(e);
+    } catch (const std::bad_alloc&) {
+      error_ = std::make_unique<Error>();
+      error_->err = ENOMEM;
+      error_->syscall = "malloc";
+    }
+  }
+
+  void OnOK() override {
+    Napi::Env env = Env();
+    Napi::HandleScope scope(env);
+    if (error_) {
+      deferred_.Reject(errorObject(env, *error_));
+      return;
+    }
+    deferred_.Resolve(toJs_(env, result_));
+  }
+
+  Napi::Promise::Deferred deferred_;
+  Exec exec_;
+  ToJs toJs_;
+  R result_{};
+  std::unique_ptr<Error> error_;
+};
+
+struct Unit {};
+Napi::Value undefinedOf(Napi::Env env, Unit&) { return env.Undefined(); }
+
+// ---- argument conversion (types were checked by lib/; a mismatch here is a TypeError, never a crash) ----
+
+std::string stringArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsString()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a string");
+  return info[i].As<Napi::String>().Utf8Value();
+}
+
+int64_t intArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsNumber()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a number");
+  return info[i].As<Napi::Number>().Int64Value();
+}
+
+bool boolArg(const Napi::CallbackInfo& info, size_t i) { return info[i].ToBoolean().Value(); }
+
+vmspace::CloneOptions cloneOptionsArg(const Napi::CallbackInfo& info, size_t i) {
+  vmspace::CloneOptions o;
+  int64_t reflink = intArg(info, i);
+  o.reflink = reflink == 0 ? vmspace::Reflink::Always : reflink == 2 ? vmspace::Reflink::Never : vmspace::Reflink::Auto;
+  o.overwrite = boolArg(info, i + 1);
+  o.durable = boolArg(info, i + 2);
+  return o;
+}
+
+struct PoolRef {
+  std::shared_ptr<vmspace::Pool> pool;
+};
+
+std::shared_ptr<vmspace::Pool> poolArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsExternal()) throw Napi::TypeError::New(info.Env(), "vmspace binding: not a pool handle");
+  return info[i].As<Napi::External<PoolRef>>().Data()->pool;
+}
+
+const char* methodName(vmspace::CloneMethod m) { return m == vmspace::CloneMethod::Reflink ? "reflink" : "copy"; }
+
+Napi::Object cloneResultObject(Napi::Env env, const vmspace::CloneFileResult& r) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("method", methodName(r.method));
+  o.Set("bytes", static_cast<double>(r.bytes));
+  return o;
+}
+
+// ---- entries ----
+
+Napi::Value OpenPool(const Napi::CallbackInfo& info) {
+  std::string root = stringArg(info, 0);
+  bool create = boolArg(info, 1);
+  return Work<std::shared_ptr<vmspace::Pool>>::Start(
+      info.Env(),
+      [root, create] {
+        auto pool = vmspace::Pool::open(root, create);
+        vmspace::bootId();  // read once, here on the pool thread
+        return pool;
+      },
+      [](Napi::Env env, std::shared_ptr<vmspace::Pool>& pool) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("handle", Napi::External<PoolRef>::New(env, new PoolRef{pool},
+                                                     [](Napi::Env, PoolRef* ref) { delete ref; }));
+        o.Set("bootId", vmspace::bootId());
+        return o;
+      });
+}
+
+Napi::Value ClosePool(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return Work<Unit>::Start(
+      info.Env(),
+      [pool] {
+        pool->close();
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+Napi::Value Allocate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  vmspace::AllocateRequest req;
+  req.prefix = stringArg(info, 1);
+  req.mode = static_cast<mode_t>(intArg(info, 2));
+  if (!info[3].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
+  Napi::Array entries = info[3].As<Napi::Array>();
+  for (uint32_t i = 0; i < entries.Length(); i++) {
+    Napi::Value pair = entries.Get(i);
+    if (!pair.IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
+    Napi::Array p = pair.As<Napi::Array>();
+    Napi::Value dest = p.Get(0u), source = p.Get(1u);
+    if (!dest.IsString() || !source.IsString())
+      throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
+    req.entries.push_back({dest.As<Napi::String>().Utf8Value(), source.As<Napi::String>().Utf8Value()});
+  }
+  req.infoJson = stringArg(info, 4);
+  req.clone = cloneOptionsArg(info, 5);  // reflink, (overwrite, ignored), durable
+  return Work<vmspace::AllocateResult>::Start(
+      info.Env(), [pool, req] { return pool->allocate(req); },
+      [](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("id", r.id);
+        o.Set("name", r.name);
+        o.Set("leaseFd", r.leaseFd);
+        o.Set("retries", r.retries);
+        Napi::Array clones = Napi::Array::New(env, r.clones.size());
+        for (size_t i = 0; i < r.clones.size(); i++) {
+          Napi::Object c = cloneResultObject(env, r.clones[i].result);
+          c.Set("dest", r.clones[i].dest);
+          clones.Set(static_cast<uint32_t>(i), c);
+        }
+        o.Set("clones", clones);
+        return o;
+      });
+}
+
+Napi::Value Dispose(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  int leaseFd = static_cast<int>(intArg(info, 2));
+  return Work<Unit>::Start(
+      info.Env(),
+      [pool, name, leaseFd] {
+        pool->dispose(name, leaseFd);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+Napi::Value List(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return Work<std::vector<vmspace::ListEntry>>::Start(
+      info.Env(), [pool] { return pool->list(); },
+      [](Napi::Env env, std::vector<vmspace::ListEntry>& entries) -> Napi::Value {
+        Napi::Array out = Napi::Array::New(env, entries.size());
+        for (size_t i = 0; i < entries.size(); i++) {
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("name", entries[i].name);
+          o.Set("live", entries[i].live);
+          if (entries[i].metaErrno == 0) {
+            o.Set("metaText", entries[i].metaText);
+          } else {
+            vmspace::Error e;
+            e.err = entries[i].metaErrno;
+            e.syscall = "open";
+            o.Set("metaError", errorObject(env, e));
+          }
+          out.Set(static_cast<uint32_t>(i), o);
+        }
+        return out;
+      });
+}
+
+Napi::Value CloneFile(const Napi::CallbackInfo& info) {
+  std::string src = stringArg(info, 0), dst = stringArg(info, 1);
+  vmspace::CloneOptions opts = cloneOptionsArg(info, 2);
+  return Work<vmspace::CloneFileResult>::Start(
+      info.Env(), [src, dst, opts] { return vmspace::cloneFile(src, dst, opts); },
+      [](Napi::Env env, vmspace::CloneFileResult& r) -> Napi::Value { return cloneResultObject(env, r); });
+}
+
+Napi::Value CloneBeneath(const Napi::CallbackInfo& info) {
+  int baseFd = static_cast<int>(intArg(info, 0));
+  std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
+  vmspace::CloneOptions opts = cloneOptionsArg(info, 4);
+  return Work<vmspace::CloneFileResult>::Start(
+      info.Env(),
+      [baseFd, basePath, src, rel, opts] { return vmspace::cloneFileBeneath(src, baseFd, basePath, rel, opts); },
+      [](Napi::Env env, vmspace::CloneFileResult& r) -> Napi::Value { return cloneResultObject(env, r); });
+}
+
+Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0);
+  return Work<Unit>::Start(
+      info.Env(),
+      [path] {
+        vmspace::removeTreeNoFollow(path);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+Napi::Value RenameNoReplace(const Napi::CallbackInfo& info) {
+  std::string from = stringArg(info, 0), to = stringArg(info, 1);
+  return Work<Unit>::Start(
+      info.Env(),
+      [from, to] {
+        vmspace::renameNoReplace(from, to);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+Napi::Value Exchange(const Napi::CallbackInfo& info) {
+  std::string a = stringArg(info, 0), b = stringArg(info, 1);
+  return Work<Unit>::Start(
+      info.Env(),
+      [a, b] {
+        vmspace::exchange(a, b);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+// Test seam (see core/names.h): the next workspace ids drawn, process-wide.
+Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
+  std::vector<std::string> ids;
+  if (info[0].IsArray()) {
+    Napi::Array a = info[0].As<Napi::Array>();
+    for (uint32_t i = 0; i < a.Length(); i++) {
+      Napi::Value v = a.Get(i);
+      if (v.IsString()) ids.push_back(v.As<Napi::String>().Utf8Value());
+    }
+  }
+  vmspace::setTestIds(std::move(ids));
+  return info.Env().Undefined();
+}
+
+// Context-aware (NAPI_MODULE_INIT via NODE_API_MODULE): no process-wide JS state; loads in every worker thread.
+Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  exports.Set("openPool", Napi::Function::New(env, OpenPool, "openPool"));
+  exports.Set("closePool", Napi::Function::New(env, ClosePool, "closePool"));
+  exports.Set("allocate", Napi::Function::New(env, Allocate, "allocate"));
+  exports.Set("dispose", Napi::Function::New(env, Dispose, "dispose"));
+  exports.Set("list", Napi::Function::New(env, List, "list"));
+  exports.Set("cloneFile", Napi::Function::New(env, CloneFile, "cloneFile"));
+  exports.Set("cloneBeneath", Napi::Function::New(env, CloneBeneath, "cloneBeneath"));
+  exports.Set("removeTree", Napi::Function::New(env, RemoveTree, "removeTree"));
+  exports.Set("renameNoReplace", Napi::Function::New(env, RenameNoReplace, "renameNoReplace"));
+  exports.Set("exchange", Napi::Function::New(env, Exchange, "exchange"));
+  exports.Set("setTestIds", Napi::Function::New(env, SetTestIds, "setTestIds"));
+  return exports;
+}
+
+}  // namespace
+
+NODE_API_MODULE(vmspace, Init)

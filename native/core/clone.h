@@ -1,0 +1,63 @@
+// The clone engine for regular files: reflink (ioctl(FICLONE)) into a temp name, a copy that keeps holes where
+// reflink is refused, publish with renameat2(RENAME_NOREPLACE).
+#pragma once
+
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <string>
+
+namespace vmspace {
+
+enum class Reflink { Always, Auto, Never };
+enum class CloneMethod { Reflink, Copy };
+
+struct CloneOptions {
+  Reflink reflink = Reflink::Auto;
+  bool overwrite = false;  // replace an existing destination (atomically, by rename) instead of EEXIST
+  bool durable = false;    // fsync the file before publish and the directory after
+};
+
+struct CloneFileResult {
+  CloneMethod method;
+  uint64_t bytes;  // logical size of the file
+};
+
+// Identity of a clone source, recorded in workspace metadata.
+struct SourceIdentity {
+  uint64_t dev, ino, size;
+  int64_t mtimeSec;
+  int64_t mtimeNsec;
+};
+
+// Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
+// cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete; on every failure the temp
+// file is removed. `dstPath` names the destination in errors. Fills `identity` when given.
+// Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
+// ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
+CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
+                            const std::string& dstPath, const CloneOptions& options,
+                            SourceIdentity* identity = nullptr);
+
+// Opens the parent of the relative path `rel` beneath `baseFd` and returns its fd (O_CLOEXEC; the caller closes
+// it); `leaf` receives the last component. With `createParents`, missing directories are made (mode 0777 & ~umask);
+// without, a missing one is ENOENT. Every component is opened with O_NOFOLLOW, so a
+// symlink anywhere on the way gives ENOTDIR/ELOOP instead of redirecting outside `baseFd`. `rel` must be
+// normalised (no empty, "." or ".." components; checked by the caller).
+int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
+                      bool createParents);
+
+}  // namespace vmspace
+
+namespace vmspace {
+
+// cloneFileAt for an absolute destination path; its parent directory must exist (ENOENT otherwise).
+CloneFileResult cloneFile(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options);
+
+// cloneFileAt for `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace's lease
+// fd): no symlink on the way is followed, and the last component is replaced only by rename, so nothing planted
+// in the workspace can redirect the write outside it. Parent directories must exist.
+CloneFileResult cloneFileBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
+                                 const std::string& rel, const CloneOptions& options);
+
+}  // namespace vmspace

@@ -1,0 +1,46 @@
+// Errors of the core: an errno with the syscall and paths it concerns, or one of vmspace's own conditions
+// (a stable ERR_... code, with the errno that caused it where there is one). No N-API types here.
+#pragma once
+
+#include <cerrno>
+#include <exception>
+#include <string>
+#include <utility>
+
+namespace vmspace {
+
+struct Error : std::exception {
+  int err = 0;           // positive errno; 0 for a condition without one
+  std::string code;      // empty: the errno's name (EEXIST, ...); else a vmspace code (ERR_...)
+  std::string syscall;   // the syscall that failed, as Node names it (mkdirat, renameat2, ioctl(FICLONE), ...)
+  std::string path;
+  std::string dest;
+  std::string detail;    // extra words for the message (vmspace conditions)
+
+  const char* what() const noexcept override { return detail.empty() ? "vmspace error" : detail.c_str(); }
+};
+
+// Throws the errno of a failed syscall with the paths it concerns.
+[[noreturn]] inline void throwErrno(int err, const char* syscall, std::string path = {}, std::string dest = {}) {
+  Error e;
+  e.err = err;
+  e.syscall = syscall;
+  e.path = std::move(path);
+  e.dest = std::move(dest);
+  throw e;
+}
+
+// Throws one of vmspace's own conditions; `cause` is the errno behind it, or 0.
+[[noreturn]] inline void throwCode(const char* code, std::string detail, int cause = 0, const char* syscall = "",
+                                   std::string path = {}, std::string dest = {}) {
+  Error e;
+  e.err = cause;
+  e.code = code;
+  e.syscall = syscall;
+  e.detail = std::move(detail);
+  e.path = std::move(path);
+  e.dest = std::move(dest);
+  throw e;
+}
+
+}  // namespace vmspace

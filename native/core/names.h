@@ -1,0 +1,21 @@
+// Workspace ids: 128 bits from getrandom(2), as 32 lowercase hex characters.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace vmspace {
+
+constexpr int kIdHexChars = 32;
+
+// A fresh id. Draws from the test seam first while it holds ids (see setTestIds).
+std::string randomId();
+
+// A random hex string of `bytes` random bytes, for temp names (no test seam).
+std::string randomHex(size_t bytes);
+
+// Test seam: the next randomId() calls return these ids in order, then random ones again. Lets tests make a
+// drawn name collide with an existing entry, which 128 random bits never do by chance. Process-wide.
+void setTestIds(std::vector<std::string> ids);
+
+}  // namespace vmspace

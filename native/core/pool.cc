@@ -1,0 +1,364 @@
+#include "pool.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "error.h"
+#include "names.h"
+#include "remove.h"
+
+namespace vmspace {
+namespace {
+
+constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+constexpr size_t kMaxMetaBytes = 16 << 20;
+
+UniqueFd openDirAt(int at, const char* name, const std::string& shown) {
+  UniqueFd fd(openat(at, name, kDirFlags));
+  if (!fd) throwErrno(errno, "open", shown);
+  return fd;
+}
+
+void mkdirExisting(int at, const char* name, mode_t mode, const std::string& shown) {
+  if (mkdirat(at, name, mode) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", shown);
+}
+
+// mkdir -p for an absolute path: each component is made if missing.
+void makeDirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); i++) {
+    if (i < path.size() && path[i] != '/') continue;
+    std::string prefix = path.substr(0, i);
+    if (mkdir(prefix.c_str(), 0777) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", prefix);
+  }
+}
+
+// Reads a whole small file below `at`; returns the errno (0 on success).
+int readSmallFile(int at, const std::string& name, std::string* out) {
+  UniqueFd fd(openat(at, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY));
+  if (!fd) return errno;
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return errno;
+  if (S_ISDIR(st.st_mode)) return EISDIR;
+  if (!S_ISREG(st.st_mode)) return EINVAL;
+  if (static_cast<size_t>(st.st_size) > kMaxMetaBytes) return EFBIG;
+  // st_size is a hint only: files under /proc report 0.
+  out->resize(static_cast<size_t>(st.st_size) + 1);
+  size_t got = 0;
+  for (;;) {
+    if (got == out->size()) {
+      if (got > kMaxMetaBytes) return EFBIG;
+      out->resize(got * 2 + 64);
+    }
+    ssize_t n = read(fd.get(), &(*out)[got], out->size() - got);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  out->resize(got);
+  return 0;
+}
+
+void writeAllFd(int fd, const std::string& data, const std::string& shown) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throwErrno(errno, "write", shown);
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+// Writes `data` to a fresh temp file in `dirFd` and links it under `name` with renameat2(RENAME_NOREPLACE).
+// Returns false, leaving nothing behind, when `name` exists.
+bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& data, bool durable,
+                        const std::string& shown) {
+  std::string tmp = "." + name + ".tmp-" + randomHex(6);
+  UniqueFd fd(openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
+  if (!fd) throwErrno(errno, "open", shown);
+  try {
+    writeAllFd(fd.get(), data, shown);
+    if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
+    fd.reset();
+    if (renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0) {
+      if (errno != EEXIST) throwErrno(errno, "renameat2", shown);
+      unlinkat(dirFd, tmp.c_str(), 0);
+      return false;
+    }
+    return true;
+  } catch (...) {
+    unlinkat(dirFd, tmp.c_str(), 0);
+    throw;
+  }
+}
+
+void appendJsonString(std::string* out, const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  out->push_back('"');
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(static_cast<char>(c));
+    } else if (c < 0x20) {
+      out->append("\\u00");
+      out->push_back(kHex[c >> 4]);
+      out->push_back(kHex[c & 15]);
+    } else {
+      out->push_back(static_cast<char>(c));
+    }
+  }
+  out->push_back('"');
+}
+
+bool isHexId(const char* s) {
+  for (int i = 0; i < kIdHexChars; i++) {
+    char c = s[i];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return s[kIdHexChars] == 0;
+}
+
+// <prefix>-<32 lowercase hex>, prefix non-empty.
+bool isWorkspaceName(const char* name) {
+  size_t len = strlen(name);
+  if (len < kIdHexChars + 2 || name[0] == '.') return false;
+  return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
+}
+
+}  // namespace
+
+const std::string& bootId() {
+  static const std::string id = [] {
+    std::string text;
+    if (readSmallFile(AT_FDCWD, "/proc/sys/kernel/random/boot_id", &text) != 0) return std::string();
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    return text;
+  }();
+  return id;
+}
+
+std::shared_ptr<Pool> Pool::open(const std::string& root, bool create) {
+  std::shared_ptr<Pool> pool(new Pool());
+  pool->root_ = root;
+  std::string state = root + "/.vmspace";
+  if (create) makeDirs(root);
+  pool->rootFd_ = UniqueFd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!pool->rootFd_) throwErrno(errno, "open", root);
+  if (create) mkdirExisting(pool->rootFd_.get(), ".vmspace", 0755, state);
+  pool->stateFd_ = openDirAt(pool->rootFd_.get(), ".vmspace", state);
+
+  // Renames between the root and .vmspace/ must stay on one file system (rename(2) cannot cross them).
+  struct stat rootSt, stateSt;
+  if (fstat(pool->rootFd_.get(), &rootSt) != 0) throwErrno(errno, "fstat", root);
+  if (fstat(pool->stateFd_.get(), &stateSt) != 0) throwErrno(errno, "fstat", state);
+  if (rootSt.st_dev != stateSt.st_dev) throwErrno(EXDEV, "open", state, root);
+
+  // The format is checked before anything is made inside .vmspace/, so an unknown pool is never modified.
+  std::string versionPath = state + "/version", version;
+  int err = readSmallFile(pool->stateFd_.get(), "version", &version);
+  if (err == ENOENT && create) {
+    writeFileNoReplace(pool->stateFd_.get(), "version", std::string(kFormatVersion) + "\n", false, versionPath);
+    err = readSmallFile(pool->stateFd_.get(), "version", &version);
+  }
+  if (err) throwErrno(err, "open", versionPath);
+  while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
+  if (version != kFormatVersion)
+    throwCode("ERR_POOL_FORMAT",
+              "pool format '" + version.substr(0, 32) + "' is not the one this vmspace reads (" + kFormatVersion +
+                  ")",
+              0, "open", versionPath);
+
+  struct Sub {
+    const char* name;
+    UniqueFd* fd;
+  } subs[] = {{"staging", &pool->stagingFd_}, {"trash", &pool->trashFd_}, {"meta", &pool->metaFd_}};
+  for (auto& sub : subs) {
+    std::string shown = state + "/" + sub.name;
+    if (create) mkdirExisting(pool->stateFd_.get(), sub.name, 0700, shown);
+    *sub.fd = openDirAt(pool->stateFd_.get(), sub.name, shown);
+  }
+  return pool;
+}
+
+bool Pool::publishMeta(const std::string& name, const std::string& json, bool durable) {
+  return writeFileNoReplace(metaFd_.get(), name + ".json", json, durable, metaPath(name));
+}
+
+AllocateResult Pool::allocate(const AllocateRequest& req) {
+  AllocateResult res;
+  int tries = 0;
+  auto draw = [&] {
+    if (tries == kMaxNameTries)
+      throwCode("ERR_NAME_EXHAUSTED",
+                "every one of " + std::to_string(kMaxNameTries) + " names drawn for a workspace existed already", EEXIST,
+                "mkdir", root_);
+    tries++;
+    res.id = randomId();
+    res.name = req.prefix + "-" + res.id;
+  };
+
+  // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted.
+  for (;;) {
+    draw();
+    if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) == 0) break;
+    if (errno != EEXIST) throwErrno(errno, "mkdir", root_ + "/.vmspace/staging/" + res.name);
+    res.retries++;
+  }
+  const std::string stagingName = res.name;
+  const std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
+  UniqueFd lease;
+  std::string metaPublished;
+  bool published = false;
+  try {
+    lease = openDirAt(stagingFd_.get(), stagingName.c_str(), stagingPath);
+    // The lease is taken before anything is inside: a sweep sees a leased staging entry as being built.
+    if (flock(lease.get(), LOCK_EX | LOCK_NB) != 0) throwErrno(errno, "flock", stagingPath);
+
+    std::vector<SourceIdentity> identities(req.entries.size());
+    for (size_t i = 0; i < req.entries.size(); i++) {
+      const TemplateEntry& entry = req.entries[i];
+      std::string leaf;
+      UniqueFd parent(openParentBeneath(lease.get(), entry.dest, &leaf, stagingPath, true));
+      CloneOptions opts = req.clone;
+      opts.overwrite = false;
+      res.clones.push_back({entry.dest, cloneFileAt(entry.source, parent.get(), leaf, path(res.name) + "/" + entry.dest,
+                                                    opts, &identities[i])});
+    }
+
+    // infoJson is an object from the caller; the name and the template sources are added to it here, where the
+    // sources' identity (device, inode, size, mtime at clone time) is known.
+    auto metaJson = [&] {
+      std::string json = req.infoJson.empty() ? std::string("{") : req.infoJson.substr(0, req.infoJson.rfind('}'));
+      if (json.size() > 1) json += ",";
+      json += "\"name\":";
+      appendJsonString(&json, res.name);
+      json += ",\"template\":[";
+      for (size_t i = 0; i < res.clones.size(); i++) {
+        const SourceIdentity& id = identities[i];
+        if (i) json += ",";
+        json += "{\"dest\":";
+        appendJsonString(&json, res.clones[i].dest);
+        json += ",\"source\":";
+        appendJsonString(&json, req.entries[i].source);
+        json += ",\"dev\":\"" + std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) +
+                "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
+                std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
+                (res.clones[i].result.method == CloneMethod::Reflink ? "reflink" : "copy") + "\"}";
+      }
+      json += "]}\n";
+      return json;
+    };
+
+    // Publish: the metadata name and then the workspace name are each claimed with RENAME_NOREPLACE; an
+    // existing entry under either is a collision, answered with a fresh name, never by adopting it.
+    for (;;) {
+      if (publishMeta(res.name, metaJson(), req.clone.durable)) {
+        metaPublished = res.name;
+        if (renameat2(stagingFd_.get(), stagingName.c_str(), rootFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0) {
+          published = true;
+          break;
+        }
+        if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath, path(res.name));
+        unlinkat(metaFd_.get(), (res.name + ".json").c_str(), 0);  // ours: we just made it
+        metaPublished.clear();
+      }
+      res.retries++;
+      draw();
+    }
+    if (req.clone.durable) {
+      if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
+      if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
+    }
+  } catch (...) {
+    if (!metaPublished.empty()) unlinkat(metaFd_.get(), (metaPublished + ".json").c_str(), 0);
+    try {
+      if (published)  // only when the final fsync failed
+        removeTreeNoFollow(rootFd_.get(), res.name, path(res.name));
+      else
+        removeTreeNoFollow(stagingFd_.get(), stagingName, stagingPath);
+    } catch (const Error&) {
+      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report.
+    }
+    throw;
+  }
+  res.leaseFd = lease.release();
+  return res;
+}
+
+void Pool::dispose(const std::string& name, int leaseFd) {
+  UniqueFd lease(leaseFd);
+  std::string trashPath = root_ + "/.vmspace/trash/" + name;
+  struct stat own;
+  if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
+  // The name disappears from the root atomically; from here on nobody can open or adopt the workspace by name.
+  if (renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE) != 0 && errno != ENOENT)
+    throwErrno(errno, "renameat2", path(name), trashPath);
+  struct stat moved;
+  if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno != ENOENT) throwErrno(errno, "stat", trashPath);
+  } else if (moved.st_dev != own.st_dev || moved.st_ino != own.st_ino) {
+    // Whatever was at our name is not the directory we hold: put it back untouched.
+    renameat2(trashFd_.get(), name.c_str(), rootFd_.get(), name.c_str(), RENAME_NOREPLACE);
+    throwErrno(ESTALE, "dispose", path(name));
+  } else {
+    removeTreeNoFollow(trashFd_.get(), name, trashPath);
+  }
+  if (unlinkat(metaFd_.get(), (name + ".json").c_str(), 0) != 0 && errno != ENOENT)
+    throwErrno(errno, "unlink", metaPath(name));
+}
+
+std::vector<ListEntry> Pool::list() {
+  std::vector<ListEntry> out;
+  // A new open file description: readdir offsets are per description, and list() may run concurrently.
+  int fd = openat(rootFd_.get(), ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", root_);
+  DIR* dir = fdopendir(fd);
+  if (!dir) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "opendir", root_);
+  }
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+  for (;;) {
+    errno = 0;
+    struct dirent* de = readdir(dir);
+    if (!de) {
+      if (errno) throwErrno(errno, "readdir", root_);
+      break;
+    }
+    if (de->d_type != DT_DIR && de->d_type != DT_UNKNOWN) continue;
+    if (!isWorkspaceName(de->d_name)) continue;
+    UniqueFd ws(openat(rootFd_.get(), de->d_name, kDirFlags));
+    if (!ws) continue;  // disposed meanwhile, or not a directory
+    ListEntry entry;
+    entry.name = de->d_name;
+    // A shared probe conflicts with the owner's exclusive lease and with nothing else; released by the close.
+    if (flock(ws.get(), LOCK_SH | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(entry.name));
+      entry.live = true;
+    }
+    entry.metaErrno = readSmallFile(metaFd_.get(), entry.name + ".json", &entry.metaText);
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
+void Pool::close() {
+  metaFd_.reset();
+  trashFd_.reset();
+  stagingFd_.reset();
+  stateFd_.reset();
+  rootFd_.reset();
+}
+
+}  // namespace vmspace

@@ -1,0 +1,179 @@
+#include "remove.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "error.h"
+#include "fd.h"
+#include "statx.h"
+
+namespace vmspace {
+namespace {
+
+struct Frame {
+  DIR* dir;
+  std::string path;  // display path of this directory
+  std::string name;  // its name in the frame below (empty for the root of the walk)
+};
+
+class Remover {
+ public:
+  Remover(uint64_t mount) : mount_(mount), root_(geteuid() == 0) {}
+
+  // Empties the directory `fd` (taken over) at `path`, then, frame by frame, removes each emptied directory.
+  void emptyDirectory(int fd, const std::string& path) {
+    DIR* d = fdopendir(fd);
+    if (!d) {
+      int err = errno;
+      ::close(fd);
+      record(err, "fdopendir", path);
+      return;
+    }
+    stack_.push_back(Frame{d, path, {}});
+    while (!stack_.empty()) step();
+  }
+
+  void rethrowFirst() {
+    if (first_) throw *first_;
+  }
+
+ private:
+  void record(int err, const char* syscall, const std::string& path) {
+    if (first_) return;
+    first_.emplace();
+    first_->err = err;
+    first_->syscall = syscall;
+    first_->path = path;
+  }
+
+  void step() {
+    Frame& top = stack_.back();
+    errno = 0;
+    struct dirent* de = readdir(top.dir);
+    if (!de) {
+      if (errno) record(errno, "readdir", top.path);
+      Frame done = std::move(top);
+      stack_.pop_back();
+      closedir(done.dir);
+      if (!stack_.empty()) {
+        Frame& parent = stack_.back();
+        if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT)
+          record(errno, "rmdir", done.path);
+      }
+      return;
+    }
+    const char* name = de->d_name;
+    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) return;
+    int dfd = dirfd(top.dir);
+    // d_type saves a stat per entry; DT_UNKNOWN (some file systems) is resolved by trying to open as a directory.
+    if (de->d_type == DT_DIR || de->d_type == DT_UNKNOWN) {
+      if (descend(top, dfd, name)) return;
+    }
+    unlinkEntry(top, dfd, name);
+  }
+
+  // Opens `name` as a directory and pushes it; false when it is not a directory (then it is unlinked instead).
+  bool descend(Frame& top, int dfd, const char* name) {
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0 && errno == EACCES && !root_) {
+      // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
+      if (fchmodat(dfd, name, S_IRWXU, AT_SYMLINK_NOFOLLOW) == 0)
+        fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    }
+    if (fd < 0) {
+      if (errno == ENOTDIR || errno == ELOOP) return false;  // a file or symlink (or became one): unlink it
+      if (errno != ENOENT) record(errno, "openat", top.path + "/" + name);
+      return true;
+    }
+    std::string path = top.path + "/" + name;
+    struct statx stx;
+    if (statxFd(fd, STATX_MODE | STATX_MNT_ID, &stx) != 0) {
+      record(errno, "statx", path);
+      ::close(fd);
+      return true;
+    }
+    if (mountOf(stx) != mount_) {
+      // Another file system (or a bind mount of this one) is mounted here: never enter it.
+      record(EBUSY, "rmdir", path);
+      ::close(fd);
+      return true;
+    }
+    if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR)) fchmod(fd, stx.stx_mode | S_IRWXU);
+    DIR* d = fdopendir(fd);
+    if (!d) {
+      record(errno, "fdopendir", path);
+      ::close(fd);
+      return true;
+    }
+    stack_.push_back(Frame{d, std::move(path), name});
+    return true;
+  }
+
+  void unlinkEntry(Frame& top, int dfd, const char* name) {
+    if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return;
+    if ((errno == EACCES || errno == EPERM) && !root_ && fchmod(dfd, S_IRWXU) == 0 && unlinkat(dfd, name, 0) == 0)
+      return;
+    if (errno == EISDIR) {
+      // Became a directory since readdir: take it on the next pass of this directory.
+      if (descend(top, dfd, name)) return;
+    }
+    record(errno, "unlinkat", top.path + "/" + name);
+  }
+
+  uint64_t mount_;
+  bool root_;
+  std::vector<Frame> stack_;
+  std::optional<Error> first_;
+};
+
+}  // namespace
+
+void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath) {
+  struct statx parent;
+  if (statxFd(parentFd, STATX_MNT_ID, &parent) != 0) throwErrno(errno, "statx", displayPath);
+  int fd = openat(parentFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    if (errno == ENOTDIR || errno == ELOOP) {
+      // Not a directory: a file, or a symlink that is removed itself, never its target.
+      if (unlinkat(parentFd, name.c_str(), 0) != 0) throwErrno(errno, "unlinkat", displayPath);
+      return;
+    }
+    throwErrno(errno, "openat", displayPath);
+  }
+  struct statx self;
+  if (statxFd(fd, STATX_MNT_ID, &self) != 0) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "statx", displayPath);
+  }
+  if (mountOf(self) != mountOf(parent)) {
+    ::close(fd);
+    throwErrno(EBUSY, "rmdir", displayPath);
+  }
+  Remover remover(mountOf(self));
+  remover.emptyDirectory(fd, displayPath);
+  remover.rethrowFirst();
+  if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);
+}
+
+}  // namespace vmspace
+
+#include "rename.h"
+
+namespace vmspace {
+
+void removeTreeNoFollow(const std::string& path) {
+  std::string parent, leaf;
+  splitPath(path, &parent, &leaf);
+  UniqueFd dir(open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!dir) throwErrno(errno, "open", path);
+  removeTreeNoFollow(dir.get(), leaf, path);
+}
+
+}  // namespace vmspace
