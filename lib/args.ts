@@ -1,0 +1,96 @@
+/**
+ * Argument checks, one helper per kind, each throwing before any system call with a message of one shape:
+ * "Expected <what> for `<name>` but received <value>" (the convention of sharp's lib/is.js), and Node's codes.
+ */
+import * as path from 'node:path'
+
+type Coded<E extends Error> = E & { code: string }
+
+function describe(value: unknown): string {
+  if (value === null) return 'null'
+  if (typeof value === 'string') return `${JSON.stringify(value.length > 60 ? value.slice(0, 60) + '…' : value)} of type string`
+  if (typeof value === 'object') return `an instance of ${value.constructor?.name ?? 'Object'}`
+  if (typeof value === 'function') return 'a function'
+  return `${String(value)} of type ${typeof value}`
+}
+
+function coded<E extends Error>(err: E, code: string): Coded<E> {
+  Object.defineProperty(err, 'code', { value: code, enumerable: true, writable: true, configurable: true })
+  return err as Coded<E>
+}
+
+/** TypeError ERR_INVALID_ARG_TYPE: the value is not of the expected type. */
+export function invalidType(name: string, expected: string, value: unknown) {
+  return coded(new TypeError(`Expected ${expected} for \`${name}\` but received ${describe(value)}`), 'ERR_INVALID_ARG_TYPE')
+}
+
+/** TypeError (RangeError for numbers and sizes) ERR_INVALID_ARG_VALUE: right type, value not accepted. */
+export function invalidValue(name: string, expected: string, value: unknown, range = false) {
+  const message = `Expected ${expected} for \`${name}\` but received ${describe(value)}`
+  return coded(range ? new RangeError(message) : new TypeError(message), 'ERR_INVALID_ARG_VALUE')
+}
+
+/** A path string without NUL bytes (which the kernel would cut the path at), resolved against the cwd. */
+export function absolutePath(name: string, value: unknown): string {
+  if (typeof value !== 'string') throw invalidType(name, 'a path string', value)
+  if (value.length === 0 || value.includes('\0')) throw invalidValue(name, 'a non-empty path without NUL bytes', value)
+  return path.resolve(value)
+}
+
+/**
+ * A path relative to a workspace, normalised ("a/./b" -> "a/b"); absolute paths, "..", and the workspace itself
+ * are refused, so a destination always names an entry strictly beneath the workspace.
+ */
+export function relativePath(name: string, value: unknown): string {
+  if (typeof value !== 'string') throw invalidType(name, 'a relative path string', value)
+  const normal = path.posix.normalize(value).replace(/\/+$/, '')
+  if (
+    value.length === 0 ||
+    value.includes('\0') ||
+    path.posix.isAbsolute(value) ||
+    normal === '.' ||
+    normal === '..' ||
+    normal.startsWith('../')
+  )
+    throw invalidValue(name, 'a relative path that stays beneath the workspace', value)
+  return normal
+}
+
+export function optionsObject<T extends object>(name: string, value: unknown): Partial<T> {
+  if (value === undefined) return {}
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) throw invalidType(name, 'an object', value)
+  return value as Partial<T>
+}
+
+export function oneOf<T extends string>(name: string, value: unknown, allowed: readonly T[], fallback: T): T {
+  if (value === undefined) return fallback
+  if (typeof value !== 'string') throw invalidType(name, `one of ${allowed.map((a) => `'${a}'`).join(', ')}`, value)
+  if (!allowed.includes(value as T)) throw invalidValue(name, `one of ${allowed.map((a) => `'${a}'`).join(', ')}`, value)
+  return value as T
+}
+
+export function boolean(name: string, value: unknown, fallback: boolean): boolean {
+  if (value === undefined) return fallback
+  if (typeof value !== 'boolean') throw invalidType(name, 'a boolean', value)
+  return value
+}
+
+export function integerIn(name: string, value: unknown, min: number, max: number, fallback: number): number {
+  if (value === undefined) return fallback
+  if (typeof value !== 'number') throw invalidType(name, 'an integer', value)
+  if (!Number.isInteger(value) || value < min || value > max)
+    throw invalidValue(name, `an integer from ${min} to ${max}`, value, true)
+  return value
+}
+
+export function abortSignal(name: string, value: unknown): AbortSignal | undefined {
+  if (value === undefined) return undefined
+  if (!(value instanceof AbortSignal)) throw invalidType(name, 'an AbortSignal', value)
+  return value
+}
+
+export function func<F extends (...args: never[]) => unknown>(name: string, value: unknown): F | undefined {
+  if (value === undefined) return undefined
+  if (typeof value !== 'function') throw invalidType(name, 'a function', value)
+  return value as F
+}

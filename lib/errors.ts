@@ -1,0 +1,114 @@
+/**
+ * Errors. Every failure of a file-system operation is a {@link VmspaceError} with the shape of Node's own fs
+ * errors (`code`, negative `errno`, `syscall`, `path`, `dest`); vmspace's own conditions carry a stable `ERR_…`
+ * code and the errno behind them as `cause`. Bad arguments are `TypeError`/`RangeError` with Node's codes
+ * `ERR_INVALID_ARG_TYPE`/`ERR_INVALID_ARG_VALUE`, thrown before any system call.
+ */
+
+/** Codes of vmspace's own conditions (system errors use the errno name: `'EEXIST'`, `'ENOSPC'`, …). */
+export type VmspaceErrorCode =
+  | 'ERR_REFLINK_UNSUPPORTED' // reflink: 'always' and the file systems cannot share extents (cause: the errno)
+  | 'ERR_NAME_EXHAUSTED' // 16 workspace names drawn in a row existed already
+  | 'ERR_DISPOSED' // the workspace was disposed (or its dispose failed)
+  | 'ERR_POOL_CLOSED' // the pool was closed
+  | 'ERR_POOL_FORMAT' // .vmspace/version names a format this version does not read
+  | 'ERR_CORRUPT_METADATA' // a workspace's metadata file does not parse (reported per entry by list())
+  | 'ERR_LEASE_HELD'
+  | 'ERR_CORRUPT_INDEX'
+
+/** The fields the native binding rejects with (see native/binding.cc, errorObject). */
+interface NativeError {
+  code: string
+  errno?: number
+  description?: string
+  causeCode?: string
+  syscall?: string
+  path?: string
+  dest?: string
+  detail?: string
+}
+
+export class VmspaceError extends Error {
+  /** errno name (`'ENOENT'`, …) or a vmspace code (`'ERR_…'`). */
+  declare readonly code: string
+  /** Negative errno, as in Node's fs errors; absent for conditions without one. */
+  declare readonly errno?: number
+  declare readonly syscall?: string
+  declare readonly path?: string
+  declare readonly dest?: string
+
+  constructor(
+    message: string,
+    fields: { code: string; errno?: number; syscall?: string; path?: string; dest?: string; cause?: unknown },
+  ) {
+    super(message, fields.cause === undefined ? undefined : { cause: fields.cause })
+    this.name = 'VmspaceError'
+    this.code = fields.code
+    if (fields.errno !== undefined) this.errno = fields.errno
+    if (fields.syscall !== undefined) this.syscall = fields.syscall
+    if (fields.path !== undefined) this.path = fields.path
+    if (fields.dest !== undefined) this.dest = fields.dest
+  }
+}
+
+function isNativeError(e: unknown): e is NativeError {
+  return typeof e === 'object' && e !== null && !(e instanceof Error) && typeof (e as NativeError).code === 'string'
+}
+
+function where(e: { syscall?: string; path?: string; dest?: string }): string {
+  let s = e.syscall ? `, ${e.syscall}` : ''
+  if (e.path !== undefined) s += ` '${e.path}'`
+  if (e.dest !== undefined) s += ` -> '${e.dest}'`
+  return s
+}
+
+/**
+ * Turns what the binding rejected with into a VmspaceError. Called inside the public async function that awaited
+ * the native call, so the error's stack shows the caller's `await` chain rather than the addon's internals.
+ */
+export function fromNative(e: unknown): unknown {
+  if (!isNativeError(e)) return e
+  const { code, errno, syscall, path, dest } = e
+  if (code.startsWith('ERR_')) {
+    const cause =
+      errno !== undefined
+        ? new VmspaceError(`${e.causeCode}: ${e.description?.toLowerCase()}${where(e)}`, {
+            code: e.causeCode ?? 'EUNKNOWN',
+            errno,
+            syscall,
+            path,
+            dest,
+          })
+        : undefined
+    return new VmspaceError(`${code}: ${e.detail ?? code}${where(e)}`, { code, errno, syscall, path, dest, cause })
+  }
+  return new VmspaceError(`${code}: ${(e.description ?? 'unknown error').toLowerCase()}${where(e)}`, {
+    code,
+    errno,
+    syscall,
+    path,
+    dest,
+  })
+}
+
+/** Awaits a native promise and converts its rejection (see fromNative). */
+export async function call<T>(p: Promise<T>): Promise<T> {
+  try {
+    return await p
+  } catch (e) {
+    throw fromNative(e)
+  }
+}
+
+export function vmspaceError(code: VmspaceErrorCode, message: string, fields: { path?: string; cause?: unknown } = {}) {
+  return new VmspaceError(`${code}: ${message}`, { code, ...fields })
+}
+
+/** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */
+export class AbortError extends Error {
+  readonly code = 'ABORT_ERR'
+  constructor(cause?: unknown) {
+    super('The operation was aborted', cause === undefined ? undefined : { cause })
+    this.name = 'AbortError'
+  }
+}

@@ -1,0 +1,40 @@
+/** The primitives on their own, outside any pool: clone, safe removal, renames that never replace. */
+import { native } from './binding.js'
+import { absolutePath, invalidValue } from './args.js'
+import { call } from './errors.js'
+import { cloneOptions, fileResult, type CloneOptions, type CloneResult } from './clone.js'
+
+/**
+ * Clones the regular file `source` to `dest` (see {@link CloneOptions}): the destination appears complete or not
+ * at all (temp file, then renameat2(RENAME_NOREPLACE)); the source is only opened read-only; mode is kept.
+ * Throws `EEXIST` when `dest` exists (unless `overwrite`), `ENOENT` when its directory does not,
+ * `ERR_REFLINK_UNSUPPORTED` under `reflink: 'always'` where extents cannot be shared.
+ */
+export async function clone(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
+  const src = absolutePath('source', source)
+  const dst = absolutePath('dest', dest)
+  const opts = cloneOptions(options)
+  const r = await call(native.cloneFile(src, dst, opts.reflink, opts.overwrite, opts.durable))
+  return fileResult(r, dst, opts)
+}
+
+/**
+ * Removes `path` and everything below it without following a symlink (a symlink is removed, never its target)
+ * and without entering another mount: a mount point below gives `EBUSY` and is left as it is, with the
+ * directories above it. `ENOENT` when `path` does not exist. Refuses the root directory.
+ */
+export async function removeTree(path: string): Promise<void> {
+  const p = absolutePath('path', path)
+  if (p === '/') throw invalidValue('path', 'a path other than the root directory', path)
+  await call(native.removeTree(p))
+}
+
+/** Renames `from` to `to` atomically, failing with `EEXIST` if `to` exists (renameat2(2), RENAME_NOREPLACE). */
+export async function renameNoReplace(from: string, to: string): Promise<void> {
+  await call(native.renameNoReplace(absolutePath('from', from), absolutePath('to', to)))
+}
+
+/** Swaps two existing paths atomically (renameat2(2), RENAME_EXCHANGE); `ENOENT` if either is missing. */
+export async function exchange(a: string, b: string): Promise<void> {
+  await call(native.exchange(absolutePath('a', a), absolutePath('b', b)))
+}

@@ -1,0 +1,9 @@
+/**
+ * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md and DESIGN.md.
+ */
+export { openPool, Pool, Workspace } from './pool.js'
+export type { PoolOptions, AllocateOptions, WorkspaceInfo, PoolStats, TemplateSource, JsonObject, JsonValue } from './pool.js'
+export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
+export type { CloneOptions, CloneResult, Reflink } from './clone.js'
+export { VmspaceError, AbortError } from './errors.js'
+export type { VmspaceErrorCode } from './errors.js'

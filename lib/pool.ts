@@ -1,0 +1,397 @@
+/**
+ * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
+ * sequence (mkdir, open, flock, clones, metadata, publish) runs in one hop on the libuv pool.
+ */
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { native, type PoolHandle } from './binding.js'
+import {
+  abortSignal,
+  absolutePath,
+  boolean,
+  integerIn,
+  invalidType,
+  invalidValue,
+  oneOf,
+  optionsObject,
+  relativePath,
+} from './args.js'
+import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { cloneOptions, fileResult, reflinkCode, reflinkValues, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
+
+export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
+export type JsonObject = { [key: string]: JsonValue }
+
+export interface PoolOptions {
+  /** Make the root and `.vmspace/` when missing. Default true. */
+  create?: boolean
+  /** Workspace names are `${prefix}-${id}`: 1–64 of `[A-Za-z0-9_-]`, starting with a letter or digit. Default `'vm'`. */
+  prefix?: string
+  /** Default reflink mode of template clones (see CloneOptions.reflink). Default `'auto'`. */
+  reflink?: Reflink
+  /** fsync clones, metadata and directories before a workspace is published. Default false. */
+  durable?: boolean
+}
+
+export interface AllocateOptions {
+  /**
+   * What the workspace starts with: a map from workspace-relative paths to source files, each cloned (reflink
+   * where possible) before the workspace appears: `{ 'rootfs.ext4': '/images/base.ext4' }`. Missing parent
+   * directories are made. (Directory templates are not supported yet: `ERR_INVALID_ARG_VALUE`.)
+   */
+  template?: Record<string, string>
+  /** A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list(). */
+  meta?: JsonObject
+  /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
+  mode?: number
+  /** Aborting rolls back: a workspace built meanwhile is disposed and the call rejects with an AbortError. */
+  signal?: AbortSignal
+}
+
+export interface TemplateSource {
+  dest: string
+  source: string
+  /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
+  dev: string
+  ino: string
+  size: number
+  mtimeNs: string
+  method: 'reflink' | 'copy'
+}
+
+export interface WorkspaceInfo {
+  id: string
+  name: string
+  path: string
+  /** True while some process holds the lease (judged by a non-blocking shared flock probe). */
+  live: boolean
+  /** ms since the epoch. */
+  createdAt?: number
+  meta?: JsonObject
+  template?: TemplateSource[]
+  pid?: number
+  hostname?: string
+  bootId?: string
+  /** Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used. */
+  error?: VmspaceError
+}
+
+export interface PoolStats {
+  allocated: number
+  disposed: number
+  /** allocate calls that failed (and rolled back). */
+  failed: number
+  /** Names drawn again because the one drawn existed. */
+  nameRetries: number
+  clones: { reflink: number; copy: number }
+  /** Logical bytes cloned into workspaces by templates and Workspace.clone. */
+  bytesCloned: number
+}
+
+const MAX_META_BYTES = 64 * 1024
+const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
+const NAME = /^(.+)-([0-9a-f]{32})$/
+const constructing = Symbol('vmspace.internal')
+
+/** Calls still running, so that close()/dispose() wait for them before the fds they use are closed. */
+class InFlight {
+  #running = new Set<Promise<unknown>>()
+  track<T>(p: Promise<T>): Promise<T> {
+    this.#running.add(p)
+    const done = () => this.#running.delete(p)
+    p.then(done, done)
+    return p
+  }
+  async idle(): Promise<void> {
+    while (this.#running.size) await Promise.allSettled([...this.#running])
+  }
+}
+
+/**
+ * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default).
+ * Throws the errno of the failing call (`ENOENT` for a missing pool with `create: false`), `ERR_POOL_FORMAT`
+ * when `.vmspace/version` names another format, `EXDEV` when `.vmspace/` is on another file system than the root.
+ */
+export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
+  const dir = absolutePath('root', root)
+  const o = optionsObject<PoolOptions>('options', options)
+  const create = boolean('options.create', o.create, true)
+  const prefix = o.prefix ?? 'vm'
+  if (typeof prefix !== 'string') throw invalidType('options.prefix', 'a string', prefix)
+  if (!PREFIX.test(prefix)) throw invalidValue('options.prefix', '1-64 characters of [A-Za-z0-9_-]', prefix)
+  const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
+  const durable = boolean('options.durable', o.durable, false)
+  const { handle, bootId } = await call(native.openPool(dir, create))
+  return new Pool(constructing, handle, dir, prefix, reflink, durable, bootId)
+}
+
+export class Pool {
+  /** Absolute path of the pool's root directory. */
+  readonly root: string
+  readonly prefix: string
+  readonly #handle: PoolHandle
+  readonly #reflink: Reflink
+  readonly #durable: boolean
+  readonly #bootId: string
+  readonly #inFlight = new InFlight()
+  #closed = false
+  #handleClosed = false
+  #open = 0 // workspaces of this pool not yet disposed
+  readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
+
+  /** @internal Use openPool(). */
+  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string) {
+    if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
+    this.#handle = handle
+    this.root = root
+    this.prefix = prefix
+    this.#reflink = reflink
+    this.#durable = durable
+    this.#bootId = bootId
+  }
+
+  /**
+   * Makes a new workspace: a fresh 128-bit name claimed by exclusive mkdir in `.vmspace/staging/`, its lease
+   * taken, the template cloned, metadata written, then published under `<root>/<prefix>-<id>` with
+   * renameat2(RENAME_NOREPLACE). Nothing is visible until all of it is done; any failure removes all of it.
+   * Throws the errno of the failing call (e.g. `ENOENT` for a missing template source, `ENOSPC`),
+   * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, or an AbortError.
+   */
+  async allocate(options?: AllocateOptions): Promise<Workspace> {
+    const o = optionsObject<AllocateOptions>('options', options)
+    const entries = templateEntries(o.template)
+    const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
+    const signal = abortSignal('options.signal', o.signal)
+    const info = JSON.stringify({
+      format: 1,
+      createdAt: Date.now(),
+      pid: process.pid,
+      hostname: os.hostname(),
+      bootId: this.#bootId,
+      meta: metaObject(o.meta),
+    })
+    this.#assertOpen()
+    if (signal?.aborted) throw new AbortError(signal.reason)
+    let r
+    try {
+      r = await this.#inFlight.track(
+        native.allocate(this.#handle, this.prefix, mode, entries, info, reflinkCode(this.#reflink), false, this.#durable),
+      )
+    } catch (e) {
+      this.#stats.failed++
+      throw fromNative(e)
+    }
+    this.#stats.allocated++
+    this.#stats.nameRetries += r.retries
+    this.#open++
+    const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
+    const clones = r.clones.map((c) => {
+      this.#countClone(c.method, c.bytes)
+      return fileResult(c, path.join(ws.path, c.dest), { reflink: 0, overwrite: false, durable: false })
+    })
+    ws.template = clones
+    if (signal?.aborted) {
+      await ws.dispose()
+      throw new AbortError(signal.reason)
+    }
+    return ws
+  }
+
+  /**
+   * The published workspaces of this pool's root (any prefix), with liveness and metadata. A metadata file that
+   * is missing or does not parse is reported in that entry's `error`, never read as empty.
+   */
+  async list(): Promise<WorkspaceInfo[]> {
+    this.#assertOpen()
+    const entries = await call(this.#inFlight.track(native.list(this.#handle)))
+    return entries.map((e) => {
+      const m = NAME.exec(e.name)!
+      const info: WorkspaceInfo = { id: m[2], name: e.name, path: path.join(this.root, e.name), live: e.live }
+      if (e.metaText === undefined) {
+        info.error = fromNative(e.metaError) as VmspaceError
+        return info
+      }
+      let parsed: unknown
+      try {
+        parsed = JSON.parse(e.metaText)
+      } catch {
+        parsed = undefined
+      }
+      if (typeof parsed !== 'object' || parsed === null || Array.isArray(parsed)) {
+        info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${e.name} is not a JSON object`, {
+          path: path.join(this.root, '.vmspace', 'meta', `${e.name}.json`),
+        })
+        return info
+      }
+      const p = parsed as Record<string, unknown>
+      if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
+      if (typeof p.meta === 'object' && p.meta !== null) info.meta = p.meta as JsonObject
+      if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
+      if (typeof p.pid === 'number') info.pid = p.pid
+      if (typeof p.hostname === 'string') info.hostname = p.hostname
+      if (typeof p.bootId === 'string') info.bootId = p.bootId
+      return info
+    })
+  }
+
+  /** Counters since the pool was opened in this process (a copy). */
+  stats(): PoolStats {
+    return { ...this.#stats, clones: { ...this.#stats.clones } }
+  }
+
+  /**
+   * Stops new allocate()/list() calls (`ERR_POOL_CLOSED`) and waits for running ones. Workspaces still open keep
+   * working; the pool's directory fds are released once the last of them is disposed. Idempotent.
+   */
+  async close(): Promise<void> {
+    this.#closed = true
+    await this.#inFlight.idle()
+    await this.#releaseIfIdle()
+  }
+
+  /** @internal */
+  async _dispose(ws: Workspace, leaseFd: number): Promise<void> {
+    try {
+      await call(native.dispose(this.#handle, ws.name, leaseFd))
+      this.#stats.disposed++
+    } finally {
+      this.#open--
+      await this.#releaseIfIdle()
+    }
+  }
+
+  /** @internal */
+  _countClone(method: 'reflink' | 'copy', bytes: number): void {
+    this.#countClone(method, bytes)
+  }
+
+  #countClone(method: 'reflink' | 'copy', bytes: number) {
+    this.#stats.clones[method]++
+    this.#stats.bytesCloned += bytes
+  }
+
+  async #releaseIfIdle() {
+    if (this.#closed && this.#open === 0 && !this.#handleClosed) {
+      this.#handleClosed = true
+      await call(native.closePool(this.#handle))
+    }
+  }
+
+  #assertOpen() {
+    if (this.#closed) throw vmspaceError('ERR_POOL_CLOSED', 'the pool was closed', { path: this.root })
+  }
+}
+
+export class Workspace implements AsyncDisposable {
+  /** 32 lowercase hex characters: 128 bits from getrandom(2). */
+  readonly id: string
+  /** `${prefix}-${id}`, the directory's name in the pool root. */
+  readonly name: string
+  /** Absolute path of the workspace directory. */
+  readonly path: string
+  /**
+   * The lease: an fd of the workspace directory holding flock(LOCK_EX), opened O_CLOEXEC. Hand it to a child
+   * process (spawn's `stdio`) to keep the workspace live while the child runs. Closed by dispose().
+   */
+  readonly leaseFd: number
+  /** What the template cloned into the workspace. */
+  template: CloneResult[] = []
+  #status: 'ready' | 'disposed' | 'unrecoverable' = 'ready'
+  #cause: unknown
+  #disposing: Promise<void> | undefined
+  readonly #pool: Pool
+  readonly #inFlight = new InFlight()
+
+  /** @internal Workspaces come from Pool.allocate(). */
+  constructor(token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number) {
+    if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
+    this.#pool = pool
+    this.id = id
+    this.name = name
+    this.path = wsPath
+    this.leaseFd = leaseFd
+  }
+
+  /** `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash. */
+  get status(): 'ready' | 'disposed' | 'unrecoverable' {
+    return this.#status
+  }
+
+  /** Why dispose failed, for status `'unrecoverable'`. */
+  get cause(): unknown {
+    return this.#cause
+  }
+
+  /**
+   * Clones the file `source` into the workspace at `dest` (workspace-relative, default: the source's basename).
+   * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
+   * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
+   * clone() does, and `ERR_DISPOSED` after dispose().
+   */
+  async clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+    const src = absolutePath('source', source)
+    const rel = relativePath('dest', dest ?? path.basename(src))
+    const opts = cloneOptions(options)
+    if (this.#status !== 'ready' || this.#disposing)
+      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+    const r = await call(
+      this.#inFlight.track(native.cloneBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable)),
+    )
+    this.#pool._countClone(r.method, r.bytes)
+    return fileResult(r, path.join(this.path, rel), opts)
+  }
+
+  /**
+   * Removes the workspace: renamed into the pool's trash (the name is gone at once and never reused), removed
+   * without following symlinks or entering mounts, its metadata dropped, its lease released. Waits for clones
+   * still running. Idempotent: later calls return the first call's promise. A mount inside gives `EBUSY`; the
+   * workspace is then `'unrecoverable'` and what is left stays in trash for a sweep.
+   */
+  dispose(): Promise<void> {
+    this.#disposing ??= (async () => {
+      await this.#inFlight.idle()
+      try {
+        await this.#pool._dispose(this, this.leaseFd)
+        this.#status = 'disposed'
+      } catch (e) {
+        this.#status = 'unrecoverable'
+        this.#cause = e
+        throw e
+      }
+    })()
+    return this.#disposing
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.dispose()
+  }
+}
+
+function templateEntries(template: unknown): [string, string][] {
+  if (template === undefined) return []
+  if (typeof template === 'string')
+    throw invalidValue('options.template', 'a map of workspace paths to source files (directory templates are not supported yet)', template)
+  if (typeof template !== 'object' || template === null || Array.isArray(template))
+    throw invalidType('options.template', 'an object mapping workspace paths to source files', template)
+  const seen = new Set<string>()
+  return Object.entries(template).map(([dest, source]) => {
+    const rel = relativePath(`options.template[${JSON.stringify(dest)}]`, dest)
+    if (seen.has(rel)) throw invalidValue('options.template', 'each destination once', dest)
+    seen.add(rel)
+    return [rel, absolutePath(`options.template[${JSON.stringify(dest)}]`, source)]
+  })
+}
+
+function metaObject(meta: unknown): JsonObject {
+  if (meta === undefined) return {}
+  if (typeof meta !== 'object' || meta === null || Array.isArray(meta)) throw invalidType('options.meta', 'a JSON object', meta)
+  let text: string
+  try {
+    text = JSON.stringify(meta)
+  } catch (e) {
+    throw invalidValue('options.meta', 'a JSON-serialisable object', meta)
+  }
+  if (Buffer.byteLength(text) > MAX_META_BYTES)
+    throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON`, meta, true)
+  return JSON.parse(text) as JsonObject
+}
