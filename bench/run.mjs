@@ -1,0 +1,97 @@
+#!/usr/bin/env node
+// vmspace benchmark suite. Every figure is reported as a ratio measured in the same run (the machine is shared
+// and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
+// mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
+//   npm run bench [-- --dir DIR] [-- --iterations N]
+import { execFileSync } from 'node:child_process'
+import * as fs from 'node:fs'
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { parseArgs } from 'node:util'
+import { createRequire } from 'node:module'
+import { Bench } from 'tinybench'
+
+const require = createRequire(import.meta.url)
+const here = path.dirname(new URL(import.meta.url).pathname)
+const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
+
+const { values: args } = parseArgs({
+  options: { dir: { type: 'string' }, iterations: { type: 'string', default: '3000' }, time: { type: 'string', default: '2000' } },
+})
+const iterations = Number(args.iterations)
+const timeMs = Number(args.time)
+
+function sh(cmd, argv) {
+  return execFileSync(cmd, argv, { stdio: ['ignore', 'pipe', 'pipe'] }).toString()
+}
+
+const work = fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-bench-'))
+const mounts = []
+function loopMount(kind, sizeMb) {
+  const img = path.join(work, `${kind}.img`)
+  const mnt = path.join(work, kind)
+  fs.mkdirSync(mnt)
+  fs.closeSync(fs.openSync(img, 'w'))
+  fs.truncateSync(img, sizeMb * 1024 * 1024)
+  if (kind === 'xfs') sh('mkfs.xfs', ['-q', '-f', '-m', 'reflink=1', img])
+  else if (kind === 'btrfs') sh('mkfs.btrfs', ['-q', '-f', img])
+  else sh('mkfs.ext4', ['-q', '-F', img])
+  sh('mount', ['-o', 'loop', img, mnt])
+  mounts.push(mnt)
+  return mnt
+}
+function cleanup() {
+  for (const m of mounts.reverse()) {
+    try { sh('umount', [m]) } catch { try { sh('umount', ['-l', m]) } catch {} }
+  }
+  fs.rmSync(work, { recursive: true, force: true })
+}
+process.on('exit', cleanup)
+for (const sig of ['SIGINT', 'SIGTERM']) process.on(sig, () => process.exit(130))
+
+const targets = []
+if (args.dir) targets.push({ fs: `dir ${args.dir}`, dir: fs.mkdtempSync(path.join(args.dir, 'vmspace-bench-')) })
+else if (process.getuid?.() === 0) {
+  for (const kind of ['xfs', 'ext4']) {
+    try { targets.push({ fs: kind + ' (loop)', dir: loopMount(kind, 1024) }) } catch (e) { console.error(`no ${kind}: ${e.message}`) }
+  }
+}
+if (!targets.length) targets.push({ fs: 'tmp (' + os.tmpdir() + ')', dir: work })
+
+// The native floor: the same syscalls in a C++ loop.
+const floorBin = path.join(work, 'syscalls')
+sh('g++', ['-O2', '-std=c++17', '-o', floorBin, path.join(here, 'syscalls.cc')])
+
+const rows = []
+for (const t of targets) {
+  const nativeBare = Number(sh(floorBin, [path.join(t.dir, 'floor-bare'), String(iterations), '0']))
+  const nativeMeta = Number(sh(floorBin, [path.join(t.dir, 'floor-meta'), String(iterations), '1']))
+  const pool = await vmspace.openPool(path.join(t.dir, 'pool'))
+  const tmpBase = path.join(t.dir, 'mkdtemp')
+  fs.mkdirSync(tmpBase)
+
+  const bench = new Bench({ time: timeMs, warmupTime: 300 })
+  bench.add('vmspace allocate+dispose', async () => {
+    const ws = await pool.allocate()
+    await ws.dispose()
+  })
+  bench.add('fs.promises mkdtemp+rm', async () => {
+    const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
+    await fs.promises.rm(d, { recursive: true })
+  })
+  await bench.run()
+  const median = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
+  const vm = median('vmspace allocate+dispose')
+  const node = median('fs.promises mkdtemp+rm')
+  rows.push({
+    'file system': t.fs,
+    'native floor µs (bare)': (nativeBare / 1e3).toFixed(1),
+    'native floor µs (+meta)': (nativeMeta / 1e3).toFixed(1),
+    'vmspace µs': vm.toFixed(1),
+    'vmspace / floor(+meta)': (vm / (nativeMeta / 1e3)).toFixed(2),
+    'mkdtemp+rm µs': node.toFixed(1),
+    'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
+  })
+  await pool.close()
+}
+console.table(rows)
