@@ -9,9 +9,21 @@ export const enum ReflinkCode {
 }
 
 export interface NativeCloneResult {
-  method: 'reflink' | 'copy'
+  kind: 'file' | 'tree'
+  method: 'reflink' | 'copy' | 'mixed'
+  files: number
   bytes: number
+  reflinked: number
+  copied: number
+  dirs?: number
+  symlinks?: number
+  hardlinks?: number
+  fifos?: number
+  devices?: number
+  skipped?: { sockets: number; devices: number }
 }
+
+export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 
 export interface NativeListEntry {
   name: string
@@ -37,16 +49,25 @@ export interface Native {
     handle: PoolHandle,
     prefix: string,
     mode: number,
+    templateDir: string,
     entries: [dest: string, source: string][],
     infoJson: string,
     reflink: ReflinkCode,
     overwrite: boolean,
     durable: boolean,
+    progress: ProgressHandle | undefined,
   ): Promise<NativeAllocateResult>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
-  cloneFile(src: string, dst: string, reflink: ReflinkCode, overwrite: boolean, durable: boolean): Promise<NativeCloneResult>
-  cloneBeneath(
+  clonePath(
+    src: string,
+    dst: string,
+    reflink: ReflinkCode,
+    overwrite: boolean,
+    durable: boolean,
+    progress: ProgressHandle | undefined,
+  ): Promise<NativeCloneResult>
+  clonePathBeneath(
     baseFd: number,
     basePath: string,
     src: string,
@@ -54,7 +75,11 @@ export interface Native {
     reflink: ReflinkCode,
     overwrite: boolean,
     durable: boolean,
+    progress: ProgressHandle | undefined,
   ): Promise<NativeCloneResult>
+  newProgress(): ProgressHandle
+  readProgress(p: ProgressHandle): [files: number, bytes: number]
+  cancelProgress(p: ProgressHandle): void
   removeTree(path: string): Promise<void>
   renameNoReplace(from: string, to: string): Promise<void>
   exchange(a: string, b: string): Promise<void>

@@ -1,22 +1,36 @@
-/** Clone options and results, shared by the standalone clone() and Workspace.clone(). */
-import { ReflinkCode, type NativeCloneResult } from './binding.js'
-import { boolean, func, oneOf, optionsObject } from './args.js'
+/** Clone options and results, shared by the standalone clone(), Workspace.clone() and templates. */
+import { native, ReflinkCode, type NativeCloneResult, type ProgressHandle } from './binding.js'
+import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
+import { AbortError, fromNative } from './errors.js'
 
 export type Reflink = 'always' | 'auto' | 'never'
+
+export interface CloneProgressEvent {
+  /** Regular files done so far. */
+  files: number
+  /** Their logical bytes. */
+  bytes: number
+}
 
 export interface CloneOptions {
   /**
    * `'auto'` (default): reflink (ioctl(FICLONE), ioctl_ficlone(2)) where the file system shares extents, otherwise a
-   * copy that keeps holes. `'always'`: reflink or fail with `ERR_REFLINK_UNSUPPORTED`, leaving nothing behind.
-   * `'never'`: always copy (read/write, so that no extent is shared even on XFS/btrfs).
+   * copy that keeps holes (SEEK_DATA/SEEK_HOLE). `'always'`: reflink or fail with `ERR_REFLINK_UNSUPPORTED`,
+   * leaving nothing behind (for a tree on another file system, before anything is written). `'never'`: always
+   * copy, with read/write, so that no extent is shared even on XFS/btrfs.
    */
   reflink?: Reflink
-  /** Replace an existing destination atomically (rename(2)) instead of failing with `EEXIST`. Default false. */
+  /**
+   * Replace an existing destination atomically instead of failing with `EEXIST`: rename(2) for a file; for a tree,
+   * renameat2(RENAME_EXCHANGE) and then removal of the old tree. Default false.
+   */
   overwrite?: boolean
-  /** fsync the new file before it is published and its directory after. Default false. */
+  /** fsync each new file before it is published and the directory after. Default false. */
   durable?: boolean
-  /** Called with the running totals: files done and their logical bytes. */
-  onProgress?: (p: { files: number; bytes: number }) => void
+  /** Called with running totals at most every 100 ms while a clone runs. */
+  onProgress?: (p: CloneProgressEvent) => void
+  /** Cancels between entries; what was built is removed and the call rejects with an AbortError. */
+  signal?: AbortSignal
 }
 
 export interface CloneResult {
@@ -25,9 +39,21 @@ export interface CloneResult {
   method: 'reflink' | 'copy' | 'mixed'
   /** Absolute path of the destination. */
   path: string
+  /** Regular files (hard links counted once). */
   files: number
-  /** Logical size in bytes (holes included). */
+  /** Logical size in bytes of the regular files (holes included). */
   bytes: number
+  /** Regular files whose extents are shared with the source / that were copied. */
+  reflinked: number
+  copied: number
+  /** Trees: entries recreated by kind. */
+  dirs?: number
+  symlinks?: number
+  hardlinks?: number
+  fifos?: number
+  devices?: number
+  /** Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted. */
+  skipped?: { sockets: number; devices: number }
 }
 
 export const reflinkValues = ['always', 'auto', 'never'] as const
@@ -40,7 +66,8 @@ export interface CheckedCloneOptions {
   reflink: ReflinkCode
   overwrite: boolean
   durable: boolean
-  onProgress?: (p: { files: number; bytes: number }) => void
+  onProgress?: (p: CloneProgressEvent) => void
+  signal?: AbortSignal
 }
 
 export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): CheckedCloneOptions {
@@ -50,10 +77,62 @@ export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): 
     overwrite: boolean('options.overwrite', o.overwrite, false),
     durable: boolean('options.durable', o.durable, false),
     onProgress: func('options.onProgress', o.onProgress),
+    signal: abortSignal('options.signal', o.signal),
   }
 }
 
-export function fileResult(r: NativeCloneResult, dest: string, opts: CheckedCloneOptions): CloneResult {
-  opts.onProgress?.({ files: 1, bytes: r.bytes })
-  return { kind: 'file', method: r.method, path: dest, files: 1, bytes: r.bytes }
+export function toResult(r: NativeCloneResult, dest: string): CloneResult {
+  const { kind, method, files, bytes, reflinked, copied } = r
+  const out: CloneResult = { kind, method, path: dest, files, bytes, reflinked, copied }
+  if (kind === 'tree') {
+    out.dirs = r.dirs
+    out.symlinks = r.symlinks
+    out.hardlinks = r.hardlinks
+    out.fifos = r.fifos
+    out.devices = r.devices
+    out.skipped = r.skipped
+  }
+  return out
+}
+
+const PROGRESS_MS = 100
+
+/**
+ * Runs one native clone with a progress/cancel handle when the caller asked for progress or gave a signal: a
+ * 100 ms timer on the JS thread reads the running totals (two atomic loads); an abort sets the cancel flag the
+ * walk checks between entries. An ECANCELED rejection after an abort becomes an AbortError.
+ */
+export async function withProgress<T>(
+  opts: { onProgress?: (p: CloneProgressEvent) => void; signal?: AbortSignal },
+  run: (handle: ProgressHandle | undefined) => Promise<T>,
+): Promise<T> {
+  const { onProgress, signal } = opts
+  if (signal?.aborted) throw new AbortError(signal.reason)
+  if (!onProgress && !signal) {
+    try {
+      return await run(undefined)
+    } catch (e) {
+      throw fromNative(e)
+    }
+  }
+  const handle = native.newProgress()
+  let last = { files: 0, bytes: 0 }
+  const tick = () => {
+    const [files, bytes] = native.readProgress(handle)
+    if (files === last.files && bytes === last.bytes) return
+    last = { files, bytes }
+    onProgress!({ files, bytes })
+  }
+  const timer = onProgress ? setInterval(tick, PROGRESS_MS) : undefined
+  const onAbort = () => native.cancelProgress(handle)
+  signal?.addEventListener('abort', onAbort, { once: true })
+  try {
+    return await run(handle)
+  } catch (e) {
+    if (signal?.aborted && (e as { code?: string })?.code === 'ECANCELED') throw new AbortError(signal.reason)
+    throw fromNative(e)
+  } finally {
+    if (timer) clearInterval(timer)
+    signal?.removeEventListener('abort', onAbort)
+  }
 }

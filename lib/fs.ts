@@ -2,20 +2,23 @@
 import { native } from './binding.js'
 import { absolutePath, invalidValue } from './args.js'
 import { call } from './errors.js'
-import { cloneOptions, fileResult, type CloneOptions, type CloneResult } from './clone.js'
+import { cloneOptions, toResult, withProgress, type CloneOptions, type CloneResult } from './clone.js'
 
 /**
- * Clones the regular file `source` to `dest` (see {@link CloneOptions}): the destination appears complete or not
- * at all (temp file, then renameat2(RENAME_NOREPLACE)); the source is only opened read-only; mode is kept.
+ * Clones `source`, a regular file or a directory tree, to `dest` (see {@link CloneOptions}). The destination
+ * appears complete or not at all (built under a temp name, published with renameat2(RENAME_NOREPLACE)); the
+ * source is only read. Files keep their mode; trees keep mode, owner (where permitted), times and xattrs, and
+ * recreate symlinks, hard links, fifos and device nodes (where permitted) without following any symlink.
  * Throws `EEXIST` when `dest` exists (unless `overwrite`), `ENOENT` when its directory does not,
- * `ERR_REFLINK_UNSUPPORTED` under `reflink: 'always'` where extents cannot be shared.
+ * `ERR_REFLINK_UNSUPPORTED` under `reflink: 'always'` where extents cannot be shared, an AbortError on `signal`,
+ * or the errno of the entry that failed (`path`: that source entry, `dest`: its destination).
  */
 export async function clone(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
   const src = absolutePath('source', source)
   const dst = absolutePath('dest', dest)
   const opts = cloneOptions(options)
-  const r = await call(native.cloneFile(src, dst, opts.reflink, opts.overwrite, opts.durable))
-  return fileResult(r, dst, opts)
+  const r = await withProgress(opts, (p) => native.clonePath(src, dst, opts.reflink, opts.overwrite, opts.durable, p))
+  return toResult(r, dst)
 }
 
 /**

@@ -4,6 +4,6 @@
 export { openPool, Pool, Workspace } from './pool.js'
 export type { PoolOptions, AllocateOptions, WorkspaceInfo, PoolStats, TemplateSource, JsonObject, JsonValue } from './pool.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
-export type { CloneOptions, CloneResult, Reflink } from './clone.js'
+export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'
 export type { VmspaceErrorCode } from './errors.js'

@@ -17,7 +17,8 @@ import {
   relativePath,
 } from './args.js'
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import { cloneOptions, fileResult, reflinkCode, reflinkValues, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
+import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
+import type { NativeCloneResult } from './binding.js'
 
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
 export type JsonObject = { [key: string]: JsonValue }
@@ -35,28 +36,33 @@ export interface PoolOptions {
 
 export interface AllocateOptions {
   /**
-   * What the workspace starts with: a map from workspace-relative paths to source files, each cloned (reflink
-   * where possible) before the workspace appears: `{ 'rootfs.ext4': '/images/base.ext4' }`. Missing parent
-   * directories are made. (Directory templates are not supported yet: `ERR_INVALID_ARG_VALUE`.)
+   * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
+   * whose contents become the workspace's contents, or a map from workspace-relative paths to source files or
+   * directories (`{ 'rootfs.ext4': '/images/base.ext4' }`; missing parent directories are made).
    */
-  template?: Record<string, string>
+  template?: string | Record<string, string>
   /** A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list(). */
   meta?: JsonObject
   /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
   mode?: number
-  /** Aborting rolls back: a workspace built meanwhile is disposed and the call rejects with an AbortError. */
+  /**
+   * Aborting rolls back: a template clone stops between entries, whatever was built is removed, and the call
+   * rejects with an AbortError (also when the abort comes just after the workspace was published).
+   */
   signal?: AbortSignal
 }
 
 export interface TemplateSource {
+  /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
   dest: string
   source: string
+  kind: 'file' | 'tree'
   /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
   dev: string
   ino: string
   size: number
   mtimeNs: string
-  method: 'reflink' | 'copy'
+  method: 'reflink' | 'copy' | 'mixed'
 }
 
 export interface WorkspaceInfo {
@@ -83,8 +89,9 @@ export interface PoolStats {
   failed: number
   /** Names drawn again because the one drawn existed. */
   nameRetries: number
+  /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
   clones: { reflink: number; copy: number }
-  /** Logical bytes cloned into workspaces by templates and Workspace.clone. */
+  /** Their logical bytes. */
   bytesCloned: number
 }
 
@@ -159,37 +166,37 @@ export class Pool {
    */
   async allocate(options?: AllocateOptions): Promise<Workspace> {
     const o = optionsObject<AllocateOptions>('options', options)
-    const entries = templateEntries(o.template)
+    const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
     const info = JSON.stringify({
       format: 1,
       createdAt: Date.now(),
       pid: process.pid,
-      hostname: os.hostname(),
+      hostname: hostname(),
       bootId: this.#bootId,
       meta: metaObject(o.meta),
     })
     this.#assertOpen()
-    if (signal?.aborted) throw new AbortError(signal.reason)
     let r
     try {
       r = await this.#inFlight.track(
-        native.allocate(this.#handle, this.prefix, mode, entries, info, reflinkCode(this.#reflink), false, this.#durable),
+        withProgress({ signal }, (p) =>
+          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p),
+        ),
       )
     } catch (e) {
       this.#stats.failed++
-      throw fromNative(e)
+      throw e
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
     this.#open++
     const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
-    const clones = r.clones.map((c) => {
-      this.#countClone(c.method, c.bytes)
-      return fileResult(c, path.join(ws.path, c.dest), { reflink: 0, overwrite: false, durable: false })
+    ws.template = r.clones.map((c) => {
+      this.#countClone(c)
+      return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
     })
-    ws.template = clones
     if (signal?.aborted) {
       await ws.dispose()
       throw new AbortError(signal.reason)
@@ -261,13 +268,14 @@ export class Pool {
   }
 
   /** @internal */
-  _countClone(method: 'reflink' | 'copy', bytes: number): void {
-    this.#countClone(method, bytes)
+  _countClone(r: NativeCloneResult): void {
+    this.#countClone(r)
   }
 
-  #countClone(method: 'reflink' | 'copy', bytes: number) {
-    this.#stats.clones[method]++
-    this.#stats.bytesCloned += bytes
+  #countClone(r: NativeCloneResult) {
+    this.#stats.clones.reflink += r.reflinked
+    this.#stats.clones.copy += r.copied
+    this.#stats.bytesCloned += r.bytes
   }
 
   async #releaseIfIdle() {
@@ -323,7 +331,8 @@ export class Workspace implements AsyncDisposable {
   }
 
   /**
-   * Clones the file `source` into the workspace at `dest` (workspace-relative, default: the source's basename).
+   * Clones `source` (a file or a directory tree) into the workspace at `dest` (workspace-relative, default: the
+   * source's basename).
    * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
    * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
    * clone() does, and `ERR_DISPOSED` after dispose().
@@ -334,11 +343,13 @@ export class Workspace implements AsyncDisposable {
     const opts = cloneOptions(options)
     if (this.#status !== 'ready' || this.#disposing)
       throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
-    const r = await call(
-      this.#inFlight.track(native.cloneBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable)),
+    const r = await this.#inFlight.track(
+      withProgress(opts, (p) =>
+        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p),
+      ),
     )
-    this.#pool._countClone(r.method, r.bytes)
-    return fileResult(r, path.join(this.path, rel), opts)
+    this.#pool._countClone(r)
+    return toResult(r, path.join(this.path, rel))
   }
 
   /**
@@ -367,19 +378,25 @@ export class Workspace implements AsyncDisposable {
   }
 }
 
-function templateEntries(template: unknown): [string, string][] {
-  if (template === undefined) return []
-  if (typeof template === 'string')
-    throw invalidValue('options.template', 'a map of workspace paths to source files (directory templates are not supported yet)', template)
+function templateEntries(template: unknown): { dir: string; entries: [string, string][] } {
+  if (template === undefined) return { dir: '', entries: [] }
+  if (typeof template === 'string') return { dir: absolutePath('options.template', template), entries: [] }
   if (typeof template !== 'object' || template === null || Array.isArray(template))
-    throw invalidType('options.template', 'an object mapping workspace paths to source files', template)
+    throw invalidType('options.template', 'a directory path or an object mapping workspace paths to sources', template)
   const seen = new Set<string>()
-  return Object.entries(template).map(([dest, source]) => {
+  const entries = Object.entries(template).map(([dest, source]): [string, string] => {
     const rel = relativePath(`options.template[${JSON.stringify(dest)}]`, dest)
     if (seen.has(rel)) throw invalidValue('options.template', 'each destination once', dest)
     seen.add(rel)
     return [rel, absolutePath(`options.template[${JSON.stringify(dest)}]`, source)]
   })
+  return { dir: '', entries }
+}
+
+let cachedHostname: string | undefined
+// os.hostname() is a uname(2) per call; the name is recorded per workspace, so read it once.
+function hostname(): string {
+  return (cachedHostname ??= os.hostname())
 }
 
 function metaObject(meta: unknown): JsonObject {

@@ -15,6 +15,7 @@
 #include "core/pool.h"
 #include "core/remove.h"
 #include "core/rename.h"
+#include "core/tree.h"
 
 namespace {
 
@@ -122,12 +123,33 @@ std::shared_ptr<vmspace::Pool> poolArg(const Napi::CallbackInfo& info, size_t i)
   return info[i].As<Napi::External<PoolRef>>().Data()->pool;
 }
 
-const char* methodName(vmspace::CloneMethod m) { return m == vmspace::CloneMethod::Reflink ? "reflink" : "copy"; }
+using ProgressRef = std::shared_ptr<vmspace::CloneProgress>;
 
-Napi::Object cloneResultObject(Napi::Env env, const vmspace::CloneFileResult& r) {
+// Optional progress/cancel handle made by NewProgress; shared with the worker so it outlives whichever ends last.
+ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsExternal()) return nullptr;
+  return *info[i].As<Napi::External<ProgressRef>>().Data();
+}
+
+Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
   Napi::Object o = Napi::Object::New(env);
-  o.Set("method", methodName(r.method));
-  o.Set("bytes", static_cast<double>(r.bytes));
+  o.Set("kind", s.tree ? "tree" : "file");
+  o.Set("method", vmspace::methodName(s, reflink));
+  o.Set("files", static_cast<double>(s.files));
+  o.Set("bytes", static_cast<double>(s.bytes));
+  o.Set("reflinked", static_cast<double>(s.reflinked));
+  o.Set("copied", static_cast<double>(s.copied));
+  if (s.tree) {
+    o.Set("dirs", static_cast<double>(s.dirs));
+    o.Set("symlinks", static_cast<double>(s.symlinks));
+    o.Set("hardlinks", static_cast<double>(s.hardlinks));
+    o.Set("fifos", static_cast<double>(s.fifos));
+    o.Set("devices", static_cast<double>(s.devices));
+    Napi::Object skipped = Napi::Object::New(env);
+    skipped.Set("sockets", static_cast<double>(s.skippedSockets));
+    skipped.Set("devices", static_cast<double>(s.skippedDevices));
+    o.Set("skipped", skipped);
+  }
   return o;
 }
 
@@ -168,8 +190,9 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   vmspace::AllocateRequest req;
   req.prefix = stringArg(info, 1);
   req.mode = static_cast<mode_t>(intArg(info, 2));
-  if (!info[3].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
-  Napi::Array entries = info[3].As<Napi::Array>();
+  req.templateDir = stringArg(info, 3);
+  if (!info[4].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
+  Napi::Array entries = info[4].As<Napi::Array>();
   for (uint32_t i = 0; i < entries.Length(); i++) {
     Napi::Value pair = entries.Get(i);
     if (!pair.IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
@@ -179,11 +202,14 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
       throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
     req.entries.push_back({dest.As<Napi::String>().Utf8Value(), source.As<Napi::String>().Utf8Value()});
   }
-  req.infoJson = stringArg(info, 4);
-  req.clone = cloneOptionsArg(info, 5);  // reflink, (overwrite, ignored), durable
+  req.infoJson = stringArg(info, 5);
+  req.clone = cloneOptionsArg(info, 6);  // reflink, (overwrite, ignored), durable
+  ProgressRef progress = progressArg(info, 9);
+  req.progress = progress.get();
+  vmspace::Reflink reflink = req.clone.reflink;
   return Work<vmspace::AllocateResult>::Start(
-      info.Env(), [pool, req] { return pool->allocate(req); },
-      [](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
+      info.Env(), [pool, req, progress] { return pool->allocate(req); },
+      [reflink](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
         Napi::Object o = Napi::Object::New(env);
         o.Set("id", r.id);
         o.Set("name", r.name);
@@ -191,7 +217,7 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
         o.Set("retries", r.retries);
         Napi::Array clones = Napi::Array::New(env, r.clones.size());
         for (size_t i = 0; i < r.clones.size(); i++) {
-          Napi::Object c = cloneResultObject(env, r.clones[i].result);
+          Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
           c.Set("dest", r.clones[i].dest);
           clones.Set(static_cast<uint32_t>(i), c);
         }
@@ -237,22 +263,46 @@ Napi::Value List(const Napi::CallbackInfo& info) {
       });
 }
 
-Napi::Value CloneFile(const Napi::CallbackInfo& info) {
+Napi::Value ClonePath(const Napi::CallbackInfo& info) {
   std::string src = stringArg(info, 0), dst = stringArg(info, 1);
   vmspace::CloneOptions opts = cloneOptionsArg(info, 2);
-  return Work<vmspace::CloneFileResult>::Start(
-      info.Env(), [src, dst, opts] { return vmspace::cloneFile(src, dst, opts); },
-      [](Napi::Env env, vmspace::CloneFileResult& r) -> Napi::Value { return cloneResultObject(env, r); });
+  ProgressRef progress = progressArg(info, 5);
+  return Work<vmspace::CloneSummary>::Start(
+      info.Env(), [src, dst, opts, progress] { return vmspace::clonePath(src, dst, opts, progress.get()); },
+      [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
 }
 
-Napi::Value CloneBeneath(const Napi::CallbackInfo& info) {
+Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
   int baseFd = static_cast<int>(intArg(info, 0));
   std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
   vmspace::CloneOptions opts = cloneOptionsArg(info, 4);
-  return Work<vmspace::CloneFileResult>::Start(
+  ProgressRef progress = progressArg(info, 7);
+  return Work<vmspace::CloneSummary>::Start(
       info.Env(),
-      [baseFd, basePath, src, rel, opts] { return vmspace::cloneFileBeneath(src, baseFd, basePath, rel, opts); },
-      [](Napi::Env env, vmspace::CloneFileResult& r) -> Napi::Value { return cloneResultObject(env, r); });
+      [baseFd, basePath, src, rel, opts, progress] {
+        return vmspace::clonePathBeneath(src, baseFd, basePath, rel, opts, progress.get());
+      },
+      [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
+}
+
+Napi::Value NewProgress(const Napi::CallbackInfo& info) {
+  return Napi::External<ProgressRef>::New(info.Env(), new ProgressRef(std::make_shared<vmspace::CloneProgress>()),
+                                          [](Napi::Env, ProgressRef* ref) { delete ref; });
+}
+
+// [files, bytes] so far; cheap enough for a 100 ms timer on the JS thread (two relaxed atomic loads).
+Napi::Value ReadProgress(const Napi::CallbackInfo& info) {
+  ProgressRef p = progressArg(info, 0);
+  Napi::Array out = Napi::Array::New(info.Env(), 2);
+  out.Set(0u, static_cast<double>(p ? p->files.load(std::memory_order_relaxed) : 0));
+  out.Set(1u, static_cast<double>(p ? p->bytes.load(std::memory_order_relaxed) : 0));
+  return out;
+}
+
+Napi::Value CancelProgress(const Napi::CallbackInfo& info) {
+  ProgressRef p = progressArg(info, 0);
+  if (p) p->cancel.store(true, std::memory_order_relaxed);
+  return info.Env().Undefined();
 }
 
 Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
@@ -309,8 +359,11 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("allocate", Napi::Function::New(env, Allocate, "allocate"));
   exports.Set("dispose", Napi::Function::New(env, Dispose, "dispose"));
   exports.Set("list", Napi::Function::New(env, List, "list"));
-  exports.Set("cloneFile", Napi::Function::New(env, CloneFile, "cloneFile"));
-  exports.Set("cloneBeneath", Napi::Function::New(env, CloneBeneath, "cloneBeneath"));
+  exports.Set("clonePath", Napi::Function::New(env, ClonePath, "clonePath"));
+  exports.Set("clonePathBeneath", Napi::Function::New(env, ClonePathBeneath, "clonePathBeneath"));
+  exports.Set("newProgress", Napi::Function::New(env, NewProgress, "newProgress"));
+  exports.Set("readProgress", Napi::Function::New(env, ReadProgress, "readProgress"));
+  exports.Set("cancelProgress", Napi::Function::New(env, CancelProgress, "cancelProgress"));
   exports.Set("removeTree", Napi::Function::New(env, RemoveTree, "removeTree"));
   exports.Set("renameNoReplace", Napi::Function::New(env, RenameNoReplace, "renameNoReplace"));
   exports.Set("exchange", Napi::Function::New(env, Exchange, "exchange"));

@@ -103,6 +103,21 @@ void copySparse(int src, int dst, uint64_t size, bool offload, const std::string
 
 }  // namespace
 
+CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+                      const std::string& dstPath) {
+  if (reflink != Reflink::Never) {
+    if (ioctl(dst, FICLONE, src) == 0) return CloneMethod::Reflink;
+    int err = errno;
+    if (!reflinkRefused(err)) throwErrno(err, "ioctl(FICLONE)", srcPath, dstPath);
+    if (reflink == Reflink::Always)
+      throwCode("ERR_REFLINK_UNSUPPORTED",
+                "the file systems of source and destination cannot share extents (reflink: 'always')", err,
+                "ioctl(FICLONE)", srcPath, dstPath);
+  }
+  copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath);
+  return CloneMethod::Copy;
+}
+
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity) {
   UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
@@ -119,24 +134,9 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   UniqueFd dst(openat(dstDirFd, tmpName.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
-    CloneFileResult result{CloneMethod::Copy, static_cast<uint64_t>(st.st_size)};
-    bool cloned = false;
-    if (options.reflink != Reflink::Never) {
-      if (ioctl(dst.get(), FICLONE, src.get()) == 0) {
-        cloned = true;
-        result.method = CloneMethod::Reflink;
-      } else {
-        int err = errno;
-        if (!reflinkRefused(err)) throwErrno(err, "ioctl(FICLONE)", srcPath, dstPath);
-        if (options.reflink == Reflink::Always)
-          throwCode("ERR_REFLINK_UNSUPPORTED",
-                    "the file systems of source and destination cannot share extents (reflink: 'always')", err,
-                    "ioctl(FICLONE)", srcPath, dstPath);
-      }
-    }
-    if (!cloned)
-      copySparse(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), options.reflink == Reflink::Auto, srcPath,
-                 dstPath);
+    CloneFileResult result{cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), options.reflink, srcPath,
+                                     dstPath),
+                           static_cast<uint64_t>(st.st_size)};
     if (fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "fchmod", dstPath);
     if (options.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (options.overwrite) {
@@ -181,23 +181,3 @@ int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, con
 
 }  // namespace vmspace
 
-#include "rename.h"
-
-namespace vmspace {
-
-CloneFileResult cloneFile(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options) {
-  std::string parent, leaf;
-  splitPath(dstPath, &parent, &leaf);
-  UniqueFd dir(open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!dir) throwErrno(errno, "open", dstPath);
-  return cloneFileAt(srcPath, dir.get(), leaf, dstPath, options);
-}
-
-CloneFileResult cloneFileBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
-                                 const std::string& rel, const CloneOptions& options) {
-  std::string leaf;
-  UniqueFd dir(openParentBeneath(baseFd, rel, &leaf, basePath, false));
-  return cloneFileAt(srcPath, dir.get(), leaf, basePath + "/" + rel, options);
-}
-
-}  // namespace vmspace

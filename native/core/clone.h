@@ -30,6 +30,12 @@ struct SourceIdentity {
   int64_t mtimeNsec;
 };
 
+// Fills the empty regular file `dst` with the data of `src` (`size` bytes): ioctl(FICLONE) unless `reflink` is
+// Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
+// ERR_REFLINK_UNSUPPORTED. Other errors are thrown as they are. Returns how the data arrived.
+CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+                      const std::string& dstPath);
+
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
 // cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete; on every failure the temp
 // file is removed. `dstPath` names the destination in errors. Fills `identity` when given.
@@ -49,15 +55,3 @@ int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, con
 
 }  // namespace vmspace
 
-namespace vmspace {
-
-// cloneFileAt for an absolute destination path; its parent directory must exist (ENOENT otherwise).
-CloneFileResult cloneFile(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options);
-
-// cloneFileAt for `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace's lease
-// fd): no symlink on the way is followed, and the last component is replaced only by rename, so nothing planted
-// in the workspace can redirect the write outside it. Parent directories must exist.
-CloneFileResult cloneFileBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
-                                 const std::string& rel, const CloneOptions& options);
-
-}  // namespace vmspace

@@ -224,15 +224,20 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     // The lease is taken before anything is inside: a sweep sees a leased staging entry as being built.
     if (flock(lease.get(), LOCK_EX | LOCK_NB) != 0) throwErrno(errno, "flock", stagingPath);
 
-    std::vector<SourceIdentity> identities(req.entries.size());
-    for (size_t i = 0; i < req.entries.size(); i++) {
-      const TemplateEntry& entry = req.entries[i];
+    CloneOptions opts = req.clone;
+    opts.overwrite = false;
+    if (!req.templateDir.empty()) {
+      ClonedEntry c{"", req.templateDir, {}, {}};
+      c.result = cloneTreeInto(req.templateDir, lease.get(), path(res.name), opts, req.progress, &c.identity);
+      res.clones.push_back(std::move(c));
+    }
+    for (const TemplateEntry& entry : req.entries) {
       std::string leaf;
       UniqueFd parent(openParentBeneath(lease.get(), entry.dest, &leaf, stagingPath, true));
-      CloneOptions opts = req.clone;
-      opts.overwrite = false;
-      res.clones.push_back({entry.dest, cloneFileAt(entry.source, parent.get(), leaf, path(res.name) + "/" + entry.dest,
-                                                    opts, &identities[i])});
+      ClonedEntry c{entry.dest, entry.source, {}, {}};
+      c.result = clonePathAt(entry.source, parent.get(), leaf, path(res.name) + "/" + entry.dest, opts, req.progress,
+                             &c.identity);
+      res.clones.push_back(std::move(c));
     }
 
     // infoJson is an object from the caller; the name and the template sources are added to it here, where the
@@ -244,16 +249,18 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
       appendJsonString(&json, res.name);
       json += ",\"template\":[";
       for (size_t i = 0; i < res.clones.size(); i++) {
-        const SourceIdentity& id = identities[i];
+        const ClonedEntry& c = res.clones[i];
+        const SourceIdentity& id = c.identity;
         if (i) json += ",";
         json += "{\"dest\":";
-        appendJsonString(&json, res.clones[i].dest);
+        appendJsonString(&json, c.dest);
         json += ",\"source\":";
-        appendJsonString(&json, req.entries[i].source);
-        json += ",\"dev\":\"" + std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) +
-                "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
+        appendJsonString(&json, c.source);
+        json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" +
+                std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" +
+                std::to_string(id.size) + ",\"mtimeNs\":\"" +
                 std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
-                (res.clones[i].result.method == CloneMethod::Reflink ? "reflink" : "copy") + "\"}";
+                methodName(c.result, req.clone.reflink) + "\"}";
       }
       json += "]}\n";
       return json;

@@ -13,6 +13,7 @@
 
 #include "clone.h"
 #include "fd.h"
+#include "tree.h"
 
 namespace vmspace {
 
@@ -21,20 +22,24 @@ constexpr const char* kFormatVersion = "1";
 
 struct TemplateEntry {
   std::string dest;    // workspace-relative, normalised (checked by the caller)
-  std::string source;  // absolute path of a regular file
+  std::string source;  // absolute path of a regular file or a directory
 };
 
 struct AllocateRequest {
   std::string prefix;    // checked by the caller: [a-z0-9][a-z0-9_-]*
   mode_t mode = 0700;    // of the workspace directory, less the umask (as mkdir(2))
-  std::vector<TemplateEntry> entries;
+  std::string templateDir;  // a directory whose contents become the workspace's contents (empty: none)
+  std::vector<TemplateEntry> entries;  // and/or single sources cloned to workspace-relative paths
+  CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
   std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
 };
 
 struct ClonedEntry {
-  std::string dest;
-  CloneFileResult result;
+  std::string dest;  // "" for templateDir
+  std::string source;
+  CloneSummary result;
+  SourceIdentity identity;
 };
 
 struct AllocateResult {
