@@ -3,7 +3,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -11,6 +13,10 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -47,75 +53,219 @@ struct InodeHash {
   size_t operator()(const InodeKey& k) const { return std::hash<uint64_t>()(k.ino * 31 + k.dev); }
 };
 
+// Opens the directory `rel` (normalised, relative) beneath `rootFd` without following any symlink on the way:
+// openat2(2) RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS (Linux 5.6), or an O_NOFOLLOW walk where openat2 is missing.
+int openDirBeneath(int rootFd, const std::string& rel) {
+  if (rel.empty()) return fcntl(rootFd, F_DUPFD_CLOEXEC, 0);
+  static std::atomic<bool> noOpenat2{false};
+  if (!noOpenat2.load(std::memory_order_relaxed)) {
+    struct open_how how = {};
+    how.flags = kDirFlags;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    int fd = static_cast<int>(syscall(SYS_openat2, rootFd, rel.c_str(), &how, sizeof how));
+    if (fd >= 0 || errno != ENOSYS) return fd;
+    noOpenat2.store(true, std::memory_order_relaxed);
+  }
+  UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
+  size_t start = 0;
+  while (cur) {
+    size_t slash = rel.find('/', start);
+    std::string comp = rel.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+    cur.reset(openat(cur.get(), comp.c_str(), kDirFlags));
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return cur.release();
+}
+
+// The walk. Each directory is a task: its entries are recreated by whichever thread takes it, regular files
+// (reflink or copy) inline, subdirectories made and queued as new tasks. Up to kMaxThreads threads take tasks
+// (the calling thread plus helpers started once there is queued work): the per-file cost is kernel work
+// (openat(O_CREAT) and FICLONE take most of it), so the walk scales with cores, not with fewer syscalls.
+// Tasks hold no fds while queued (they reopen their directory beneath the roots), so a wide tree cannot run
+// out of descriptors. A directory's mode and times are set when it and every directory below it are done.
 class TreeCloner {
  public:
-  TreeCloner(const CloneOptions& opts, CloneProgress* progress, int dstRootFd, std::string srcRoot,
+  static constexpr unsigned kMaxThreads = 4;
+
+  TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
              std::string dstRoot)
-      : opts_(opts), progress_(progress), dstRootFd_(dstRootFd), srcRoot_(std::move(srcRoot)),
-        dstRoot_(std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()) {}
+      : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd), srcRoot_(std::move(srcRoot)),
+        dstRoot_(std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()) {
+    unsigned cores = std::thread::hardware_concurrency();
+    maxThreads_ = std::max(1u, std::min(kMaxThreads, cores ? cores : 1u));
+  }
 
-  // Fills the empty directory dstFd with the contents of the directory srcFd (both taken over).
-  void cloneContents(int srcFd, int dstFd) {
+  ~TreeCloner() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : helpers_) t.join();
+  }
+
+  // Fills the (empty) destination root with the contents of the source root. Throws the first error.
+  void cloneContents() {
     struct stat st;
-    if (fstat(dstFd, &st) == 0) skip_ = {st.st_dev, st.st_ino};  // never walk into the tree being built
-    push(srcFd, dstFd, "", nullptr);
-    while (!stack_.empty()) step();
+    if (fstat(dstRootFd_, &st) == 0) skip_ = {st.st_dev, st.st_ino};  // never walk into the tree being built
+    auto root = std::make_unique<Task>();
+    root->applyMeta = false;
+    Task* r = root.get();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(root));
+      queue_.push_back(r);
+    }
+    work();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return active_ == 0; });
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : helpers_) t.join();
+    helpers_.clear();
+    if (failed_) throw firstError_;
   }
 
-  // Applies a source directory's metadata to a destination directory (used for the root of a tree clone).
+  // Applies a source directory's metadata to a destination directory (the root of a tree clone).
   void copyDirMeta(int srcFd, int dstFd, const struct stat& st, const std::string& rel) {
-    copyMeta(srcFd, dstFd, st, rel, true);
+    copyOwnerXattrs(srcFd, dstFd, st, rel);
+    setModeTimes(dstFd, st, rel);
   }
 
-  CloneSummary summary;
+  CloneSummary summary;  // complete after cloneContents returns
 
  private:
-  struct Frame {
-    DIR* src;
-    UniqueFd dst;
-    std::string rel;  // path below the roots ("" for the roots)
-    struct stat st;   // the source directory's, applied to dst when its contents are done
-    bool applyMeta;
+  struct Task {
+    std::string rel;   // below the roots ("" for the roots)
+    struct stat st{};  // the source directory's
+    bool applyMeta = true;
+    Task* parent = nullptr;
+    std::atomic<int> pending{1};  // its own entries, plus each subdirectory not yet complete
   };
 
   std::string srcPath(const std::string& rel) const { return rel.empty() ? srcRoot_ : srcRoot_ + "/" + rel; }
   std::string dstPath(const std::string& rel) const { return rel.empty() ? dstRoot_ : dstRoot_ + "/" + rel; }
 
-  void push(int srcFd, int dstFd, std::string rel, const struct stat* st) {
-    UniqueFd dst(dstFd);
-    DIR* d = fdopendir(srcFd);
-    if (!d) {
+  // The loop of every thread: take a task, do it, until no task is queued and none is running.
+  void work() {
+    CloneSummary local;
+    for (;;) {
+      Task* t;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty() || active_ == 0; });
+        if (stop_ || queue_.empty()) break;
+        t = queue_.back();  // LIFO: depth first, so directories complete (and are finished) early
+        queue_.pop_back();
+        active_++;
+      }
+      try {
+        directory(t, local);
+        complete(t);
+      } catch (const Error& e) {
+        fail(e);
+      } catch (const std::bad_alloc&) {
+        Error e;
+        e.err = ENOMEM;
+        e.syscall = "malloc";
+        fail(e);
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        active_--;
+      }
+      cv_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    add(summary, local);
+  }
+
+  static void add(CloneSummary& into, const CloneSummary& s) {
+    into.files += s.files;
+    into.bytes += s.bytes;
+    into.reflinked += s.reflinked;
+    into.copied += s.copied;
+    into.dirs += s.dirs;
+    into.symlinks += s.symlinks;
+    into.hardlinks += s.hardlinks;
+    into.fifos += s.fifos;
+    into.devices += s.devices;
+    into.skippedSockets += s.skippedSockets;
+    into.skippedDevices += s.skippedDevices;
+  }
+
+  void fail(const Error& e) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failed_) {
+        failed_ = true;
+        firstError_ = e;
+      }
+      stop_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  void enqueue(std::unique_ptr<Task> task) {
+    bool spawn = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(task.get());
+      tasks_.push_back(std::move(task));
+      spawn = queue_.size() > 1 && helpers_.size() + 1 < maxThreads_ && !stop_;
+      if (spawn) helpers_.emplace_back([this] { work(); });
+    }
+    cv_.notify_one();
+  }
+
+  // A task's own entries are done, or one of its subdirectories completed: when nothing is left, set its mode
+  // and times (post-order) and tell its parent.
+  void complete(Task* t) {
+    while (t && t->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      if (t->applyMeta) {
+        UniqueFd dst(openDirBeneath(dstRootFd_, t->rel));
+        if (!dst) throwErrno(errno, "open", dstPath(t->rel));
+        setModeTimes(dst.get(), t->st, t->rel);
+      }
+      t = t->parent;
+    }
+  }
+
+  void directory(Task* t, CloneSummary& local) {
+    UniqueFd src(openDirBeneath(srcRootFd_, t->rel));
+    if (!src) throwErrno(errno, "open", srcPath(t->rel), dstPath(t->rel));
+    UniqueFd dst(openDirBeneath(dstRootFd_, t->rel));
+    if (!dst) throwErrno(errno, "open", srcPath(t->rel), dstPath(t->rel));
+    // Owner and xattrs now; mode and times once everything below is written (complete()).
+    if (t->applyMeta) copyOwnerXattrs(src.get(), dst.get(), t->st, t->rel);
+    int sfd = src.get();
+    DIR* dir = fdopendir(src.release());
+    if (!dir) {
       int err = errno;
-      ::close(srcFd);
-      throwErrno(err, "opendir", srcPath(rel), dstPath(rel));
+      ::close(sfd);
+      throwErrno(err, "opendir", srcPath(t->rel));
     }
-    Frame f{d, std::move(dst), std::move(rel), {}, st != nullptr};
-    if (st) f.st = *st;
-    stack_.push_back(std::move(f));
+    std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+    for (;;) {
+      errno = 0;
+      struct dirent* de = readdir(dir);
+      if (!de) {
+        if (errno) throwErrno(errno, "readdir", srcPath(t->rel));
+        return;
+      }
+      const char* name = de->d_name;
+      if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+      if (stop_ || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
+        throwErrno(ECANCELED, "clone", srcPath(t->rel), dstPath(t->rel));
+      entry(t, sfd, dst.get(), name, local);
+    }
   }
 
-  void step() {
-    Frame& top = stack_.back();
-    errno = 0;
-    struct dirent* de = readdir(top.src);
-    if (!de) {
-      if (errno) throwErrno(errno, "readdir", srcPath(top.rel));
-      // Post-order: a directory's mode and times are set once nothing more is written into it.
-      if (top.applyMeta) copyMeta(dirfd(top.src), top.dst.get(), top.st, top.rel, true);
-      closedir(top.src);
-      stack_.pop_back();
-      return;
-    }
-    const char* name = de->d_name;
-    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) return;
-    if (progress_ && progress_->cancel.load(std::memory_order_relaxed))
-      throwErrno(ECANCELED, "clone", srcPath(top.rel), dstPath(top.rel));
-    entry(top, name);
-  }
-
-  void entry(Frame& top, const char* name) {
-    int sdir = dirfd(top.src), ddir = top.dst.get();
-    std::string rel = top.rel.empty() ? std::string(name) : top.rel + "/" + name;
+  void entry(Task* t, int sdir, int ddir, const char* name, CloneSummary& local) {
+    std::string rel = t->rel.empty() ? std::string(name) : t->rel + "/" + name;
     struct stat st;
     if (fstatat(sdir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) return;  // removed from the source since readdir
@@ -125,20 +275,17 @@ class TreeCloner {
       case S_IFDIR: {
         if (st.st_dev == skip_.dev && st.st_ino == skip_.ino) return;
         if (mkdirat(ddir, name, 0700) != 0) throwErrno(errno, "mkdir", srcPath(rel), dstPath(rel));
-        int sfd = openat(sdir, name, kDirFlags);
-        if (sfd < 0) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-        int dfd = openat(ddir, name, kDirFlags);
-        if (dfd < 0) {
-          int err = errno;
-          ::close(sfd);
-          throwErrno(err, "open", srcPath(rel), dstPath(rel));
-        }
-        summary.dirs++;
-        push(sfd, dfd, std::move(rel), &st);  // invalidates `top`
+        local.dirs++;
+        auto child = std::make_unique<Task>();
+        child->rel = std::move(rel);
+        child->st = st;
+        child->parent = t;
+        t->pending.fetch_add(1, std::memory_order_relaxed);
+        enqueue(std::move(child));
         return;
       }
       case S_IFREG:
-        regular(sdir, ddir, name, rel, st);
+        regular(sdir, ddir, name, rel, st, local);
         return;
       case S_IFLNK: {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
@@ -148,42 +295,45 @@ class TreeCloner {
         target[n] = 0;
         if (symlinkat(target, ddir, name) != 0) throwErrno(errno, "symlink", srcPath(rel), dstPath(rel));
         nodeMeta(ddir, name, st, rel, true);
-        summary.symlinks++;
+        local.symlinks++;
         return;
       }
       case S_IFIFO:
         if (mknodat(ddir, name, S_IFIFO | 0600, 0) != 0) throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
         nodeMeta(ddir, name, st, rel, false);
-        summary.fifos++;
+        local.fifos++;
         return;
       case S_IFCHR:
       case S_IFBLK:
         if (mknodat(ddir, name, (st.st_mode & S_IFMT) | 0600, st.st_rdev) != 0) {
           if (errno == EPERM) {  // mknod(2) of a device needs CAP_MKNOD: skipped and counted
-            summary.skippedDevices++;
+            local.skippedDevices++;
             return;
           }
           throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
         }
         nodeMeta(ddir, name, st, rel, false);
-        summary.devices++;
+        local.devices++;
         return;
       case S_IFSOCK:
-        summary.skippedSockets++;
+        local.skippedSockets++;
         return;
       default:
         return;
     }
   }
 
-  void regular(int sdir, int ddir, const char* name, const std::string& rel, const struct stat& st) {
+  void regular(int sdir, int ddir, const char* name, const std::string& rel, const struct stat& st,
+               CloneSummary& local) {
+    std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
     if (st.st_nlink > 1) {
+      // Hard-linked files are cloned once, under a lock so that two threads never both clone one inode.
+      linkLock.lock();
       auto it = links_.find({st.st_dev, st.st_ino});
       if (it != links_.end()) {
-        // A hard link to a file already cloned in this tree: link the clone, do not clone twice.
         if (linkat(dstRootFd_, it->second.c_str(), ddir, name, 0) != 0)
           throwErrno(errno, "link", srcPath(rel), dstPath(rel));
-        summary.hardlinks++;
+        local.hardlinks++;
         return;
       }
     }
@@ -201,27 +351,36 @@ class TreeCloner {
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     CloneMethod m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, srcPath(rel),
                               dstPath(rel));
-    copyMeta(src.get(), dst.get(), st, rel, !exact);
+    bool chmod = !exact || copyOwnerXattrs(src.get(), dst.get(), st, rel);
+    if (chmod && fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
     if (opts_.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath(rel));
     if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, rel);
-    (m == CloneMethod::Reflink ? summary.reflinked : summary.copied)++;
-    summary.files++;
-    summary.bytes += static_cast<uint64_t>(st.st_size);
+    (m == CloneMethod::Reflink ? local.reflinked : local.copied)++;
+    local.files++;
+    local.bytes += static_cast<uint64_t>(st.st_size);
     if (progress_) {
-      progress_->files.store(summary.files, std::memory_order_relaxed);
-      progress_->bytes.store(summary.bytes, std::memory_order_relaxed);
+      progress_->files.fetch_add(1, std::memory_order_relaxed);
+      progress_->bytes.fetch_add(static_cast<uint64_t>(st.st_size), std::memory_order_relaxed);
     }
   }
 
-  // Owner, mode, xattrs, times, in that order: chown(2) clears setuid/setgid and security.capability, so
-  // those come after it; writing data clears them too, so all of this follows the data.
-  void copyMeta(int sfd, int dfd, const struct stat& st, const std::string& rel, bool chmod) {
+  // Owner then xattrs: chown(2) clears setuid/setgid and security.capability, so the xattrs (and the mode,
+  // which the caller sets after this) come after it. Returns true when the owner was changed (the mode must
+  // then be set again).
+  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel) {
+    bool chowned = false;
     if (st.st_uid != euid_ || st.st_gid != egid_) {
       if (fchown(dfd, st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
-      chmod = true;
+      chowned = true;
     }
-    if (chmod && fchmod(dfd, st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
     copyXattrs(sfd, dfd, rel);
+    return chowned;
+  }
+
+  void setModeTimes(int dfd, const struct stat& st, const std::string& rel) {
+    if (fchmod(dfd, st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (futimens(dfd, times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
   }
@@ -275,16 +434,27 @@ class TreeCloner {
 
   const CloneOptions& opts_;
   CloneProgress* progress_;
-  int dstRootFd_;
+  int srcRootFd_, dstRootFd_;
   std::string srcRoot_, dstRoot_;
   uid_t euid_;
   gid_t egid_;
   mode_t umask_;
+  unsigned maxThreads_;
   InodeKey skip_{0, 0};
-  std::vector<Frame> stack_;
+
+  std::mutex mu_;  // guards everything below it but the atomics
+  std::condition_variable cv_;
+  std::vector<Task*> queue_;
+  std::vector<std::unique_ptr<Task>> tasks_;  // every task, freed with the cloner
+  std::vector<std::thread> helpers_;
+  unsigned active_ = 0;
+  std::atomic<bool> stop_{false};  // also read without the lock, between entries
+  bool failed_ = false;
+  Error firstError_;
+
+  std::mutex linkMu_;
   std::unordered_map<InodeKey, std::string, InodeHash> links_;  // source inode -> its clone's path below dstRoot
 };
-
 
 void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
                  const std::string& dstPath) {
@@ -319,10 +489,8 @@ CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::str
   if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
   fillIdentity(identity, st);
   checkSameFs(st, dstFd, options, srcPath, dstPath);
-  int dup = fcntl(dstFd, F_DUPFD_CLOEXEC, 0);
-  if (dup < 0) throwErrno(errno, "fcntl", dstPath);
-  TreeCloner cloner(options, progress, dstFd, srcPath, dstPath);
-  cloner.cloneContents(src.release(), dup);
+  TreeCloner cloner(options, progress, src.get(), dstFd, srcPath, dstPath);
+  cloner.cloneContents();
   cloner.summary.tree = true;
   return cloner.summary;
 }
@@ -359,12 +527,8 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   try {
     UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
     if (!root) throwErrno(errno, "open", dstPath);
-    UniqueFd srcAgain(openat(src.get(), ".", kDirFlags));  // one fd for the walk, one for the root's metadata
-    if (!srcAgain) throwErrno(errno, "open", srcPath);
-    int walkDst = fcntl(root.get(), F_DUPFD_CLOEXEC, 0);
-    if (walkDst < 0) throwErrno(errno, "fcntl", dstPath);
-    TreeCloner cloner(options, progress, root.get(), srcPath, dstPath);
-    cloner.cloneContents(srcAgain.release(), walkDst);
+    TreeCloner cloner(options, progress, src.get(), root.get(), srcPath, dstPath);
+    cloner.cloneContents();
     cloner.copyDirMeta(src.get(), root.get(), st, "");
     if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
