@@ -40,6 +40,20 @@ export interface NativeAllocateResult {
   clones: (NativeCloneResult & { dest: string })[]
 }
 
+export interface NativeSweepEntry {
+  name: string
+  from: 'published' | 'staging' | 'trash'
+  bytes: number
+  error?: unknown
+}
+
+export interface NativeSweepReport {
+  reclaimed: NativeSweepEntry[]
+  failed: NativeSweepEntry[]
+  live: number
+  metaRemoved: number
+}
+
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
@@ -59,6 +73,8 @@ export interface Native {
   ): Promise<NativeAllocateResult>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
+  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
+  sweep(handle: PoolHandle, dryRun: boolean, graceMs: number): Promise<NativeSweepReport>
   clonePath(
     src: string,
     dst: string,

@@ -2,7 +2,18 @@
  * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md and DESIGN.md.
  */
 export { openPool, Pool, Workspace } from './pool.js'
-export type { PoolOptions, AllocateOptions, WorkspaceInfo, PoolStats, TemplateSource, JsonObject, JsonValue } from './pool.js'
+export type {
+  PoolOptions,
+  AllocateOptions,
+  WorkspaceInfo,
+  PoolStats,
+  SweepOptions,
+  SweepReport,
+  SweepEntry,
+  TemplateSource,
+  JsonObject,
+  JsonValue,
+} from './pool.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
 export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'

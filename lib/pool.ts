@@ -2,6 +2,7 @@
  * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
  * sequence (mkdir, open, flock, clones, metadata, publish) runs in one hop on the libuv pool.
  */
+import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { native, type PoolHandle } from './binding.js'
@@ -80,6 +81,35 @@ export interface WorkspaceInfo {
   bootId?: string
   /** Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used. */
   error?: VmspaceError
+}
+
+export interface SweepOptions {
+  /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
+  dryRun?: boolean
+  /**
+   * Staging entries and metadata files younger than this (ms, by birth time) are left alone even when
+   * unleased: a build may not have taken its lease yet. Default 60000.
+   */
+  graceMs?: number
+}
+
+export interface SweepEntry {
+  id: string
+  name: string
+  /** Where it was found: a published workspace whose owner is gone, a dead build, or trash. */
+  from: 'published' | 'staging' | 'trash'
+  /** Space freed (allocated blocks, bytes). */
+  bytes: number
+}
+
+export interface SweepReport {
+  reclaimed: SweepEntry[]
+  /** Published workspaces left alone because a process holds their lease. */
+  live: number
+  /** Removals that failed (e.g. `EBUSY`: a mount inside); what is left stays in trash for a later sweep. */
+  failed: (SweepEntry & { code: string; error: VmspaceError })[]
+  /** Metadata files removed because no workspace has them. */
+  metadataRemoved: number
 }
 
 export interface PoolStats {
@@ -211,34 +241,82 @@ export class Pool {
   async list(): Promise<WorkspaceInfo[]> {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
-    return entries.map((e) => {
-      const m = NAME.exec(e.name)!
-      const info: WorkspaceInfo = { id: m[2], name: e.name, path: path.join(this.root, e.name), live: e.live }
-      if (e.metaText === undefined) {
-        info.error = fromNative(e.metaError) as VmspaceError
-        return info
-      }
-      let parsed: unknown
-      try {
-        parsed = JSON.parse(e.metaText)
-      } catch {
-        parsed = undefined
-      }
-      if (typeof parsed !== 'object' || parsed === null || Array.isArray(parsed)) {
-        info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${e.name} is not a JSON object`, {
-          path: path.join(this.root, '.vmspace', 'meta', `${e.name}.json`),
-        })
-        return info
-      }
-      const p = parsed as Record<string, unknown>
-      if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
-      if (typeof p.meta === 'object' && p.meta !== null) info.meta = p.meta as JsonObject
-      if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
-      if (typeof p.pid === 'number') info.pid = p.pid
-      if (typeof p.hostname === 'string') info.hostname = p.hostname
-      if (typeof p.bootId === 'string') info.bootId = p.bootId
+    return entries.map((e) => this.#info(e.name, e.live, e.metaText, e.metaError))
+  }
+
+  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
+    const id = NAME.exec(name)?.[2] ?? name
+    const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
+    if (metaText === undefined) {
+      info.error = fromNative(metaError) as VmspaceError
       return info
+    }
+    let parsed: unknown
+    try {
+      parsed = JSON.parse(metaText)
+    } catch {
+      parsed = undefined
+    }
+    if (typeof parsed !== 'object' || parsed === null || Array.isArray(parsed)) {
+      info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
+        path: path.join(this.root, '.vmspace', 'meta', `${name}.json`),
+      })
+      return info
+    }
+    const p = parsed as Record<string, unknown>
+    if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
+    if (typeof p.meta === 'object' && p.meta !== null && !Array.isArray(p.meta)) info.meta = p.meta as JsonObject
+    if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
+    if (typeof p.pid === 'number') info.pid = p.pid
+    if (typeof p.hostname === 'string') info.hostname = p.hostname
+    if (typeof p.bootId === 'string') info.bootId = p.bootId
+    return info
+  }
+
+  /**
+   * Takes over the workspace `id` (of this pool's prefix) whose lease is free, e.g. after its sidecar
+   * restarted and its VM exited. Throws `ERR_LEASE_HELD` while any process holds the lease, `ENOENT` for an
+   * unknown id. The returned workspace's `info` has its metadata (with `error` where it does not parse).
+   */
+  async adopt(id: string): Promise<Workspace> {
+    if (typeof id !== 'string') throw invalidType('id', 'a workspace id string', id)
+    if (!/^[0-9a-f]{32}$/.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
+    this.#assertOpen()
+    const name = `${this.prefix}-${id}`
+    const r = await call(this.#inFlight.track(native.adopt(this.#handle, name)))
+    this.#open++
+    const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
+    ws.info = this.#info(name, true, r.metaText, r.metaError)
+    return ws
+  }
+
+  /**
+   * Reclaims what no live process holds (DESIGN.md, "sweep"): every published workspace whose lease is free
+   * (moved to trash, removed), everything in trash that no dispose is removing, unleased staging entries older
+   * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
+   * never age or pid.
+   */
+  async sweep(options?: SweepOptions): Promise<SweepReport> {
+    const o = optionsObject<SweepOptions>('options', options)
+    const dryRun = boolean('options.dryRun', o.dryRun, false)
+    const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
+    this.#assertOpen()
+    const r = await call(this.#inFlight.track(native.sweep(this.#handle, dryRun, graceMs)))
+    const entry = (e: { name: string; from: SweepEntry['from']; bytes: number }): SweepEntry => ({
+      id: NAME.exec(e.name)?.[2] ?? e.name,
+      name: e.name,
+      from: e.from,
+      bytes: e.bytes,
     })
+    return {
+      reclaimed: r.reclaimed.map(entry),
+      live: r.live,
+      failed: r.failed.map((e) => {
+        const error = fromNative(e.error) as VmspaceError
+        return { ...entry(e), code: error.code, error }
+      }),
+      metadataRemoved: r.metaRemoved,
+    }
   }
 
   /** Counters since the pool was opened in this process (a copy). */
@@ -265,6 +343,12 @@ export class Pool {
       this.#open--
       await this.#releaseIfIdle()
     }
+  }
+
+  /** @internal A workspace of this pool closed its lease without dispose (release). */
+  async _forget(): Promise<void> {
+    this.#open--
+    await this.#releaseIfIdle()
   }
 
   /** @internal */
@@ -302,9 +386,11 @@ export class Workspace implements AsyncDisposable {
    * process (spawn's `stdio`) to keep the workspace live while the child runs. Closed by dispose().
    */
   readonly leaseFd: number
-  /** What the template cloned into the workspace. */
+  /** What the template cloned into the workspace (allocate only). */
   template: CloneResult[] = []
-  #status: 'ready' | 'disposed' | 'unrecoverable' = 'ready'
+  /** Metadata as recorded on disk (adopt only). */
+  info?: WorkspaceInfo
+  #status: 'ready' | 'disposed' | 'unrecoverable' | 'released' = 'ready'
   #cause: unknown
   #disposing: Promise<void> | undefined
   readonly #pool: Pool
@@ -320,8 +406,11 @@ export class Workspace implements AsyncDisposable {
     this.leaseFd = leaseFd
   }
 
-  /** `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash. */
-  get status(): 'ready' | 'disposed' | 'unrecoverable' {
+  /**
+   * `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash and a
+   * sweep finishes it. `'released'` after release().
+   */
+  get status(): 'ready' | 'disposed' | 'unrecoverable' | 'released' {
     return this.#status
   }
 
@@ -371,6 +460,24 @@ export class Workspace implements AsyncDisposable {
       }
     })()
     return this.#disposing
+  }
+
+  /**
+   * Closes this process's lease fd without removing the workspace: after handing `leaseFd` to a child process,
+   * the workspace then lives exactly as long as that child (and any other holder); once the lease is free, a
+   * sweep reclaims it or another process adopts it. Later calls to dispose()/clone() throw `ERR_DISPOSED`.
+   */
+  async release(): Promise<void> {
+    if (this.#status !== 'ready' || this.#disposing)
+      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${this.#status === 'released' ? 'released' : 'disposed'}`, { path: this.path })
+    this.#disposing = Promise.reject(
+      vmspaceError('ERR_DISPOSED', `workspace ${this.name} was released`, { path: this.path }),
+    )
+    this.#disposing.catch(() => {})
+    await this.#inFlight.idle()
+    await new Promise<void>((resolve, reject) => fs.close(this.leaseFd, (e) => (e ? reject(e) : resolve())))
+    this.#status = 'released'
+    await this.#pool._forget()
   }
 
   [Symbol.asyncDispose](): Promise<void> {

@@ -239,6 +239,54 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
       undefinedOf);
 }
 
+Napi::Value Adopt(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  return Work<vmspace::AdoptResult>::Start(
+      info.Env(), [pool, name] { return pool->adopt(name); },
+      [](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("leaseFd", r.leaseFd);
+        if (r.metaErrno == 0) {
+          o.Set("metaText", r.metaText);
+        } else {
+          vmspace::Error e;
+          e.err = r.metaErrno;
+          e.syscall = "open";
+          o.Set("metaError", errorObject(env, e));
+        }
+        return o;
+      });
+}
+
+Napi::Value Sweep(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  bool dryRun = boolArg(info, 1);
+  int64_t graceMs = intArg(info, 2);
+  return Work<vmspace::SweepReport>::Start(
+      info.Env(), [pool, dryRun, graceMs] { return pool->sweep(dryRun, graceMs); },
+      [](Napi::Env env, vmspace::SweepReport& r) -> Napi::Value {
+        auto entries = [&](const std::vector<vmspace::SweepEntry>& list, bool withError) {
+          Napi::Array a = Napi::Array::New(env, list.size());
+          for (size_t i = 0; i < list.size(); i++) {
+            Napi::Object e = Napi::Object::New(env);
+            e.Set("name", list[i].name);
+            e.Set("from", list[i].from);
+            e.Set("bytes", static_cast<double>(list[i].bytes));
+            if (withError) e.Set("error", errorObject(env, list[i].error));
+            a.Set(static_cast<uint32_t>(i), e);
+          }
+          return a;
+        };
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("reclaimed", entries(r.reclaimed, false));
+        o.Set("failed", entries(r.failed, true));
+        o.Set("live", static_cast<double>(r.live));
+        o.Set("metaRemoved", static_cast<double>(r.metaRemoved));
+        return o;
+      });
+}
+
 Napi::Value List(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   return Work<std::vector<vmspace::ListEntry>>::Start(
@@ -359,6 +407,8 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("allocate", Napi::Function::New(env, Allocate, "allocate"));
   exports.Set("dispose", Napi::Function::New(env, Dispose, "dispose"));
   exports.Set("list", Napi::Function::New(env, List, "list"));
+  exports.Set("adopt", Napi::Function::New(env, Adopt, "adopt"));
+  exports.Set("sweep", Napi::Function::New(env, Sweep, "sweep"));
   exports.Set("clonePath", Napi::Function::New(env, ClonePath, "clonePath"));
   exports.Set("clonePathBeneath", Napi::Function::New(env, ClonePathBeneath, "clonePathBeneath"));
   exports.Set("newProgress", Napi::Function::New(env, NewProgress, "newProgress"));

@@ -302,26 +302,185 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   return res;
 }
 
+bool Pool::moveToTrash(const std::string& name, int fd) {
+  struct stat own;
+  if (fstat(fd, &own) != 0) throwErrno(errno, "fstat", path(name));
+  // The name disappears from the root atomically; from here on nobody can open or adopt it by name.
+  if (renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno == ENOENT) return false;
+    throwErrno(errno, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
+  }
+  struct stat moved;
+  if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0)
+    throwErrno(errno, "stat", root_ + "/.vmspace/trash/" + name);
+  if (moved.st_dev != own.st_dev || moved.st_ino != own.st_ino) {
+    // Whatever was at the name is not the directory we hold: put it back untouched.
+    renameat2(trashFd_.get(), name.c_str(), rootFd_.get(), name.c_str(), RENAME_NOREPLACE);
+    throwErrno(ESTALE, "rename", path(name));
+  }
+  return true;
+}
+
 void Pool::dispose(const std::string& name, int leaseFd) {
   UniqueFd lease(leaseFd);
   std::string trashPath = root_ + "/.vmspace/trash/" + name;
-  struct stat own;
-  if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
-  // The name disappears from the root atomically; from here on nobody can open or adopt the workspace by name.
-  if (renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE) != 0 && errno != ENOENT)
-    throwErrno(errno, "renameat2", path(name), trashPath);
-  struct stat moved;
-  if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0) {
-    if (errno != ENOENT) throwErrno(errno, "stat", trashPath);
-  } else if (moved.st_dev != own.st_dev || moved.st_ino != own.st_ino) {
-    // Whatever was at our name is not the directory we hold: put it back untouched.
-    renameat2(trashFd_.get(), name.c_str(), rootFd_.get(), name.c_str(), RENAME_NOREPLACE);
-    throwErrno(ESTALE, "dispose", path(name));
-  } else {
+  moveToTrash(name, lease.get());
+  // Also when the name was already gone from the root: a dispose that failed before left it in trash.
+  struct stat there, own;
+  if (fstatat(trashFd_.get(), name.c_str(), &there, AT_SYMLINK_NOFOLLOW) == 0 && fstat(lease.get(), &own) == 0 &&
+      there.st_ino == own.st_ino && there.st_dev == own.st_dev)
     removeTreeNoFollow(trashFd_.get(), name, trashPath);
-  }
   if (unlinkat(metaFd_.get(), (name + ".json").c_str(), 0) != 0 && errno != ENOENT)
     throwErrno(errno, "unlink", metaPath(name));
+}
+
+AdoptResult Pool::adopt(const std::string& name) {
+  AdoptResult r;
+  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+  if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK)
+      throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, "flock",
+                path(name));
+    throwErrno(errno, "flock", path(name));
+  }
+  // A sweep may have removed it between our open and our lock: it must still be the directory at the name.
+  struct stat at, own;
+  if (fstat(fd.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
+  if (fstatat(rootFd_.get(), name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_ino != own.st_ino ||
+      at.st_dev != own.st_dev)
+    throwErrno(ENOENT, "open", path(name));
+  r.metaErrno = readSmallFile(metaFd_.get(), name + ".json", &r.metaText);
+  r.leaseFd = fd.release();
+  return r;
+}
+
+namespace {
+
+// Names in a directory, read through a fresh open file description (readdir offsets are per description).
+std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
+  std::vector<std::pair<std::string, unsigned char>> out;
+  int fd = openat(dirFd, ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  DIR* dir = fdopendir(fd);
+  if (!dir) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "opendir", shown);
+  }
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+  for (;;) {
+    errno = 0;
+    struct dirent* de = readdir(dir);
+    if (!de) {
+      if (errno) throwErrno(errno, "readdir", shown);
+      return out;
+    }
+    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+    out.emplace_back(de->d_name, de->d_type);
+  }
+}
+
+// Milliseconds since the entry was made: its birth time where the file system records it (statx STATX_BTIME:
+// ext4, XFS, btrfs), else its last status change.
+int64_t ageMs(int dirFd, const std::string& name) {
+  struct statx stx;
+  if (statx(dirFd, name.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
+  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
+}
+
+}  // namespace
+
+SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
+  SweepReport report;
+  std::string trashDir = root_ + "/.vmspace/trash";
+  auto removeInTrash = [&](const std::string& name, const char* from) {
+    SweepEntry e{name, from, 0, {}};
+    try {
+      removeTreeNoFollow(trashFd_.get(), name, trashDir + "/" + name, &e.bytes);
+      report.reclaimed.push_back(std::move(e));
+    } catch (const Error& err) {
+      e.error = err;
+      report.failed.push_back(std::move(e));
+    }
+  };
+
+  // Published workspaces: a free lease means the owner is gone. The lock is held while the workspace is moved
+  // and removed, so no adopt can take it meanwhile.
+  for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
+    if ((type != DT_DIR && type != DT_UNKNOWN) || !isWorkspaceName(name.c_str())) continue;
+    UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+    if (!fd) continue;
+    if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) report.live++;
+      continue;
+    }
+    if (dryRun) {
+      report.reclaimed.push_back({name, "published", 0, {}});
+      continue;
+    }
+    try {
+      if (!moveToTrash(name, fd.get())) continue;  // disposed or reclaimed by someone else meanwhile
+    } catch (const Error& err) {
+      report.failed.push_back({name, "published", 0, err});
+      continue;
+    }
+    removeInTrash(name, "published");
+    unlinkat(metaFd_.get(), (name + ".json").c_str(), 0);
+  }
+
+  // Trash: everything not locked by a dispose still removing it.
+  for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
+    UniqueFd fd(openat(trashFd_.get(), name.c_str(), kDirFlags));
+    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    if (dryRun) {
+      report.reclaimed.push_back({name, "trash", 0, {}});
+      continue;
+    }
+    removeInTrash(name, "trash");
+    unlinkat(metaFd_.get(), (name + ".json").c_str(), 0);
+  }
+
+  // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
+  // process died; a young free one may be a build that has not taken its lease yet.
+  std::string stagingDir = root_ + "/.vmspace/staging";
+  for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
+    UniqueFd fd(openat(stagingFd_.get(), name.c_str(), kDirFlags));
+    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    if (ageMs(stagingFd_.get(), name) < graceMs) continue;
+    if (dryRun) {
+      report.reclaimed.push_back({name, "staging", 0, {}});
+      continue;
+    }
+    SweepEntry e{name, "staging", 0, {}};
+    try {
+      removeTreeNoFollow(stagingFd_.get(), name, stagingDir + "/" + name, &e.bytes);
+      report.reclaimed.push_back(std::move(e));
+    } catch (const Error& err) {
+      e.error = err;
+      report.failed.push_back(std::move(e));
+    }
+  }
+
+  // Metadata without a workspace (published or being built), and temp files of writes that died.
+  for (auto& [file, type] : readNames(metaFd_.get(), root_ + "/.vmspace/meta")) {
+    bool temp = file[0] == '.';
+    if (!temp) {
+      if (file.size() < 6 || file.compare(file.size() - 5, 5, ".json") != 0) continue;
+      std::string name = file.substr(0, file.size() - 5);
+      struct stat st;
+      if (fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+          fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+        continue;
+    }
+    if (ageMs(metaFd_.get(), file) < graceMs) continue;
+    if (!dryRun && unlinkat(metaFd_.get(), file.c_str(), 0) != 0) continue;
+    report.metaRemoved++;
+  }
+  return report;
 }
 
 std::vector<ListEntry> Pool::list() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "clone.h"
+#include "error.h"
 #include "fd.h"
 #include "tree.h"
 
@@ -56,6 +57,26 @@ struct ListEntry {
   int metaErrno = 0;
 };
 
+struct AdoptResult {
+  int leaseFd = -1;
+  std::string metaText;
+  int metaErrno = 0;
+};
+
+struct SweepEntry {
+  std::string name;
+  const char* from;   // "published", "staging" or "trash"
+  uint64_t bytes = 0;  // space freed (st_blocks * 512); 0 in a dry run
+  Error error;         // for failures
+};
+
+struct SweepReport {
+  std::vector<SweepEntry> reclaimed;
+  std::vector<SweepEntry> failed;  // removal failed (e.g. a mount inside): left in trash, reported
+  uint64_t live = 0;               // published workspaces whose lease is held
+  uint64_t metaRemoved = 0;        // metadata files without a workspace
+};
+
 class Pool {
  public:
   // Opens (with `create`, makes) the pool at `root`, an absolute path. Errors: the errno of the failing syscall;
@@ -70,6 +91,15 @@ class Pool {
   // closed on every path, so that a sweep can finish what a failed removal left in trash.
   void dispose(const std::string& name, int leaseFd);
 
+  // Takes over the published workspace `name` whose lease is free: ENOENT when there is none,
+  // ERR_LEASE_HELD while any process holds its lease.
+  AdoptResult adopt(const std::string& name);
+
+  // Reclaims what no live process holds: published workspaces whose lease is free, everything in trash not
+  // being removed right now, staging entries whose lease is free and that are older than `graceMs`, metadata
+  // without a workspace older than `graceMs`. A live lease is never taken from its owner (flock LOCK_NB).
+  SweepReport sweep(bool dryRun, int64_t graceMs);
+
   // Published workspaces (every <prefix>-<32 hex> directory of the root) with liveness and metadata text.
   std::vector<ListEntry> list();
 
@@ -80,6 +110,9 @@ class Pool {
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
+  // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in
+  // the root. Verifies that what moved is that directory, and puts anything else back.
+  bool moveToTrash(const std::string& name, int fd);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
   bool publishMeta(const std::string& name, const std::string& json, bool durable);
 

@@ -24,7 +24,7 @@ struct Frame {
 
 class Remover {
  public:
-  Remover(uint64_t mount) : mount_(mount), root_(geteuid() == 0) {}
+  Remover(uint64_t mount, uint64_t* bytes) : mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
 
   // Empties the directory `fd` (taken over) at `path`, then, frame by frame, removes each emptied directory.
   void emptyDirectory(int fd, const std::string& path) {
@@ -93,7 +93,7 @@ class Remover {
     }
     std::string path = top.path + "/" + name;
     struct statx stx;
-    if (statxFd(fd, STATX_MODE | STATX_MNT_ID, &stx) != 0) {
+    if (statxFd(fd, STATX_MODE | STATX_MNT_ID | STATX_BLOCKS, &stx) != 0) {
       record(errno, "statx", path);
       ::close(fd);
       return true;
@@ -105,6 +105,7 @@ class Remover {
       return true;
     }
     if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR)) fchmod(fd, stx.stx_mode | S_IRWXU);
+    if (bytes_) *bytes_ += stx.stx_blocks * 512;
     DIR* d = fdopendir(fd);
     if (!d) {
       record(errno, "fdopendir", path);
@@ -116,6 +117,10 @@ class Remover {
   }
 
   void unlinkEntry(Frame& top, int dfd, const char* name) {
+    if (bytes_) {
+      struct stat st;
+      if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) *bytes_ += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
     if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return;
     if ((errno == EACCES || errno == EPERM) && !root_ && fchmod(dfd, S_IRWXU) == 0 && unlinkat(dfd, name, 0) == 0)
       return;
@@ -128,26 +133,30 @@ class Remover {
 
   uint64_t mount_;
   bool root_;
+  uint64_t* bytes_;
   std::vector<Frame> stack_;
   std::optional<Error> first_;
 };
 
 }  // namespace
 
-void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath) {
+void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath, uint64_t* bytes) {
   struct statx parent;
   if (statxFd(parentFd, STATX_MNT_ID, &parent) != 0) throwErrno(errno, "statx", displayPath);
   int fd = openat(parentFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) {
     if (errno == ENOTDIR || errno == ELOOP) {
       // Not a directory: a file, or a symlink that is removed itself, never its target.
+      struct stat st;
+      if (bytes && fstatat(parentFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+        *bytes += static_cast<uint64_t>(st.st_blocks) * 512;
       if (unlinkat(parentFd, name.c_str(), 0) != 0) throwErrno(errno, "unlinkat", displayPath);
       return;
     }
     throwErrno(errno, "openat", displayPath);
   }
   struct statx self;
-  if (statxFd(fd, STATX_MNT_ID, &self) != 0) {
+  if (statxFd(fd, STATX_MNT_ID | STATX_BLOCKS, &self) != 0) {
     int err = errno;
     ::close(fd);
     throwErrno(err, "statx", displayPath);
@@ -156,7 +165,8 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     ::close(fd);
     throwErrno(EBUSY, "rmdir", displayPath);
   }
-  Remover remover(mountOf(self));
+  if (bytes) *bytes += self.stx_blocks * 512;
+  Remover remover(mountOf(self), bytes);
   remover.emptyDirectory(fd, displayPath);
   remover.rethrowFirst();
   if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);

@@ -3,6 +3,7 @@
 // and makes a directory writable where its mode is all that stands in the way.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace vmspace {
@@ -12,7 +13,9 @@ namespace vmspace {
 // directories above the mount stay, and EBUSY naming the mount point is thrown at the end. Any other failure
 // is thrown the same way (the first one; the rest of the tree is still removed). `displayPath` names
 // parentFd/name in errors. ENOENT when `name` does not exist.
-void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath);
+// When `bytes` is given, the space the removed entries occupied (st_blocks * 512) is added to it.
+void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath,
+                        uint64_t* bytes = nullptr);
 
 }  // namespace vmspace
 
