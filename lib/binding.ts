@@ -54,6 +54,8 @@ export interface NativeSweepReport {
   metaRemoved: number
 }
 
+export type WaitHandle = { readonly __brand: 'WaitHandle' }
+
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
@@ -99,6 +101,13 @@ export interface Native {
   removeTree(path: string): Promise<void>
   renameNoReplace(from: string, to: string): Promise<void>
   exchange(a: string, b: string): Promise<void>
+  releaseLease(fd: number): Promise<void>
+  lockOpen(path: string, shared: boolean): Promise<{ fd: number; acquired: boolean }>
+  lockWait(fd: number, shared: boolean, done: (errno: number) => void): WaitHandle
+  lockCancel(handle: WaitHandle): void
+  lockRelease(fd: number): Promise<void>
+  readIndex(path: string): Promise<Buffer | undefined>
+  writeIndex(path: string, text: string, durable: boolean): Promise<void>
   setTestIds(ids: string[]): void
 }
 

@@ -4,6 +4,7 @@
  * code and the errno behind them as `cause`. Bad arguments are `TypeError`/`RangeError` with Node's codes
  * `ERR_INVALID_ARG_TYPE`/`ERR_INVALID_ARG_VALUE`, thrown before any system call.
  */
+import * as util from 'node:util'
 
 /** Codes of vmspace's own conditions (system errors use the errno name: `'EEXIST'`, `'ENOSPC'`, …). */
 export type VmspaceErrorCode =
@@ -13,8 +14,10 @@ export type VmspaceErrorCode =
   | 'ERR_POOL_CLOSED' // the pool was closed
   | 'ERR_POOL_FORMAT' // .vmspace/version names a format this version does not read
   | 'ERR_CORRUPT_METADATA' // a workspace's metadata file does not parse (reported per entry by list())
-  | 'ERR_LEASE_HELD'
-  | 'ERR_CORRUPT_INDEX'
+  | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt)
+  | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
+  | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
+  | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
 
 /** The fields the native binding rejects with (see native/binding.cc, errorObject). */
 interface NativeError {
@@ -100,8 +103,18 @@ export async function call<T>(p: Promise<T>): Promise<T> {
   }
 }
 
-export function vmspaceError(code: VmspaceErrorCode, message: string, fields: { path?: string; cause?: unknown } = {}) {
+export function vmspaceError(
+  code: VmspaceErrorCode,
+  message: string,
+  fields: { path?: string; cause?: unknown; syscall?: string } = {},
+) {
   return new VmspaceError(`${code}: ${message}`, { code, ...fields })
+}
+
+/** A system error from a bare errno (positive), shaped like the binding's. */
+export function errnoError(errno: number, syscall: string, path?: string): VmspaceError {
+  const [code, description] = util.getSystemErrorMap().get(-errno) ?? ['EUNKNOWN', 'unknown error']
+  return fromNative({ code, errno: -errno, description, syscall, path }) as VmspaceError
 }
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */

@@ -2,7 +2,6 @@
  * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
  * sequence (mkdir, open, flock, clones, metadata, publish) runs in one hop on the libuv pool.
  */
-import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { native, type PoolHandle } from './binding.js'
@@ -153,7 +152,7 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options)
   const create = boolean('options.create', o.create, true)
-  const prefix = o.prefix ?? 'vm'
+  const prefix = o.prefix === undefined ? 'vm' : o.prefix
   if (typeof prefix !== 'string') throw invalidType('options.prefix', 'a string', prefix)
   if (!PREFIX.test(prefix)) throw invalidValue('options.prefix', '1-64 characters of [A-Za-z0-9_-]', prefix)
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
@@ -475,7 +474,7 @@ export class Workspace implements AsyncDisposable {
     )
     this.#disposing.catch(() => {})
     await this.#inFlight.idle()
-    await new Promise<void>((resolve, reject) => fs.close(this.leaseFd, (e) => (e ? reject(e) : resolve())))
+    await call(native.releaseLease(this.leaseFd))
     this.#status = 'released'
     await this.#pool._forget()
   }

@@ -3,7 +3,17 @@
 // here only keep a wrong call from crashing the process. No file-system logic lives in this file.
 #include <napi.h>
 
+#include <pthread.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
 #include <functional>
 #include <memory>
 #include <string>
@@ -11,6 +21,7 @@
 
 #include "core/clone.h"
 #include "core/error.h"
+#include "core/lock.h"
 #include "core/names.h"
 #include "core/pool.h"
 #include "core/remove.h"
@@ -87,6 +98,18 @@ class Work : public Napi::AsyncWorker {
   R result_{};
   std::unique_ptr<Error> error_;
 };
+
+// Per-instance state (one per env: the main thread and each worker thread): the lease fds this instance holds
+// for workspaces not yet disposed or released. When the env ends (a worker thread exits, or the process), they
+// are closed, so a workspace never stays leased by a thread that is gone. Touched on the env's JS thread only.
+struct Instance {
+  std::unordered_set<int> leases;
+  ~Instance() {
+    for (int fd : leases) ::close(fd);
+  }
+};
+
+Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
 
 struct Unit {};
 Napi::Value undefinedOf(Napi::Env env, Unit&) { return env.Undefined(); }
@@ -210,6 +233,7 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   return Work<vmspace::AllocateResult>::Start(
       info.Env(), [pool, req, progress] { return pool->allocate(req); },
       [reflink](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
+        instance(env).leases.insert(r.leaseFd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("id", r.id);
         o.Set("name", r.name);
@@ -230,6 +254,7 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   std::string name = stringArg(info, 1);
   int leaseFd = static_cast<int>(intArg(info, 2));
+  instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
   return Work<Unit>::Start(
       info.Env(),
       [pool, name, leaseFd] {
@@ -245,6 +270,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
   return Work<vmspace::AdoptResult>::Start(
       info.Env(), [pool, name] { return pool->adopt(name); },
       [](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
+        instance(env).leases.insert(r.leaseFd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", r.leaseFd);
         if (r.metaErrno == 0) {
@@ -386,6 +412,161 @@ Napi::Value Exchange(const Napi::CallbackInfo& info) {
       undefinedOf);
 }
 
+// ---- locks ----
+
+Napi::Value LockOpen(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0);
+  bool shared = boolArg(info, 1);
+  struct Opened {
+    int fd = -1;
+    bool acquired = false;
+  };
+  return Work<Opened>::Start(
+      info.Env(),
+      [path, shared] {
+        Opened o;
+        o.fd = vmspace::lockOpen(path, shared, &o.acquired);
+        return o;
+      },
+      [](Napi::Env env, Opened& o) -> Napi::Value {
+        Napi::Object r = Napi::Object::New(env);
+        r.Set("fd", o.fd);
+        r.Set("acquired", o.acquired);
+        return r;
+      });
+}
+
+// A lock wait runs on a thread of its own, never on the libuv pool: a blocking flock would hold a pool thread
+// for as long as the holder keeps the lock, and UV_THREADPOOL_SIZE (4 by default) such waits would freeze every
+// fs call of the process (node-pty runs its blocking waits on their own threads for the same reason).
+struct LockWaiter {
+  int fd;
+  bool shared;
+  pthread_t thread{};
+  std::mutex mu;
+  bool done = false;  // guarded by mu: once set, the thread may be gone and must not be signalled
+  std::atomic<bool> cancelled{false};
+  Napi::ThreadSafeFunction tsfn;
+};
+using WaiterRef = std::shared_ptr<LockWaiter>;
+
+// lockWait(fd, shared, callback(errno)): callback gets 0 once the lock is held, ECANCELED after lockCancel, or
+// the errno of flock. Returns the handle for lockCancel.
+Napi::Value LockWait(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  auto waiter = std::make_shared<LockWaiter>();
+  waiter->fd = static_cast<int>(intArg(info, 0));
+  waiter->shared = boolArg(info, 1);
+  if (!info[2].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: callback must be a function");
+  waiter->tsfn = Napi::ThreadSafeFunction::New(env, info[2].As<Napi::Function>(), "vmspace lock wait", 0, 1);
+  int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
+  std::thread t([waiter, sig] {
+    // No V8 here: runs on the wait's own thread.
+    int err;
+    for (;;) {
+      if (waiter->cancelled.load()) {
+        err = ECANCELED;
+        break;
+      }
+      if (sig) {
+        err = vmspace::lockWaitBlocking(waiter->fd, waiter->shared);
+        if (err == EINTR) continue;  // a cancel (or another signal): check the flag again
+        break;
+      }
+      // No signal to interrupt a blocking wait with: poll without blocking instead.
+      if (flock(waiter->fd, (waiter->shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) {
+        err = 0;
+        break;
+      }
+      if (errno != EWOULDBLOCK) {
+        err = errno;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    {
+      std::lock_guard<std::mutex> lock(waiter->mu);
+      waiter->done = true;
+    }
+    waiter->tsfn.BlockingCall(new int(err), [](Napi::Env env, Napi::Function cb, int* e) {
+      int value = *e;
+      delete e;
+      cb.Call({Napi::Number::New(env, value)});
+    });
+    waiter->tsfn.Release();
+  });
+  waiter->thread = t.native_handle();
+  t.detach();
+  return Napi::External<WaiterRef>::New(env, new WaiterRef(waiter), [](Napi::Env, WaiterRef* w) { delete w; });
+}
+
+// Interrupts a wait. The signal can land just before the thread enters flock, so the caller repeats this until
+// the callback has run (lib/lock.ts does, every 10 ms).
+Napi::Value LockCancel(const Napi::CallbackInfo& info) {
+  if (!info[0].IsExternal()) return info.Env().Undefined();
+  WaiterRef w = *info[0].As<Napi::External<WaiterRef>>().Data();
+  w->cancelled.store(true);
+  int sig = vmspace::lockCancelSignal();
+  std::lock_guard<std::mutex> lock(w->mu);
+  if (!w->done && sig) pthread_kill(w->thread, sig);
+  return info.Env().Undefined();
+}
+
+// Closes an fd on the pool: the kernel drops its flock with the last fd of the open file description.
+Napi::Promise closeFd(Napi::Env env, int fd) {
+  return Work<Unit>::Start(
+      env,
+      [fd] {
+        ::close(fd);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
+// Closes a workspace's lease fd without removing the workspace (Workspace.release).
+Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
+  int fd = static_cast<int>(intArg(info, 0));
+  if (instance(info.Env()).leases.erase(fd) == 0)
+    throw Napi::Error::New(info.Env(), "vmspace binding: not a lease of this thread");
+  return closeFd(info.Env(), fd);
+}
+
+Napi::Value LockRelease(const Napi::CallbackInfo& info) { return closeFd(info.Env(), static_cast<int>(intArg(info, 0))); }
+
+struct MaybeText {
+  bool exists = false;
+  std::string bytes;
+};
+
+// The index file's bytes as a Buffer (undefined when missing): UTF-8 is checked in JS, where invalid input is an
+// error rather than a replacement character.
+Napi::Value ReadIndex(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0);
+  return Work<MaybeText>::Start(
+      info.Env(),
+      [path] {
+        MaybeText t;
+        t.exists = vmspace::readWholeFile(path, &t.bytes);
+        return t;
+      },
+      [](Napi::Env env, MaybeText& t) -> Napi::Value {
+        if (!t.exists) return env.Undefined();
+        return Napi::Buffer<char>::Copy(env, t.bytes.data(), t.bytes.size());
+      });
+}
+
+Napi::Value WriteIndex(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0), text = stringArg(info, 1);
+  bool durable = boolArg(info, 2);
+  return Work<Unit>::Start(
+      info.Env(),
+      [path, text, durable] {
+        vmspace::replaceFile(path, text, durable);
+        return Unit{};
+      },
+      undefinedOf);
+}
+
 // Test seam (see core/names.h): the next workspace ids drawn, process-wide.
 Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
   std::vector<std::string> ids;
@@ -402,6 +583,8 @@ Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
 
 // Context-aware (NAPI_MODULE_INIT via NODE_API_MODULE): no process-wide JS state; loads in every worker thread.
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  env.SetInstanceData(new Instance());  // deleted (its leases closed) when the env is torn down
+  exports.Set("releaseLease", Napi::Function::New(env, ReleaseLease, "releaseLease"));
   exports.Set("openPool", Napi::Function::New(env, OpenPool, "openPool"));
   exports.Set("closePool", Napi::Function::New(env, ClosePool, "closePool"));
   exports.Set("allocate", Napi::Function::New(env, Allocate, "allocate"));
@@ -417,6 +600,12 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("removeTree", Napi::Function::New(env, RemoveTree, "removeTree"));
   exports.Set("renameNoReplace", Napi::Function::New(env, RenameNoReplace, "renameNoReplace"));
   exports.Set("exchange", Napi::Function::New(env, Exchange, "exchange"));
+  exports.Set("lockOpen", Napi::Function::New(env, LockOpen, "lockOpen"));
+  exports.Set("lockWait", Napi::Function::New(env, LockWait, "lockWait"));
+  exports.Set("lockCancel", Napi::Function::New(env, LockCancel, "lockCancel"));
+  exports.Set("lockRelease", Napi::Function::New(env, LockRelease, "lockRelease"));
+  exports.Set("readIndex", Napi::Function::New(env, ReadIndex, "readIndex"));
+  exports.Set("writeIndex", Napi::Function::New(env, WriteIndex, "writeIndex"));
   exports.Set("setTestIds", Napi::Function::New(env, SetTestIds, "setTestIds"));
   return exports;
 }

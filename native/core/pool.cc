@@ -214,8 +214,8 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     if (errno != EEXIST) throwErrno(errno, "mkdir", root_ + "/.vmspace/staging/" + res.name);
     res.retries++;
   }
-  const std::string stagingName = res.name;
-  const std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
+  std::string stagingName = res.name;
+  std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
   UniqueFd lease;
   std::string metaPublished;
   bool published = false;
@@ -279,8 +279,17 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
         unlinkat(metaFd_.get(), (res.name + ".json").c_str(), 0);  // ours: we just made it
         metaPublished.clear();
       }
-      res.retries++;
-      draw();
+      // A fresh name is claimed in staging too (the staging entry is renamed to it with RENAME_NOREPLACE), so that
+      // a staging name always belongs to one build, as the first exclusive mkdir made it.
+      for (;;) {
+        res.retries++;
+        draw();
+        if (renameat2(stagingFd_.get(), stagingName.c_str(), stagingFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0)
+          break;
+        if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath, root_ + "/.vmspace/staging/" + res.name);
+      }
+      stagingName = res.name;
+      stagingPath = root_ + "/.vmspace/staging/" + stagingName;
     }
     if (req.clone.durable) {
       if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");

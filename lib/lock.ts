@@ -1,0 +1,210 @@
+/**
+ * Cross-process locks (flock(2)) and the locked JSON index (DESIGN.md, "Locked JSON index").
+ *
+ * A lock wait never occupies the libuv thread pool: the first try is non-blocking, and a wait runs on a thread
+ * of its own (native/binding.cc, LockWait), so any number of waiters leave `fs` calls working.
+ */
+import { TextDecoder } from 'node:util'
+import { native, type WaitHandle } from './binding.js'
+import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, oneOf, optionsObject } from './args.js'
+import { AbortError, call, errnoError, vmspaceError, VmspaceError } from './errors.js'
+
+export interface LockOptions {
+  /** A shared (read) lock: shared locks coexist; an exclusive one excludes all others. Default false. */
+  shared?: boolean
+  /** Wait for the lock (default true); with false, a held lock fails at once with `ERR_LOCK_HELD`. */
+  wait?: boolean
+  /** Give up after this many ms with `ERR_LOCK_TIMEOUT`. Default: wait as long as it takes. */
+  timeoutMs?: number
+  /** Abort the wait: rejects with an AbortError, and the lock is never left held. */
+  signal?: AbortSignal
+}
+
+/** A held flock(2) lock. Released by release(), `await using`, or the kernel when the process dies. */
+export class FileLock implements AsyncDisposable {
+  readonly path: string
+  readonly shared: boolean
+  #fd: number
+  #released: Promise<void> | undefined
+
+  /** @internal Use lockFile(). */
+  constructor(path: string, shared: boolean, fd: number) {
+    this.path = path
+    this.shared = shared
+    this.#fd = fd
+  }
+
+  /** Releases the lock (closes its fd). Idempotent. */
+  release(): Promise<void> {
+    this.#released ??= call(native.lockRelease(this.#fd))
+    return this.#released
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.release()
+  }
+}
+
+const CANCEL_REPEAT_MS = 10
+
+/**
+ * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open).
+ * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
+ * releases a lock when its holder exits or is killed. Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`,
+ * an AbortError, or the errno of open/flock.
+ */
+export async function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
+  const p = absolutePath('path', path)
+  const o = optionsObject<LockOptions>('options', options)
+  const shared = boolean('options.shared', o.shared, false)
+  const wait = boolean('options.wait', o.wait, true)
+  const timeoutMs = o.timeoutMs === undefined ? undefined : integerIn('options.timeoutMs', o.timeoutMs, 0, 2 ** 31 - 1, 0)
+  const signal = abortSignal('options.signal', o.signal)
+  if (signal?.aborted) throw new AbortError(signal.reason)
+
+  const { fd, acquired } = await call(native.lockOpen(p, shared))
+  if (acquired) {
+    if (signal?.aborted) {
+      await call(native.lockRelease(fd))
+      throw new AbortError(signal.reason)
+    }
+    return new FileLock(p, shared, fd)
+  }
+  if (!wait || timeoutMs === 0) {
+    await call(native.lockRelease(fd))
+    throw vmspaceError(!wait ? 'ERR_LOCK_HELD' : 'ERR_LOCK_TIMEOUT', `the lock on ${p} is held`, {
+      path: p,
+      syscall: 'flock',
+      cause: errnoError(11 /* EWOULDBLOCK */, 'flock', p),
+    })
+  }
+  return new Promise<FileLock>((resolve, reject) => {
+    let cancelledBy: 'timeout' | 'abort' | undefined
+    let repeat: NodeJS.Timeout | undefined
+    let handle: WaitHandle | undefined = undefined
+    const cancel = (why: 'timeout' | 'abort') => {
+      if (cancelledBy) return
+      cancelledBy = why
+      native.lockCancel(handle!)
+      // The signal that interrupts the wait can arrive just before the thread blocks: repeat until it answers.
+      repeat = setInterval(() => native.lockCancel(handle!), CANCEL_REPEAT_MS)
+    }
+    const timer = timeoutMs === undefined ? undefined : setTimeout(() => cancel('timeout'), timeoutMs)
+    const onAbort = () => cancel('abort')
+    handle = native.lockWait(fd, shared, (errno) => {
+      clearTimeout(timer)
+      clearInterval(repeat)
+      signal?.removeEventListener('abort', onAbort)
+      if (errno === 0 && !cancelledBy) return resolve(new FileLock(p, shared, fd))
+      // Granted just as it was cancelled, or failed: close the fd, which drops any lock it got.
+      native.lockRelease(fd).then(
+        () => {
+          if (cancelledBy === 'abort') reject(new AbortError(signal?.reason))
+          else if (cancelledBy === 'timeout')
+            reject(vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' }))
+          else reject(errnoError(errno, 'flock', p))
+        },
+        reject,
+      )
+    })
+    signal?.addEventListener('abort', onAbort, { once: true })
+  })
+}
+
+export interface UpdateJsonOptions {
+  /** fsync the directory after the rename too (the file itself is always fsynced before it). Default false. */
+  durable?: boolean
+  /** Give up waiting for the lock after this many ms (`ERR_LOCK_TIMEOUT`). */
+  timeoutMs?: number
+  /**
+   * The type the index holds: `'object'` (default) or `'array'`. A file of another JSON type is
+   * `ERR_CORRUPT_INDEX`, and so is a `mutate` result of another type (nothing is written).
+   */
+  create?: 'object' | 'array'
+}
+
+const utf8 = new TextDecoder('utf-8', { fatal: true })
+
+/**
+ * Read-modify-write of a JSON file that never loses an update: exclusive lock on `path + '.lock'` (a stable
+ * inode: never the data file, which the rename replaces under waiting writers) → read → parse → `mutate(current)`
+ * (may be async; `current` is undefined when the file is missing) → temp file (O_EXCL, same directory) → fsync →
+ * rename over → fsync of the directory when `durable` → release. Returns what was written; when `mutate` returns
+ * undefined nothing is written and the current value is returned.
+ * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`
+ * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing. The lock is
+ * released on every path.
+ */
+export async function updateJsonFile<T>(
+  path: string,
+  mutate: (current: T | undefined) => T | undefined | Promise<T | undefined>,
+  options?: UpdateJsonOptions,
+): Promise<T> {
+  const p = absolutePath('path', path)
+  const fn = func<(current: T | undefined) => T | Promise<T>>('mutate', mutate)
+  if (!fn) throw invalidType('mutate', 'a function', mutate)
+  const o = optionsObject<UpdateJsonOptions>('options', options)
+  const durable = boolean('options.durable', o.durable, false)
+  const timeoutMs = o.timeoutMs === undefined ? undefined : integerIn('options.timeoutMs', o.timeoutMs, 0, 2 ** 31 - 1, 0)
+  const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
+
+  const lock = await lockFile(p + '.lock', { timeoutMs })
+  try {
+    let bytes: Buffer | undefined
+    try {
+      bytes = await call(native.readIndex(p))
+    } catch (e) {
+      if (e instanceof VmspaceError && e.code === 'EISDIR') throw corrupt(p, 'is a directory', undefined, e)
+      throw e
+    }
+    const current = bytes === undefined ? undefined : parseIndex(bytes, p, kind)
+    const next = await fn(current as T | undefined)
+    if (next === undefined) return current as T
+    if (!isKind(next, kind)) {
+      const err = new TypeError(`Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}`)
+      throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
+    }
+    await call(native.writeIndex(p, JSON.stringify(next) + '\n', durable))
+    return next
+  } finally {
+    await lock.release()
+  }
+}
+
+function isKind(v: unknown, kind: 'object' | 'array'): boolean {
+  return kind === 'array' ? Array.isArray(v) : typeof v === 'object' && v !== null && !Array.isArray(v)
+}
+
+function corrupt(path: string, why: string, offset?: number, cause?: unknown): VmspaceError {
+  const err = vmspaceError('ERR_CORRUPT_INDEX', `${path} ${why}${offset === undefined ? '' : ` (byte ${offset})`}; nothing was written`, {
+    path,
+    cause,
+  })
+  if (offset !== undefined) Object.defineProperty(err, 'offset', { value: offset, enumerable: true })
+  return err
+}
+
+function parseIndex(bytes: Buffer, path: string, kind: 'object' | 'array'): unknown {
+  if (bytes.length === 0) throw corrupt(path, 'is empty', 0)
+  let text: string
+  try {
+    text = utf8.decode(bytes)
+  } catch (e) {
+    throw corrupt(path, 'is not valid UTF-8', undefined, e)
+  }
+  let value: unknown
+  try {
+    value = JSON.parse(text)
+  } catch (e) {
+    // V8 names the position for some syntax errors; a truncated file ends early.
+    const m = /position (\d+)/.exec(String((e as Error).message))
+    const offset = m
+      ? Buffer.byteLength(text.slice(0, Number(m[1])))
+      : /end of JSON input/.test(String((e as Error).message))
+        ? bytes.length
+        : undefined
+    throw corrupt(path, 'is not valid JSON', offset, e)
+  }
+  if (!isKind(value, kind)) throw corrupt(path, `does not hold a JSON ${kind} (found ${value === null ? 'null' : Array.isArray(value) ? 'an array' : typeof value})`)
+  return value
+}

@@ -1,0 +1,114 @@
+#include "lock.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <mutex>
+
+#include "error.h"
+#include "fd.h"
+#include "names.h"
+#include "rename.h"
+
+namespace vmspace {
+
+int lockOpen(const std::string& path, bool shared, bool* acquired) {
+  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!fd && (errno == EACCES || errno == EISDIR || errno == EROFS))
+    fd.reset(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));  // flock needs no write access
+  if (!fd) throwErrno(errno, "open", path);
+  *acquired = flock(fd.get(), (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0;
+  if (!*acquired && errno != EWOULDBLOCK) throwErrno(errno, "flock", path);
+  return fd.release();
+}
+
+int lockWaitBlocking(int fd, bool shared) {
+  return flock(fd, shared ? LOCK_SH : LOCK_EX) == 0 ? 0 : errno;
+}
+
+namespace {
+void onCancelSignal(int) {}
+}  // namespace
+
+int lockCancelSignal() {
+  static int sig = [] {
+    // A real-time signal no one else in the process handles: glibc keeps the first few for itself and
+    // SIGRTMIN already starts after them; we take the first free one from SIGRTMIN + 4.
+    for (int s = SIGRTMIN + 4; s <= SIGRTMAX; s++) {
+      struct sigaction old;
+      if (sigaction(s, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
+      struct sigaction sa = {};
+      sa.sa_handler = onCancelSignal;
+      sigemptyset(&sa.sa_mask);
+      sa.sa_flags = 0;  // no SA_RESTART: a blocked flock returns EINTR
+      if (sigaction(s, &sa, nullptr) == 0) return s;
+    }
+    return 0;
+  }();
+  return sig;
+}
+
+bool readWholeFile(const std::string& path, std::string* out) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
+  if (!fd) {
+    if (errno == ENOENT) return false;
+    throwErrno(errno, "open", path);
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", path);
+  if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "read", path);
+  out->clear();
+  out->resize(static_cast<size_t>(st.st_size) + 1);
+  size_t got = 0;
+  for (;;) {
+    if (got == out->size()) out->resize(got * 2 + 64);
+    ssize_t n = read(fd.get(), &(*out)[got], out->size() - got);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throwErrno(errno, "read", path);
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  out->resize(got);
+  return true;
+}
+
+void replaceFile(const std::string& path, const std::string& data, bool durable) {
+  std::string dir, leaf;
+  splitPath(path, &dir, &leaf);
+  UniqueFd dirFd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!dirFd) throwErrno(errno, "open", dir);
+  std::string tmp = "." + leaf + ".tmp-" + randomHex(6);
+  UniqueFd fd(openat(dirFd.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
+  if (!fd) throwErrno(errno, "open", dir + "/" + tmp);
+  try {
+    size_t done = 0;
+    while (done < data.size()) {
+      ssize_t n = write(fd.get(), data.data() + done, data.size() - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throwErrno(errno, "write", dir + "/" + tmp);
+      }
+      done += static_cast<size_t>(n);
+    }
+    // The data reaches the disk before the name points at it: after a crash the index is old or new, never
+    // empty (the failure mode of rename without fsync on delayed-allocation file systems).
+    if (fsync(fd.get()) != 0) throwErrno(errno, "fsync", dir + "/" + tmp);
+    // Keep the mode of the file being replaced.
+    struct stat st;
+    if (fstatat(dirFd.get(), leaf.c_str(), &st, 0) == 0) fchmod(fd.get(), st.st_mode & 07777);
+    fd.reset();
+    if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0) throwErrno(errno, "rename", dir + "/" + tmp, path);
+  } catch (...) {
+    unlinkat(dirFd.get(), tmp.c_str(), 0);
+    throw;
+  }
+  if (durable && fsync(dirFd.get()) != 0) throwErrno(errno, "fsync", dir);
+}
+
+}  // namespace vmspace

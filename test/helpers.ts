@@ -1,0 +1,332 @@
+/**
+ * Shared test helpers: per-test temp dirs on a chosen file system, FIEMAP shared-extent checks, sparse files,
+ * hashes, a barrier, a line-protocol child-process runner, and views of a pool's on-disk state.
+ * Everything runs against real file systems (see setup/global-setup.ts).
+ */
+import { spawn, spawnSync, type ChildProcess, type SpawnOptions } from 'node:child_process'
+import { createHash, randomBytes } from 'node:crypto'
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import * as readline from 'node:readline'
+import { expect, inject, onTestFinished, test } from 'vitest'
+import { removeScratch, type Mounts } from './setup/mounts.js'
+
+export { mountsBeneath } from './setup/mounts.js'
+export type { Mounts } from './setup/mounts.js'
+
+/** The package root of this checkout (CI runs from another clone path). */
+export const repoRoot = path.resolve(__dirname, '..')
+export const fixtures = path.join(repoRoot, 'test', 'fixtures')
+
+export const mounts: Mounts = inject('mounts')
+export const requireReflink = process.env.VMSPACE_REQUIRE_REFLINK === '1'
+
+export const MiB = 1024 * 1024
+export const GiB = 1024 * MiB
+
+/**
+ * A fresh, empty directory below `base` (a mount point from `mounts`), removed when the current test finishes
+ * (mounts below it are unmounted first). Call inside a test.
+ */
+export function freshDir(base: string = mounts.scratch, label = 't'): string {
+  const dir = fs.mkdtempSync(path.join(base, `vmspace-${label}-`))
+  onTestFinished(() => removeScratch(dir))
+  return dir
+}
+
+/** A suite-name suffix stating what the suite needs and, when it is missing, why it is skipped. */
+export function needs(what: string, missing: string | false | null | undefined): string {
+  return missing ? `(needs ${what}; skipped: ${missing})` : `(needs ${what})`
+}
+
+/**
+ * For a suite that needs a loop-mounted file system: when it is missing and VMSPACE_REQUIRE_REFLINK=1, a test that
+ * fails saying why (the suite itself is skipped with describe.skipIf).
+ */
+export function requireMount(label: string, mountPoint: string | null, why: string | undefined): void {
+  if (mountPoint === null && requireReflink)
+    test(`${label} is available (required by VMSPACE_REQUIRE_REFLINK=1)`, () => {
+      expect.fail(`${label} could not be made: ${why ?? 'unknown reason'}`)
+    })
+}
+
+// ---- files ----
+
+/** A regular file of `size` random bytes (fsynced); returns its bytes. */
+export function writeRandomFile(file: string, size: number, mode = 0o644): Buffer {
+  const data = randomBytes(size)
+  const fd = fs.openSync(file, 'wx', mode)
+  try {
+    fs.writeSync(fd, data)
+    fs.fsyncSync(fd)
+  } finally {
+    fs.closeSync(fd)
+  }
+  fs.chmodSync(file, mode)
+  return data
+}
+
+/** A sparse file of logical `size` with random data only at [dataOffset, dataOffset + dataLength). */
+export function makeSparseFile(file: string, size: number, dataOffset: number, dataLength: number): Buffer {
+  const data = randomBytes(dataLength)
+  const fd = fs.openSync(file, 'wx', 0o644)
+  try {
+    fs.writeSync(fd, data, 0, data.length, dataOffset)
+    fs.ftruncateSync(fd, size)
+    fs.fsyncSync(fd)
+  } finally {
+    fs.closeSync(fd)
+  }
+  return data
+}
+
+/** Bytes the file system allocated for `file` (st_blocks * 512). */
+export function allocatedBytes(file: string): number {
+  return fs.statSync(file).blocks * 512
+}
+
+export async function sha256File(file: string): Promise<string> {
+  const hash = createHash('sha256')
+  for await (const chunk of fs.createReadStream(file, { highWaterMark: 8 * MiB })) hash.update(chunk as Buffer)
+  return hash.digest('hex')
+}
+
+/** Whether two files have the same size and bytes (chunked compare: much faster than hashing 1 GiB). */
+export function sameContent(a: string, b: string): boolean {
+  if (fs.statSync(a).size !== fs.statSync(b).size) return false
+  const [fa, fb] = [fs.openSync(a, 'r'), fs.openSync(b, 'r')]
+  const [ba, bb] = [Buffer.alloc(16 * MiB), Buffer.alloc(16 * MiB)]
+  try {
+    for (let pos = 0; ; ) {
+      const na = fs.readSync(fa, ba, 0, ba.length, pos)
+      const nb = fs.readSync(fb, bb, 0, bb.length, pos)
+      if (na !== nb || !ba.subarray(0, na).equals(bb.subarray(0, nb))) return false
+      if (na === 0) return true
+      pos += na
+    }
+  } finally {
+    fs.closeSync(fa)
+    fs.closeSync(fb)
+  }
+}
+
+export function readRange(file: string, offset: number, length: number): Buffer {
+  const buf = Buffer.alloc(length)
+  const fd = fs.openSync(file, 'r')
+  try {
+    const n = fs.readSync(fd, buf, 0, length, offset)
+    return buf.subarray(0, n)
+  } finally {
+    fs.closeSync(fd)
+  }
+}
+
+/** Sorted names in `dir`, or [] when it does not exist. */
+export function ls(dir: string): string[] {
+  try {
+    return fs.readdirSync(dir).sort()
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code === 'ENOENT') return []
+    throw e
+  }
+}
+
+/** Every path below `dir` (relative, sorted) with its kind, mode, inode and, for files, content hash. */
+export function snapshotTree(dir: string): Record<string, string> {
+  const out: Record<string, string> = {}
+  const walk = (rel: string) => {
+    const abs = path.join(dir, rel)
+    const st = fs.lstatSync(abs)
+    let desc = `${st.mode.toString(8)} ino=${st.ino} size=${st.size}`
+    if (st.isFile()) desc += ' sha256=' + createHash('sha256').update(fs.readFileSync(abs)).digest('hex')
+    if (st.isSymbolicLink()) desc += ' -> ' + fs.readlinkSync(abs)
+    out[rel || '.'] = desc
+    if (st.isDirectory()) for (const name of fs.readdirSync(abs).sort()) walk(path.join(rel, name))
+  }
+  walk('')
+  return out
+}
+
+/** Temp names of the clone engine (`.vmspace-tmp-*`) or metadata writer (`.*.tmp-*`) left in `dir`. */
+export function tempLeftovers(dir: string): string[] {
+  return ls(dir).filter((n) => n.startsWith('.vmspace-tmp-') || /^\..*\.tmp-/.test(n))
+}
+
+// ---- pools ----
+
+export interface PoolState {
+  /** Entries of the root other than `.vmspace`. */
+  visible: string[]
+  staging: string[]
+  trash: string[]
+  meta: string[]
+}
+
+export function poolState(root: string): PoolState {
+  return {
+    visible: ls(root).filter((n) => n !== '.vmspace'),
+    staging: ls(path.join(root, '.vmspace', 'staging')),
+    trash: ls(path.join(root, '.vmspace', 'trash')),
+    meta: ls(path.join(root, '.vmspace', 'meta')),
+  }
+}
+
+export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], meta: [] }
+
+export function metaPath(root: string, name: string): string {
+  return path.join(root, '.vmspace', 'meta', `${name}.json`)
+}
+
+/** A fresh 32-lowercase-hex workspace id. */
+export function randomId(): string {
+  return randomBytes(16).toString('hex')
+}
+
+// ---- FIEMAP ----
+
+export interface Extent {
+  logical: number
+  physical: number
+  length: number
+  flags: string[]
+}
+
+/** The extents of `file` as `filefrag -v` (FIEMAP) reports them, in file-system blocks. */
+export function extents(file: string): Extent[] {
+  const r = spawnSync('filefrag', ['-v', '-s', file], { encoding: 'utf8' })
+  if (r.status !== 0) throw new Error(`filefrag -v ${file} failed: ${r.stderr}`)
+  const out: Extent[] = []
+  for (const line of r.stdout.split('\n')) {
+    // "   0:        0..     255:         24..       279:    256:             last,shared,eof"
+    const m = /^\s*\d+:\s*(\d+)\.\.\s*\d+:\s*(\d+)\.\.\s*\d+:\s*(\d+):(?:\s*\d+:)?\s*([\w,]*)\s*$/.exec(line)
+    if (m) out.push({ logical: +m[1], physical: +m[2], length: +m[3], flags: m[4] ? m[4].split(',') : [] })
+  }
+  return out
+}
+
+/** Counts of the extents of `file` and of those flagged shared. */
+export function sharedExtents(file: string): { extents: number; shared: number } {
+  const e = extents(file)
+  return { extents: e.length, shared: e.filter((x) => x.flags.includes('shared')).length }
+}
+
+// ---- concurrency ----
+
+/** Resolves every wait() once `parties` callers are waiting. */
+export class Barrier {
+  #waiting = 0
+  #release!: () => void
+  readonly #released = new Promise<void>((resolve) => (this.#release = resolve))
+  constructor(readonly parties: number) {}
+  wait(): Promise<void> {
+    if (++this.#waiting === this.parties) this.#release()
+    return this.#released
+  }
+}
+
+// ---- child processes ----
+
+/** Runs a command to completion; its exit status and output. */
+export function runCommand(cmd: string, args: string[], options: SpawnOptions = {}) {
+  const r = spawnSync(cmd, args, { encoding: 'utf8', ...options })
+  if (r.error) throw r.error
+  return { status: r.status, signal: r.signal, stdout: r.stdout as string, stderr: r.stderr as string }
+}
+
+/** `flock -n -E 99 <target> true` in another process: 99 when the lock is held elsewhere, 0 when it was free. */
+export function tryFlockPath(target: string): number | null {
+  return runCommand('flock', ['-n', '-E', '99', target, 'true']).status
+}
+
+/** `flock -n -E 99 3` on an fd this process has open, given to the child as its fd 3. */
+export function tryFlockFd(fd: number): number | null {
+  return runCommand('flock', ['-n', '-E', '99', '3'], { stdio: ['ignore', 'pipe', 'pipe', fd] }).status
+}
+
+/** Targets of the open fds of process `pid` (readlink of /proc/<pid>/fd/*). */
+export function openFdTargets(pid: number): Map<number, string> {
+  const out = new Map<number, string>()
+  for (const fd of fs.readdirSync(`/proc/${pid}/fd`)) {
+    try {
+      out.set(Number(fd), fs.readlinkSync(`/proc/${pid}/fd/${fd}`))
+    } catch {
+      // closed meanwhile
+    }
+  }
+  return out
+}
+
+export type Message = { event: string; [key: string]: unknown }
+
+/**
+ * A child process speaking JSON lines: it writes one JSON object per stdout line, reads commands as stdin lines.
+ * Killed when the current test finishes, if still running.
+ */
+export class Child {
+  readonly proc: ChildProcess
+  readonly exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>
+  stderr = ''
+  #messages: Message[] = []
+  #waiters: { resolve: (m: Message) => void; reject: (e: Error) => void }[] = []
+  #done = false
+
+  constructor(script: string, args: string[] = []) {
+    this.proc = spawn(process.execPath, [script, ...args], { stdio: ['pipe', 'pipe', 'pipe'] })
+    this.proc.stderr!.setEncoding('utf8').on('data', (s: string) => (this.stderr += s))
+    readline.createInterface({ input: this.proc.stdout! }).on('line', (line) => {
+      let m: Message
+      try {
+        m = JSON.parse(line) as Message
+      } catch {
+        m = { event: 'garbage', line }
+      }
+      const w = this.#waiters.shift()
+      if (w) w.resolve(m)
+      else this.#messages.push(m)
+    })
+    this.exited = new Promise((resolve) => {
+      this.proc.on('exit', (code, signal) => {
+        this.#done = true
+        for (const w of this.#waiters.splice(0))
+          w.reject(new Error(`child exited (${code ?? signal}) before answering; stderr: ${this.stderr}`))
+        resolve({ code, signal })
+      })
+    })
+    onTestFinished(() => {
+      if (!this.#done) this.proc.kill('SIGKILL')
+    })
+  }
+
+  get pid(): number {
+    return this.proc.pid!
+  }
+
+  /** The next message; rejects when the child exits first. */
+  next(): Promise<Message> {
+    const m = this.#messages.shift()
+    if (m) return Promise.resolve(m)
+    if (this.#done) return Promise.reject(new Error(`child exited; stderr: ${this.stderr}`))
+    return new Promise((resolve, reject) => this.#waiters.push({ resolve, reject }))
+  }
+
+  /** The next message, which must be `event` (an 'error' message fails with the child's error). */
+  async expect(event: string): Promise<Message> {
+    const m = await this.next()
+    if (m.event !== event) throw new Error(`expected '${event}' from child ${this.pid}, got ${JSON.stringify(m)}; stderr: ${this.stderr}`)
+    return m
+  }
+
+  send(line: string): void {
+    this.proc.stdin!.write(line + '\n')
+  }
+}
+
+/** Starts test/fixtures/workspace-child.cjs on the pool at `root` (see that file for its commands). */
+export function workspaceChild(root: string): Child {
+  return new Child(path.join(fixtures, 'workspace-child.cjs'), [root])
+}
+
+/** Polls `check` until it returns true (bounded only by the test timeout; no timing is asserted). */
+export async function eventually(check: () => boolean | Promise<boolean>): Promise<void> {
+  while (!(await check())) await new Promise((r) => setTimeout(r, 10))
+}

@@ -1,0 +1,131 @@
+/**
+ * Workspace names (DESIGN.md, first rule): a drawn name that exists anywhere — the root, staging, or metadata — is
+ * never adopted; a fresh name is drawn instead, at most 16 tries, then ERR_NAME_EXHAUSTED.
+ * Collisions are forced with the native test seam setTestIds (the next ids randomId() returns, process-wide).
+ */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { afterEach, describe, expect, test } from 'vitest'
+import { native } from '../lib/binding.js'
+import { openPool, VmspaceError } from '../lib/index.js'
+import { freshDir, metaPath, poolState, randomId, snapshotTree } from './helpers.js'
+
+afterEach(() => native.setTestIds([]))
+
+async function freshPool() {
+  return openPool(path.join(freshDir(), 'pool'))
+}
+
+/** A directory `dir` holding a file, as something else's entry. */
+function plantDir(dir: string): void {
+  fs.mkdirSync(dir)
+  fs.writeFileSync(path.join(dir, 'keep.txt'), `not yours: ${dir}`)
+}
+
+describe('a drawn name that exists is never adopted', () => {
+  test('an existing <root>/vm-<id> is skipped: the next id is used, the existing entry and its file are untouched', async () => {
+    const pool = await freshPool()
+    const [taken, next] = [randomId(), randomId()]
+    const planted = path.join(pool.root, `vm-${taken}`)
+    plantDir(planted)
+    const before = snapshotTree(planted)
+    native.setTestIds([taken, next])
+    const ws = await pool.allocate()
+    expect(ws.id).toBe(next)
+    expect(snapshotTree(planted)).toEqual(before)
+    expect(pool.stats().nameRetries).toBe(1)
+    expect(poolState(pool.root)).toEqual({ visible: [`vm-${taken}`, ws.name].sort(), staging: [], trash: [], meta: [`${ws.name}.json`] })
+    await ws.dispose()
+    expect(snapshotTree(planted)).toEqual(before)
+  })
+
+  test('an existing .vmspace/staging/vm-<id> is skipped and left untouched', async () => {
+    const pool = await freshPool()
+    const [taken, next] = [randomId(), randomId()]
+    const planted = path.join(pool.root, '.vmspace', 'staging', `vm-${taken}`)
+    plantDir(planted)
+    const before = snapshotTree(planted)
+    native.setTestIds([taken, next])
+    const ws = await pool.allocate()
+    expect(ws.id).toBe(next)
+    expect(snapshotTree(planted)).toEqual(before)
+    expect(pool.stats().nameRetries).toBe(1)
+    expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [`vm-${taken}`], trash: [], meta: [`${ws.name}.json`] })
+    await ws.dispose()
+  })
+
+  test('an existing .vmspace/meta/vm-<id>.json is skipped and left byte-identical', async () => {
+    const pool = await freshPool()
+    const [taken, next] = [randomId(), randomId()]
+    const planted = metaPath(pool.root, `vm-${taken}`)
+    fs.writeFileSync(planted, '{"someone":"else"}\n')
+    const before = snapshotTree(path.dirname(planted))
+    native.setTestIds([taken, next])
+    const ws = await pool.allocate()
+    expect(ws.id).toBe(next)
+    expect(pool.stats().nameRetries).toBe(1)
+    expect(poolState(pool.root)).toEqual({
+      visible: [ws.name],
+      staging: [],
+      trash: [],
+      meta: [`vm-${taken}.json`, `${ws.name}.json`].sort(),
+    })
+    await ws.dispose()
+    expect(snapshotTree(path.dirname(planted))).toEqual(before)
+  })
+
+  test('a name drawn again after a collision at publish is skipped when it exists in staging', async () => {
+    // The first name collides in the root only when publishing; the name drawn next exists in staging (another
+    // allocate is building it). Claiming it there would make two entries of one name.
+    const pool = await freshPool()
+    const [inRoot, inStaging, next] = [randomId(), randomId(), randomId()]
+    plantDir(path.join(pool.root, `vm-${inRoot}`))
+    const planted = path.join(pool.root, '.vmspace', 'staging', `vm-${inStaging}`)
+    plantDir(planted)
+    const before = snapshotTree(planted)
+    native.setTestIds([inRoot, inStaging, next])
+    const ws = await pool.allocate()
+    expect(ws.id).toBe(next)
+    expect(pool.stats().nameRetries).toBe(2)
+    expect(snapshotTree(planted)).toEqual(before)
+    await ws.dispose()
+  })
+
+  test('15 collisions in a row still succeed with the 16th name drawn', async () => {
+    const pool = await freshPool()
+    const ids = Array.from({ length: 16 }, randomId)
+    for (const id of ids.slice(0, 15)) plantDir(path.join(pool.root, `vm-${id}`))
+    native.setTestIds(ids)
+    const ws = await pool.allocate()
+    expect(ws.id).toBe(ids[15])
+    expect(pool.stats().nameRetries).toBe(15)
+    await ws.dispose()
+  })
+})
+
+describe('ERR_NAME_EXHAUSTED', () => {
+  test('16 colliding names in a row (staging, root and metadata) reject, leaving nothing new anywhere', async () => {
+    const pool = await freshPool()
+    const ids = Array.from({ length: 16 }, randomId)
+    ids.slice(0, 5).forEach((id) => plantDir(path.join(pool.root, '.vmspace', 'staging', `vm-${id}`)))
+    ids.slice(5, 11).forEach((id) => plantDir(path.join(pool.root, `vm-${id}`)))
+    ids.slice(11).forEach((id) => fs.writeFileSync(metaPath(pool.root, `vm-${id}`), `{"id":"${id}"}`))
+    const before = snapshotTree(pool.root)
+    native.setTestIds(ids)
+    const err = await pool.allocate().catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ERR_NAME_EXHAUSTED' })
+    expect(snapshotTree(pool.root)).toEqual(before)
+    expect(pool.stats()).toMatchObject({ allocated: 0, failed: 1 })
+  })
+
+  test('16 names colliding in the root alone reject the same way', async () => {
+    const pool = await freshPool()
+    const ids = Array.from({ length: 16 }, randomId)
+    ids.forEach((id) => plantDir(path.join(pool.root, `vm-${id}`)))
+    const before = snapshotTree(pool.root)
+    native.setTestIds(ids)
+    await expect(pool.allocate()).rejects.toMatchObject({ code: 'ERR_NAME_EXHAUSTED' })
+    expect(snapshotTree(pool.root)).toEqual(before)
+  })
+})

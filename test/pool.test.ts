@@ -1,0 +1,220 @@
+/**
+ * Pools (DESIGN.md, "The pool on disk"): opening, allocate and its rollback, list(), cancellation.
+ */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { describe, expect, test } from 'vitest'
+import { AbortError, openPool, VmspaceError } from '../lib/index.js'
+import {
+  emptyPoolState,
+  freshDir,
+  metaPath,
+  MiB,
+  mounts,
+  needs,
+  poolState,
+  snapshotTree,
+  tempLeftovers,
+  workspaceChild,
+  writeRandomFile,
+} from './helpers.js'
+
+describe('openPool', () => {
+  test('makes the root and its .vmspace/ state directories when missing', async () => {
+    const root = path.join(freshDir(), 'a', 'pool')
+    const pool = await openPool(root)
+    expect(pool.root).toBe(root)
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['meta', 'staging', 'trash', 'version'])
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('a pool whose .vmspace/version names another format is refused with ERR_POOL_FORMAT and left unchanged', async () => {
+    const root = path.join(freshDir(), 'pool')
+    fs.mkdirSync(path.join(root, '.vmspace'), { recursive: true })
+    fs.writeFileSync(path.join(root, '.vmspace', 'version'), '999\n')
+    const before = snapshotTree(root)
+    const err = await openPool(root).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ERR_POOL_FORMAT', path: path.join(root, '.vmspace', 'version') })
+    expect(snapshotTree(root)).toEqual(before)
+  })
+
+  test('create: false on a missing pool rejects with ENOENT and makes nothing', async () => {
+    const dir = freshDir()
+    const root = path.join(dir, 'pool')
+    const err = await openPool(root, { create: false }).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ENOENT', errno: -2, path: root })
+    expect(fs.readdirSync(dir)).toEqual([])
+  })
+
+  test('create: false opens an existing pool', async () => {
+    const root = path.join(freshDir(), 'pool')
+    await openPool(root)
+    const pool = await openPool(root, { create: false })
+    const ws = await pool.allocate()
+    expect(ws.path).toBe(path.join(root, ws.name))
+    await ws.dispose()
+  })
+})
+
+describe('allocate', () => {
+  test('publishes a directory <root>/<prefix>-<32 hex> holding its lease, with its metadata, nothing left in staging', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'), { prefix: 'sbx' })
+    const ws = await pool.allocate()
+    expect(ws.id).toMatch(/^[0-9a-f]{32}$/)
+    expect(ws.name).toBe(`sbx-${ws.id}`)
+    expect(ws.path).toBe(path.join(pool.root, ws.name))
+    expect(ws.status).toBe('ready')
+    expect(Number.isInteger(ws.leaseFd) && ws.leaseFd > 2).toBe(true)
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(ws.path)
+    expect(fs.statSync(ws.path).isDirectory()).toBe(true)
+    expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [], trash: [], meta: [`${ws.name}.json`] })
+    await ws.dispose()
+  })
+
+  test('the workspace directory gets mode 0o700 by default and `mode` less the umask otherwise', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const a = await pool.allocate()
+    const b = await pool.allocate({ mode: 0o777 })
+    expect(fs.statSync(a.path).mode & 0o7777).toBe(0o700)
+    expect(fs.statSync(b.path).mode & 0o7777).toBe(0o777 & ~process.umask())
+    await Promise.all([a.dispose(), b.dispose()])
+  })
+
+  test('a template clones each source to its path in the workspace, making missing parent directories', async () => {
+    const dir = freshDir()
+    const data = writeRandomFile(path.join(dir, 'base.img'), 64 * 1024)
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await pool.allocate({ template: { 'images/rootfs.img': path.join(dir, 'base.img') } })
+    expect(fs.readFileSync(path.join(ws.path, 'images', 'rootfs.img')).equals(data)).toBe(true)
+    expect(ws.template).toEqual([
+      expect.objectContaining({ kind: 'file', path: path.join(ws.path, 'images', 'rootfs.img'), files: 1, bytes: data.length }),
+    ])
+    await ws.dispose()
+  })
+
+  describe('rollback', () => {
+    test('a template whose source is missing rejects with ENOENT and leaves no staging entry, metadata or workspace', async () => {
+      const dir = freshDir()
+      const pool = await openPool(path.join(dir, 'pool'))
+      const missing = path.join(dir, 'missing.img')
+      const err = await pool.allocate({ template: { 'rootfs.img': missing } }).catch((e: unknown) => e)
+      expect(err).toBeInstanceOf(VmspaceError)
+      expect(err).toMatchObject({ code: 'ENOENT', errno: -2, path: missing })
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+      expect(pool.stats()).toMatchObject({ allocated: 0, failed: 1 })
+    })
+
+    test('a second template entry failing after the first was cloned leaves nothing either', async () => {
+      const dir = freshDir()
+      writeRandomFile(path.join(dir, 'a.img'), 256 * 1024)
+      const pool = await openPool(path.join(dir, 'pool'))
+      const missing = path.join(dir, 'missing.img')
+      const err = await pool
+        .allocate({ template: { 'a.img': path.join(dir, 'a.img'), 'sub/b.img': missing } })
+        .catch((e: unknown) => e)
+      expect(err).toMatchObject({ code: 'ENOENT', path: missing })
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+      expect(fs.readdirSync(dir).sort()).toEqual(['a.img', 'pool'])
+    })
+
+    describe.skipIf(!mounts.small)(
+      `on a full file system ${needs('a small loop-mounted ext4', mounts.missing.small)}`,
+      () => {
+        test('a template that does not fit rejects with ENOSPC and leaves nothing, no temp file either', async () => {
+          const src = path.join(freshDir(mounts.scratch), 'big.img')
+          fs.writeFileSync(src, Buffer.alloc(96 * MiB, 0x5a))
+          const pool = await openPool(path.join(freshDir(mounts.small!), 'pool'))
+          const err = await pool.allocate({ template: { 'big.img': src } }).catch((e: unknown) => e)
+          expect(err).toBeInstanceOf(VmspaceError)
+          expect(err).toMatchObject({ code: 'ENOSPC', errno: -28 })
+          expect(poolState(pool.root)).toEqual(emptyPoolState)
+          expect(tempLeftovers(path.join(pool.root, '.vmspace', 'meta'))).toEqual([])
+        })
+      },
+    )
+  })
+
+  describe('AbortSignal', () => {
+    test('an already-aborted signal rejects with an AbortError and creates nothing', async () => {
+      const pool = await openPool(path.join(freshDir(), 'pool'))
+      const err = await pool.allocate({ signal: AbortSignal.abort() }).catch((e: unknown) => e)
+      expect(err).toBeInstanceOf(AbortError)
+      expect(err).toMatchObject({ name: 'AbortError', code: 'ABORT_ERR' })
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+      expect(pool.stats().allocated).toBe(0)
+    })
+
+    test('an abort while allocate runs rolls back: AbortError, and the workspace built meanwhile is gone', async () => {
+      const pool = await openPool(path.join(freshDir(), 'pool'))
+      const ac = new AbortController()
+      const p = pool.allocate({ signal: ac.signal })
+      ac.abort()
+      await expect(p).rejects.toMatchObject({ name: 'AbortError' })
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+    })
+  })
+})
+
+describe('list', () => {
+  test('a live workspace is listed live, with its meta, createdAt and template', async () => {
+    const dir = freshDir()
+    const base = path.join(dir, 'base.img')
+    writeRandomFile(base, 8192)
+    const pool = await openPool(path.join(dir, 'pool'))
+    const before = Date.now()
+    const ws = await pool.allocate({ meta: { vm: 'alpha', cpus: 2 }, template: { 'rootfs.img': base } })
+    const after = Date.now()
+    const list = await pool.list()
+    expect(list).toHaveLength(1)
+    const [info] = list
+    expect(info).toMatchObject({ id: ws.id, name: ws.name, path: ws.path, live: true, meta: { vm: 'alpha', cpus: 2 } })
+    expect(info.error).toBeUndefined()
+    expect(info.createdAt).toBeGreaterThanOrEqual(before)
+    expect(info.createdAt).toBeLessThanOrEqual(after)
+    expect(info.template).toEqual([
+      expect.objectContaining({ dest: 'rootfs.img', source: base, size: 8192, ino: String(fs.statSync(base).ino) }),
+    ])
+    await ws.dispose()
+    expect(await pool.list()).toEqual([])
+  })
+
+  test('a workspace whose owner exited without dispose is listed with live: false', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const child = workspaceChild(pool.root)
+    await child.expect('ready')
+    child.send('allocate')
+    const { id } = await child.expect('allocated')
+    child.send('exit')
+    expect(await child.exited).toEqual({ code: 0, signal: null })
+    const list = await pool.list()
+    expect(list).toEqual([expect.objectContaining({ id, live: false, meta: { owner: child.pid } })])
+  })
+
+  test('a corrupt metadata file is reported as ERR_CORRUPT_METADATA on its entry and left byte-identical', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate({ meta: { a: 1 } })
+    const file = metaPath(pool.root, ws.name)
+    const garbage = Buffer.from('{"format":1,"createdAt":17\u0000\xff not json')
+    fs.writeFileSync(file, garbage)
+    const [info] = await pool.list()
+    expect(info).toMatchObject({ id: ws.id, name: ws.name, live: true })
+    expect(info.meta).toBeUndefined()
+    expect(info.error).toBeInstanceOf(VmspaceError)
+    expect(info.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA', path: file })
+    expect(fs.readFileSync(file).equals(garbage)).toBe(true)
+    await ws.dispose()
+  })
+
+  test('a missing metadata file is reported as ENOENT on its entry, never read as empty', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate({ meta: { a: 1 } })
+    fs.unlinkSync(metaPath(pool.root, ws.name))
+    const [info] = await pool.list()
+    expect(info).toMatchObject({ id: ws.id, live: true })
+    expect(info.meta).toBeUndefined()
+    expect(info.error).toMatchObject({ code: 'ENOENT' })
+    await ws.dispose()
+  })
+})

@@ -1,0 +1,15 @@
+import { defineConfig } from 'vitest/config'
+
+export default defineConfig({
+  test: {
+    include: ['test/**/*.test.ts'],
+    // Makes (as root) loop-mounted XFS/btrfs/small ext4 file systems and an ext4 scratch dir; see the file.
+    globalSetup: ['test/setup/global-setup.ts'],
+    // Test files run in separate processes: the native test seam (setTestIds) is process-wide.
+    pool: 'forks',
+    // Generous limits only against hangs; no test asserts on timing.
+    testTimeout: 60_000,
+    hookTimeout: 60_000,
+    teardownTimeout: 60_000,
+  },
+})
