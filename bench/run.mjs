@@ -16,8 +16,15 @@ const here = path.dirname(new URL(import.meta.url).pathname)
 const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
 
 const { values: args } = parseArgs({
-  options: { dir: { type: 'string' }, iterations: { type: 'string', default: '3000' }, time: { type: 'string', default: '2000' } },
+  options: {
+    dir: { type: 'string' },
+    iterations: { type: 'string', default: '3000' },
+    time: { type: 'string', default: '2000' },
+    rounds: { type: 'string', default: '5' },
+    only: { type: 'string' }, // allocate | tree | index
+  },
 })
+const want = (section) => !args.only || args.only.split(',').includes(section)
 const iterations = Number(args.iterations)
 const timeMs = Number(args.time)
 
@@ -62,36 +69,91 @@ if (!targets.length) targets.push({ fs: 'tmp (' + os.tmpdir() + ')', dir: work }
 const floorBin = path.join(work, 'syscalls')
 sh('g++', ['-O2', '-std=c++17', '-o', floorBin, path.join(here, 'syscalls.cc')])
 
-const rows = []
-for (const t of targets) {
-  const nativeBare = Number(sh(floorBin, [path.join(t.dir, 'floor-bare'), String(iterations), '0']))
-  const nativeMeta = Number(sh(floorBin, [path.join(t.dir, 'floor-meta'), String(iterations), '1']))
-  const pool = await vmspace.openPool(path.join(t.dir, 'pool'))
-  const tmpBase = path.join(t.dir, 'mkdtemp')
-  fs.mkdirSync(tmpBase)
+const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]
+const ms = (t0) => Number(process.hrtime.bigint() - t0) / 1e6
 
-  const bench = new Bench({ time: timeMs, warmupTime: 300 })
-  bench.add('vmspace allocate+dispose', async () => {
-    const ws = await pool.allocate()
-    await ws.dispose()
-  })
-  bench.add('fs.promises mkdtemp+rm', async () => {
-    const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
-    await fs.promises.rm(d, { recursive: true })
-  })
-  await bench.run()
-  const median = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
-  const vm = median('vmspace allocate+dispose')
-  const node = median('fs.promises mkdtemp+rm')
-  rows.push({
-    'file system': t.fs,
-    'native floor µs (bare)': (nativeBare / 1e3).toFixed(1),
-    'native floor µs (+meta)': (nativeMeta / 1e3).toFixed(1),
-    'vmspace µs': vm.toFixed(1),
-    'vmspace / floor(+meta)': (vm / (nativeMeta / 1e3)).toFixed(2),
-    'mkdtemp+rm µs': node.toFixed(1),
-    'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
-  })
-  await pool.close()
+// 1. allocate + lease + dispose: vmspace against the bare syscalls (C++ loop) and Node's mkdtemp + rm.
+if (want('allocate')) {
+  const rows = []
+  for (const t of targets) {
+    const nativeBare = Number(sh(floorBin, [path.join(t.dir, 'floor-bare'), String(iterations), '0']))
+    const nativeMeta = Number(sh(floorBin, [path.join(t.dir, 'floor-meta'), String(iterations), '1']))
+    const pool = await vmspace.openPool(path.join(t.dir, 'pool'))
+    const tmpBase = path.join(t.dir, 'mkdtemp')
+    fs.mkdirSync(tmpBase)
+    const bench = new Bench({ time: timeMs, warmupTime: 300 })
+    bench.add('vmspace allocate+dispose', async () => {
+      const ws = await pool.allocate()
+      await ws.dispose()
+    })
+    bench.add('fs.promises mkdtemp+rm', async () => {
+      const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
+      await fs.promises.rm(d, { recursive: true })
+    })
+    await bench.run()
+    const p50 = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
+    const vm = p50('vmspace allocate+dispose')
+    const node = p50('fs.promises mkdtemp+rm')
+    rows.push({
+      'file system': t.fs,
+      'native floor µs (bare)': (nativeBare / 1e3).toFixed(1),
+      'native floor µs (+meta)': (nativeMeta / 1e3).toFixed(1),
+      'vmspace µs': vm.toFixed(1),
+      'vmspace / floor(+meta)': (vm / (nativeMeta / 1e3)).toFixed(2),
+      'mkdtemp+rm µs': node.toFixed(1),
+      'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
+    })
+    await pool.close()
+  }
+  console.log('\nallocate + lease + dispose (medians; one empty workspace with metadata per pair)')
+  console.table(rows)
 }
-console.table(rows)
+
+// 2. Tree clone of 10,000 files (100 dirs x 100 files, 1-16 KiB) against cp -a --reflink=always, and its
+// removal (Workspace.dispose / removeTree) against fs.promises.rm({ recursive: true }). Reflink needs XFS.
+if (want('tree')) {
+  const t = targets.find((x) => x.fs.startsWith('xfs')) ?? targets[0]
+  const src = path.join(t.dir, 'tree-src')
+  fs.mkdirSync(src)
+  for (let d = 0; d < 100; d++) {
+    fs.mkdirSync(path.join(src, `d${d}`))
+    for (let f = 0; f < 100; f++)
+      fs.writeFileSync(path.join(src, `d${d}`, `f${f}`), Buffer.alloc(1024 * (1 + ((d * 100 + f) % 16)), d))
+  }
+  sh('sync', [])
+  const pool = await vmspace.openPool(path.join(t.dir, 'tree-pool'))
+  const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [] }
+  let method
+  // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
+  const timed = async (key, fn) => {
+    sh('sync', [])
+    const t0 = process.hrtime.bigint()
+    const out = await fn()
+    r[key].push(ms(t0))
+    return out
+  }
+  for (let i = 0; i < Number(args.rounds); i++) {
+    method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${i}`), { reflink: 'always' }))).method
+    await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${i}`)]))
+    const ws = await timed('allocate', () => pool.allocate({ template: src }))
+    await timed('dispose', () => ws.dispose())
+    await timed('removeTree', () => vmspace.removeTree(path.join(t.dir, `v${i}`)))
+    await timed('rm', () => fs.promises.rm(path.join(t.dir, `c${i}`), { recursive: true }))
+  }
+  await pool.close()
+  const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
+  console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms)`)
+  console.table([
+    { operation: 'clone (standalone)', 'vmspace ms': m.clone.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.clone).toFixed(2) },
+    { operation: 'allocate({ template: dir })', 'vmspace ms': m.allocate.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.allocate).toFixed(2) },
+    { operation: 'Workspace.dispose', 'vmspace ms': m.dispose.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.dispose).toFixed(2) },
+    { operation: 'removeTree', 'vmspace ms': m.removeTree.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.removeTree).toFixed(2) },
+  ])
+}
+
+// 3. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
+if (want('index') && fs.existsSync(path.join(here, 'index.mjs'))) {
+  const t = targets[0]
+  console.log(`\nlocked JSON index on ${t.fs}`)
+  process.stdout.write(execFileSync(process.execPath, [path.join(here, 'index.mjs'), '--dir', t.dir]))
+}

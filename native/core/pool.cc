@@ -333,12 +333,14 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
 void Pool::dispose(const std::string& name, int leaseFd) {
   UniqueFd lease(leaseFd);
   std::string trashPath = root_ + "/.vmspace/trash/" + name;
-  moveToTrash(name, lease.get());
-  // Also when the name was already gone from the root: a dispose that failed before left it in trash.
-  struct stat there, own;
-  if (fstatat(trashFd_.get(), name.c_str(), &there, AT_SYMLINK_NOFOLLOW) == 0 && fstat(lease.get(), &own) == 0 &&
-      there.st_ino == own.st_ino && there.st_dev == own.st_dev)
-    removeTreeNoFollow(trashFd_.get(), name, trashPath);
+  bool inTrash = moveToTrash(name, lease.get());
+  if (!inTrash) {
+    // Gone from the root: a dispose that failed before may have left it in trash; finish it if it is ours.
+    struct stat there, own;
+    inTrash = fstatat(trashFd_.get(), name.c_str(), &there, AT_SYMLINK_NOFOLLOW) == 0 &&
+              fstat(lease.get(), &own) == 0 && there.st_ino == own.st_ino && there.st_dev == own.st_dev;
+  }
+  if (inTrash) removeTreeNoFollow(trashFd_.get(), name, trashPath);
   if (unlinkat(metaFd_.get(), (name + ".json").c_str(), 0) != 0 && errno != ENOENT)
     throwErrno(errno, "unlink", metaPath(name));
 }
