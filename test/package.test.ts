@@ -1,0 +1,35 @@
+// The package as its users load it: by name, with `import` and with `require`, with types for both.
+import { execFileSync } from 'node:child_process'
+import * as path from 'node:path'
+import { describe, expect, test } from 'vitest'
+
+const repo = path.resolve(__dirname, '..')
+const run = (args: string[]) => execFileSync(process.execPath, args, { cwd: repo, encoding: 'utf8' }).trim()
+
+describe('the package', () => {
+  test('loads with require by name and exposes the API', () => {
+    const out = run(['-e', "const v = require('vmspace'); console.log(typeof v.openPool, typeof v.clone, typeof v.lockFile, typeof v.VmspaceError)"])
+    expect(out).toBe('function function function function')
+  })
+
+  test('loads with import by name, sharing one module instance with require', () => {
+    const out = run([
+      '--input-type=module',
+      '-e',
+      "import { openPool, VmspaceError } from 'vmspace'; import { createRequire } from 'node:module'; const req = createRequire(import.meta.url); console.log(typeof openPool, VmspaceError === req('vmspace').VmspaceError)",
+    ])
+    expect(out).toBe('function true')
+  })
+
+  test('types check for ES module and CommonJS consumers', () => {
+    const tsc = path.join(repo, 'node_modules', 'typescript', 'bin', 'tsc')
+    const files = ['consumer.mts', 'consumer.cts'].map((f) => path.join(__dirname, 'fixtures', 'types', f))
+    const out = execFileSync(
+      process.execPath,
+      [tsc, '--noEmit', '--strict', '--module', 'nodenext', '--moduleResolution', 'nodenext', '--target', 'es2022',
+        '--lib', 'es2022,esnext.disposable', '--types', 'node', '--skipLibCheck', ...files],
+      { cwd: repo, encoding: 'utf8' },
+    )
+    expect(out).toBe('')
+  })
+})
