@@ -99,14 +99,17 @@ class Work : public Napi::AsyncWorker {
   std::unique_ptr<Error> error_;
 };
 
-// Per-instance state (one per env: the main thread and each worker thread): the lease fds this instance holds
-// for workspaces not yet disposed or released. When the env ends (a worker thread exits, or the process), they
-// are closed, so a workspace never stays leased by a thread that is gone. Touched on the env's JS thread only.
+struct LockWaiter;
+
+// Per-instance state (one per env: the main thread and each worker thread): the lease fds and lock fds this
+// instance holds, and its lock waits still running. When the env ends (a worker thread exits, or the process),
+// the fds are closed and the waits cancelled, so no workspace stays leased and no lock stays held by a thread
+// that is gone. Touched on the env's JS thread only.
 struct Instance {
   std::unordered_set<int> leases;
-  ~Instance() {
-    for (int fd : leases) ::close(fd);
-  }
+  std::unordered_set<int> locks;
+  std::unordered_set<std::shared_ptr<LockWaiter>> waiters;
+  ~Instance();
 };
 
 Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
@@ -429,6 +432,7 @@ Napi::Value LockOpen(const Napi::CallbackInfo& info) {
         return o;
       },
       [](Napi::Env env, Opened& o) -> Napi::Value {
+        instance(env).locks.insert(o.fd);
         Napi::Object r = Napi::Object::New(env);
         r.Set("fd", o.fd);
         r.Set("acquired", o.acquired);
@@ -439,16 +443,56 @@ Napi::Value LockOpen(const Napi::CallbackInfo& info) {
 // A lock wait runs on a thread of its own, never on the libuv pool: a blocking flock would hold a pool thread
 // for as long as the holder keeps the lock, and UV_THREADPOOL_SIZE (4 by default) such waits would freeze every
 // fs call of the process (node-pty runs its blocking waits on their own threads for the same reason).
+struct LockWaitDone;
+void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter* waiter, LockWaitDone* done);
+using LockWaitTsfn = Napi::TypedThreadSafeFunction<LockWaiter, LockWaitDone, lockWaitCallJs>;
+
 struct LockWaiter {
   int fd;
   bool shared;
   pthread_t thread{};
   std::mutex mu;
-  bool done = false;  // guarded by mu: once set, the thread may be gone and must not be signalled
+  bool done = false;       // guarded by mu: once set, the thread may be gone and must not be signalled
+  bool tsfnGone = false;   // guarded by mu: the env tore the callback down (a worker thread ended)
   std::atomic<bool> cancelled{false};
-  Napi::ThreadSafeFunction tsfn;
+  LockWaitTsfn tsfn;
 };
 using WaiterRef = std::shared_ptr<LockWaiter>;
+
+struct LockWaitDone {
+  WaiterRef waiter;
+  int err;
+};
+
+// On the JS thread, or with a null env while the env is torn down (the wait's result is then dropped, and so is
+// the lock it may have got: nobody is left to release it).
+void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter*, LockWaitDone* d) {
+  std::unique_ptr<LockWaitDone> done(d);
+  if (env == nullptr || cb.IsEmpty()) {
+    ::close(done->waiter->fd);
+    return;
+  }
+  // The fd goes back to the instance (held, or to be released by lib) before JS sees it.
+  Instance& inst = instance(env);
+  inst.waiters.erase(done->waiter);
+  inst.locks.insert(done->waiter->fd);
+  cb.Call({Napi::Number::New(env, done->err)});
+}
+
+// Interrupts a waiting thread (see LockCancel); a no-op once the thread is done.
+void cancelWaiter(LockWaiter& w) {
+  w.cancelled.store(true);
+  int sig = vmspace::lockCancelSignal();
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (!w.done && sig) pthread_kill(w.thread, sig);
+}
+
+Instance::~Instance() {
+  for (int fd : leases) ::close(fd);
+  for (int fd : locks) ::close(fd);
+  // A wait still running closes its own fd when it finds the env gone (its callback can no longer be made).
+  for (auto& w : waiters) cancelWaiter(*w);
+}
 
 // lockWait(fd, shared, callback(errno)): callback gets 0 once the lock is held, ECANCELED after lockCancel, or
 // the errno of flock. Returns the handle for lockCancel.
@@ -458,7 +502,20 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   waiter->fd = static_cast<int>(intArg(info, 0));
   waiter->shared = boolArg(info, 1);
   if (!info[2].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: callback must be a function");
-  waiter->tsfn = Napi::ThreadSafeFunction::New(env, info[2].As<Napi::Function>(), "vmspace lock wait", 0, 1);
+  // Node frees a thread-safe function when its env is torn down, even while a thread still holds it; the
+  // finalizer tells the thread (under mu) not to touch it any more.
+  waiter->tsfn = LockWaitTsfn::New(
+      env, info[2].As<Napi::Function>(), "vmspace lock wait", 0, 1, waiter.get(),
+      [](Napi::Env, WaiterRef* ref, LockWaiter*) {
+        {
+          std::lock_guard<std::mutex> lock((*ref)->mu);
+          (*ref)->tsfnGone = true;
+        }
+        delete ref;
+      },
+      new WaiterRef(waiter));
+  instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
+  instance(env).waiters.insert(waiter);
   int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
   std::thread t([waiter, sig] {
     // No V8 here: runs on the wait's own thread.
@@ -484,15 +541,17 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    {
-      std::lock_guard<std::mutex> lock(waiter->mu);
-      waiter->done = true;
+    std::lock_guard<std::mutex> lock(waiter->mu);
+    waiter->done = true;
+    if (waiter->tsfnGone) {
+      ::close(waiter->fd);  // the env is gone: drop the lock (if we got it) here
+      return;
     }
-    waiter->tsfn.BlockingCall(new int(err), [](Napi::Env env, Napi::Function cb, int* e) {
-      int value = *e;
-      delete e;
-      cb.Call({Napi::Number::New(env, value)});
-    });
+    auto* done = new LockWaitDone{waiter, err};
+    if (waiter->tsfn.BlockingCall(done) != napi_ok) {
+      ::close(waiter->fd);
+      delete done;
+    }
     waiter->tsfn.Release();
   });
   waiter->thread = t.native_handle();
@@ -503,12 +562,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
 // Interrupts a wait. The signal can land just before the thread enters flock, so the caller repeats this until
 // the callback has run (lib/lock.ts does, every 10 ms).
 Napi::Value LockCancel(const Napi::CallbackInfo& info) {
-  if (!info[0].IsExternal()) return info.Env().Undefined();
-  WaiterRef w = *info[0].As<Napi::External<WaiterRef>>().Data();
-  w->cancelled.store(true);
-  int sig = vmspace::lockCancelSignal();
-  std::lock_guard<std::mutex> lock(w->mu);
-  if (!w->done && sig) pthread_kill(w->thread, sig);
+  if (info[0].IsExternal()) cancelWaiter(**info[0].As<Napi::External<WaiterRef>>().Data());
   return info.Env().Undefined();
 }
 
@@ -531,7 +585,11 @@ Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
   return closeFd(info.Env(), fd);
 }
 
-Napi::Value LockRelease(const Napi::CallbackInfo& info) { return closeFd(info.Env(), static_cast<int>(intArg(info, 0))); }
+Napi::Value LockRelease(const Napi::CallbackInfo& info) {
+  int fd = static_cast<int>(intArg(info, 0));
+  instance(info.Env()).locks.erase(fd);
+  return closeFd(info.Env(), fd);
+}
 
 struct MaybeText {
   bool exists = false;
