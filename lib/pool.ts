@@ -207,6 +207,8 @@ export class Pool {
       meta: metaObject(o.meta),
     })
     this.#assertOpen()
+    // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
+    this.#open++
     let r
     try {
       r = await this.#inFlight.track(
@@ -216,11 +218,12 @@ export class Pool {
       )
     } catch (e) {
       this.#stats.failed++
+      this.#open--
+      await this.#releaseIfIdle()
       throw e
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    this.#open++
     const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
     ws.template = r.clones.map((c) => {
       this.#countClone(c)
@@ -282,8 +285,15 @@ export class Pool {
     if (!/^[0-9a-f]{32}$/.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
     this.#assertOpen()
     const name = `${this.prefix}-${id}`
-    const r = await call(this.#inFlight.track(native.adopt(this.#handle, name)))
     this.#open++
+    let r
+    try {
+      r = await call(this.#inFlight.track(native.adopt(this.#handle, name)))
+    } catch (e) {
+      this.#open--
+      await this.#releaseIfIdle()
+      throw e
+    }
     const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
     ws.info = this.#info(name, true, r.metaText, r.metaError)
     return ws
