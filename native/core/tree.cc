@@ -84,6 +84,11 @@ int openDirBeneath(int rootFd, const std::string& rel) {
 // (openat(O_CREAT) and FICLONE take most of it), so the walk scales with cores, not with fewer syscalls.
 // Tasks hold no fds while queued (they reopen their directory beneath the roots), so a wide tree cannot run
 // out of descriptors. A directory's mode and times are set when it and every directory below it are done.
+struct Owner {
+  uid_t uid;
+  gid_t gid;
+};
+
 class TreeCloner {
  public:
   static constexpr unsigned kMaxThreads = 4;
@@ -131,7 +136,9 @@ class TreeCloner {
 
   // Applies a source directory's metadata to a destination directory (the root of a tree clone).
   void copyDirMeta(int srcFd, int dstFd, const struct stat& st, const std::string& rel) {
-    copyOwnerXattrs(srcFd, dstFd, st, rel);
+    struct stat now;
+    if (fstat(dstFd, &now) != 0) throwErrno(errno, "fstat", dstPath(rel));
+    copyOwnerXattrs(srcFd, dstFd, st, rel, {now.st_uid, now.st_gid});
     setModeTimes(dstFd, st, rel);
   }
 
@@ -240,7 +247,14 @@ class TreeCloner {
     UniqueFd dst(openDirBeneath(dstRootFd_, t->rel));
     if (!dst) throwErrno(errno, "open", srcPath(t->rel), dstPath(t->rel));
     // Owner and xattrs now; mode and times once everything below is written (complete()).
-    if (t->applyMeta) copyOwnerXattrs(src.get(), dst.get(), t->st, t->rel);
+    struct stat dstSt;
+    if (fstat(dst.get(), &dstSt) != 0) throwErrno(errno, "fstat", dstPath(t->rel));
+    if (t->applyMeta && copyOwnerXattrs(src.get(), dst.get(), t->st, t->rel, {dstSt.st_uid, dstSt.st_gid}) &&
+        fstat(dst.get(), &dstSt) != 0)
+      throwErrno(errno, "fstat", dstPath(t->rel));
+    // What new entries here are owned by: our uid, and our gid, or the directory's where it is setgid
+    // (mkdir(2)/open(2) inherit the group of a setgid directory).
+    Owner created{euid_, (dstSt.st_mode & S_ISGID) ? dstSt.st_gid : egid_};
     int sfd = src.get();
     DIR* dir = fdopendir(src.release());
     if (!dir) {
@@ -260,11 +274,11 @@ class TreeCloner {
       if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
       if (stop_ || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
         throwErrno(ECANCELED, "clone", srcPath(t->rel), dstPath(t->rel));
-      entry(t, sfd, dst.get(), name, local);
+      entry(t, sfd, dst.get(), name, created, local);
     }
   }
 
-  void entry(Task* t, int sdir, int ddir, const char* name, CloneSummary& local) {
+  void entry(Task* t, int sdir, int ddir, const char* name, Owner created, CloneSummary& local) {
     std::string rel = t->rel.empty() ? std::string(name) : t->rel + "/" + name;
     struct stat st;
     if (fstatat(sdir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -285,7 +299,7 @@ class TreeCloner {
         return;
       }
       case S_IFREG:
-        regular(sdir, ddir, name, rel, st, local);
+        regular(sdir, ddir, name, rel, st, created, local);
         return;
       case S_IFLNK: {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
@@ -294,13 +308,13 @@ class TreeCloner {
         if (n < 0) throwErrno(errno, "readlink", srcPath(rel), dstPath(rel));
         target[n] = 0;
         if (symlinkat(target, ddir, name) != 0) throwErrno(errno, "symlink", srcPath(rel), dstPath(rel));
-        nodeMeta(ddir, name, st, rel, true);
+        nodeMeta(ddir, name, st, rel, created, true);
         local.symlinks++;
         return;
       }
       case S_IFIFO:
         if (mknodat(ddir, name, S_IFIFO | 0600, 0) != 0) throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
-        nodeMeta(ddir, name, st, rel, false);
+        nodeMeta(ddir, name, st, rel, created, false);
         local.fifos++;
         return;
       case S_IFCHR:
@@ -312,7 +326,7 @@ class TreeCloner {
           }
           throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
         }
-        nodeMeta(ddir, name, st, rel, false);
+        nodeMeta(ddir, name, st, rel, created, false);
         local.devices++;
         return;
       case S_IFSOCK:
@@ -323,7 +337,7 @@ class TreeCloner {
     }
   }
 
-  void regular(int sdir, int ddir, const char* name, const std::string& rel, const struct stat& st,
+  void regular(int sdir, int ddir, const char* name, const std::string& rel, const struct stat& st, Owner created,
                CloneSummary& local) {
     std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
     if (st.st_nlink > 1) {
@@ -349,9 +363,18 @@ class TreeCloner {
     bool exact = (perm & umask_) == 0 && (st.st_mode & 07000) == 0;
     UniqueFd dst(openat(ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    CloneMethod m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, srcPath(rel),
-                              dstPath(rel));
-    bool chmod = !exact || copyOwnerXattrs(src.get(), dst.get(), st, rel);
+    CloneMethod m;
+    try {
+      m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, srcPath(rel),
+                    dstPath(rel));
+    } catch (Error& e) {
+      // Name the entry the way every other failure of the walk does: the source entry and its destination.
+      e.path = srcPath(rel);
+      e.dest = dstPath(rel);
+      throw;
+    }
+    bool chowned = copyOwnerXattrs(src.get(), dst.get(), st, rel, created);
+    bool chmod = !exact || chowned;
     if (chmod && fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
@@ -369,9 +392,9 @@ class TreeCloner {
   // Owner then xattrs: chown(2) clears setuid/setgid and security.capability, so the xattrs (and the mode,
   // which the caller sets after this) come after it. Returns true when the owner was changed (the mode must
   // then be set again).
-  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel) {
+  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel, Owner now) {
     bool chowned = false;
-    if (st.st_uid != euid_ || st.st_gid != egid_) {
+    if (st.st_uid != now.uid || st.st_gid != now.gid) {
       if (fchown(dfd, st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
       chowned = true;
     }
@@ -386,8 +409,9 @@ class TreeCloner {
   }
 
   // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
-  void nodeMeta(int ddir, const char* name, const struct stat& st, const std::string& rel, bool symlink) {
-    if ((st.st_uid != euid_ || st.st_gid != egid_) &&
+  void nodeMeta(int ddir, const char* name, const struct stat& st, const std::string& rel, Owner created,
+                bool symlink) {
+    if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
         fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0 && errno != EPERM)
       throwErrno(errno, "chown", dstPath(rel));
     if (!symlink && fchmodat(ddir, name, st.st_mode & 07777, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
