@@ -8,6 +8,15 @@
  * nothing in the pool, and prints a summary. Exit status: 0 when every check passed, 1 when any failed, 2 for
  * bad arguments, 128+signal when interrupted.
  *
+ * --template-dir DIR starts every workspace from a directory tree instead (`allocate({ template: DIR })`): each
+ * worker writes its id into its clone of one template file and into a marker file, checks that its tree is the
+ * template's, and the parent checks that the template (listing, modes, sizes, times, contents) is unchanged.
+ *
+ * --chaos SIGKILLs some workers mid-run (each after some allocations); replacement workers make the rest of their
+ * share. The parent knows what the dead left from their reports (allocations not reported disposed), the pids in
+ * the metadata of what they published but could not report, and the staging entries of builds they were in; one
+ * `pool.sweep({ graceMs: 0 })` must reclaim exactly that set.
+ *
  * Uses only vmspace's public API, Node built-ins and cli-progress.
  */
 import { execFile, fork, type ChildProcess } from 'node:child_process'
@@ -29,6 +38,8 @@ const MAX_IMAGE_DATA = 160 * 1024 * 1024
 const MARKER_OFFSET = 512
 const MARKER_LEN = 64
 const MARKER_FILE = 'marker.txt'
+/** With --template-dir: the marker file each workspace gets (the template must not have one). */
+const TREE_MARKER = 'vmspace-demo-marker.txt'
 const ROOTFS = 'rootfs.ext4'
 const ROLE_ENV = 'VMSPACE_DEMO_ROLE'
 const CRASH_ENV = 'VMSPACE_DEMO_CRASH_AFTER'
@@ -41,19 +52,36 @@ const STALL_MS = 120_000
 interface WorkerConfig {
   index: number
   root: string
+  /** The base image cloned as ROOTFS ('' with a template tree). */
   base: string
   baseSize: number
+  /** With --template-dir: the tree every workspace starts from, instead of the base image. */
+  tree?: TreeSpec
   count: number
   live: number
   /** Test hook: SIGKILL this worker right after its n-th allocate (0: never). */
   crashAfter: number
 }
 
+/** A template tree as the workers check their clones of it. */
+interface TreeSpec {
+  /** The directory cloned (the template itself, or its copy in the pool's file system). */
+  dir: string
+  /** treeManifest(dir, { contents: false }).digest: paths, types, modes, sizes, symlink targets. */
+  shape: string
+  entries: number
+  files: number
+  bytes: number
+  /** Relative path of a template file (the largest writable one) each worker writes its marker into. */
+  probe?: string
+}
+
 type ToWorker = { t: 'start'; config: WorkerConfig } | { t: 'go' } | { t: 'stop' }
 
 type FromWorker =
   | { t: 'ready' }
-  | { t: 'allocated'; id: string; name: string; path: string; ms: number; method: string; bytes: number }
+  | { t: 'allocated'; id: string; name: string; path: string; ms: number; method: string; bytes: number; files: number }
+  | { t: 'disposing'; id: string }
   | { t: 'checked'; id: string; marker: boolean; markerFile: boolean; contents: boolean; disposed: boolean; problems: string[] }
   | { t: 'failed'; stage: string; error: string }
   | { t: 'finished'; stats: PoolStats }
@@ -127,7 +155,7 @@ async function workerMain(): Promise<void> {
       const t0 = performance.now()
       try {
         ws = await pool.allocate({
-          template: { [ROOTFS]: config.base },
+          template: config.tree ? config.tree.dir : { [ROOTFS]: config.base },
           meta: { demo: 'vmspace', worker: config.index, seq, pid: process.pid },
         })
       } catch (e) {
@@ -136,9 +164,22 @@ async function workerMain(): Promise<void> {
       }
       const ms = performance.now() - t0
       const c = ws.template[0]
-      await report({ t: 'allocated', id: ws.id, name: ws.name, path: ws.path, ms, method: c?.method ?? 'none', bytes: c?.bytes ?? 0 })
+      await report({
+        t: 'allocated',
+        id: ws.id,
+        name: ws.name,
+        path: ws.path,
+        ms,
+        method: c?.method ?? 'none',
+        bytes: c?.bytes ?? 0,
+        files: c?.files ?? 0,
+      })
       if (config.crashAfter > 0 && seq + 1 === config.crashAfter) process.kill(process.pid, 'SIGKILL')
-      await report(await useAndDispose(ws, config))
+      const checks = config.tree ? await useTree(ws, config.tree) : await useImage(ws, config)
+      // Reported (and handed to the kernel) before dispose starts, so that the parent can tell what a worker killed
+      // meanwhile may have half-disposed.
+      await report({ t: 'disposing', id: ws.id })
+      await report(await dispose(ws, checks))
     }
   }
   await Promise.all(Array.from({ length: Math.min(config.live, config.count) }, lane))
@@ -147,8 +188,15 @@ async function workerMain(): Promise<void> {
   if (process.connected) process.disconnect()
 }
 
-/** What a VM would do with its workspace, reduced to the checks: write our marker, read it back, dispose. */
-async function useAndDispose(ws: Workspace, config: WorkerConfig): Promise<FromWorker> {
+interface Checks {
+  marker: boolean
+  markerFile: boolean
+  contents: boolean
+  problems: string[]
+}
+
+/** What a VM would do with its workspace, reduced to the checks: write our marker, read it back. */
+async function useImage(ws: Workspace, config: WorkerConfig): Promise<Checks> {
   const problems: string[] = []
   let marker = false
   let markerFile = false
@@ -185,6 +233,61 @@ async function useAndDispose(ws: Workspace, config: WorkerConfig): Promise<FromW
   } catch (e) {
     problems.push(describe(e))
   }
+  return { marker, markerFile, contents, problems }
+}
+
+/**
+ * The same for a workspace made from a template tree: our id into our clone of the probe file (copy-on-write must
+ * keep the template's file as it was) and into a marker file, read back; the tree must be the template's.
+ */
+async function useTree(ws: Workspace, tree: TreeSpec): Promise<Checks> {
+  const problems: string[] = []
+  let marker = tree.probe === undefined
+  let markerFile = false
+  let contents = false
+  const expected = markerFor(ws.id)
+  try {
+    const probe = tree.probe === undefined ? undefined : path.join(ws.path, tree.probe)
+    if (probe) {
+      const fh = await fsp.open(probe, 'r+')
+      try {
+        await fh.write(expected, 0, MARKER_LEN, 0)
+      } finally {
+        await fh.close()
+      }
+    }
+    await fsp.writeFile(path.join(ws.path, TREE_MARKER), `${ws.id}\n`, { flag: 'wx' })
+    await new Promise((r) => setImmediate(r))
+
+    if (probe) {
+      const got = Buffer.alloc(MARKER_LEN)
+      const rh = await fsp.open(probe, 'r')
+      try {
+        await rh.read(got, 0, MARKER_LEN, 0)
+      } finally {
+        await rh.close()
+      }
+      marker = got.equals(expected)
+      if (!marker) problems.push(`marker at the start of ${probe} is ${JSON.stringify(got.toString('latin1').replace(/\0+$/, ''))}`)
+    }
+    const text = await fsp.readFile(path.join(ws.path, TREE_MARKER), 'utf8')
+    markerFile = text === `${ws.id}\n`
+    if (!markerFile) problems.push(`${TREE_MARKER} holds ${JSON.stringify(text)}`)
+    const m = await treeManifest(ws.path, { contents: false, skip: TREE_MARKER })
+    contents = m.digest === tree.shape
+    if (!contents)
+      problems.push(
+        `the workspace holds ${m.entries} entries (${m.files} files, ${m.bytes} bytes) that differ from the template's ` +
+          `${tree.entries} (${tree.files} files, ${tree.bytes} bytes)`,
+      )
+  } catch (e) {
+    problems.push(describe(e))
+  }
+  return { marker, markerFile, contents, problems }
+}
+
+async function dispose(ws: Workspace, checks: Checks): Promise<FromWorker> {
+  const problems = [...checks.problems]
   let disposed = false
   try {
     await ws.dispose()
@@ -193,6 +296,7 @@ async function useAndDispose(ws: Workspace, config: WorkerConfig): Promise<FromW
   } catch (e) {
     problems.push(`dispose: ${describe(e)}`)
   }
+  const { marker, markerFile, contents } = checks
   return { t: 'checked', id: ws.id, marker, markerFile, contents, disposed, problems }
 }
 
@@ -217,6 +321,24 @@ Options:
   --base FILE      base image to clone (default: an ext4 image of Node's own npm
                    package and headers, built once with mke2fs and cached in
                    ${os.tmpdir()}; the node executable where mke2fs is missing)
+  --template-dir DIR
+                   start every workspace from the directory tree DIR instead of
+                   the base image (allocate({ template: DIR }): its contents
+                   become the workspace's contents). Each workspace gets its own
+                   marker file and its id written into its clone of one template
+                   file; the tree must be the template's, and the template (its
+                   listing, modes, sizes, times and file contents) must be
+                   unchanged at the end. On another file system than the pool, DIR
+                   is copied into the pool once and the workspaces clone the copy.
+  --chaos [N|P%]   SIGKILL N workers, or P% of them (default 25%, at least 1),
+                   each after it has allocated some of its workspaces. For each
+                   one killed, a replacement worker makes the rest of its share,
+                   so --vms workspaces still complete. Then one
+                   pool.sweep({ graceMs: 0 }) must reclaim exactly what the killed
+                   workers left: the workspaces they reported and did not report
+                   disposed, those they published but could not report (known by
+                   the pid in their metadata), and the staging entries of builds
+                   they were in. Use it only on a pool nobody else is using.
   -h, --help       show this help
 
 Exit status: 0 all checks passed, 1 a check failed, 2 bad arguments,
@@ -231,6 +353,9 @@ interface Options {
   live: number
   root?: string
   base?: string
+  templateDir?: string
+  /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
+  chaos?: { count: number } | { percent: number }
 }
 
 class UsageError extends Error {}
@@ -244,17 +369,34 @@ function positiveInt(name: string, value: string | undefined, fallback: number, 
   return n
 }
 
+/** `--chaos` takes an optional value: `--chaos 3`, `--chaos 25%`, `--chaos=3`, or `--chaos` alone. */
+function chaosArgs(argv: string[]): string[] {
+  const out: string[] = []
+  for (let i = 0; i < argv.length; i++) {
+    if (argv[i] === '--') {
+      out.push(...argv.slice(i))
+      break
+    }
+    if (argv[i] !== '--chaos') out.push(argv[i])
+    else if (i + 1 < argv.length && /^\s*\d+\s*%?\s*$/.test(argv[i + 1])) out.push(`--chaos=${argv[++i]}`)
+    else out.push('--chaos=')
+  }
+  return out
+}
+
 function parseOptions(argv: string[]): Options | 'help' {
   let parsed
   try {
     parsed = parseArgs({
-      args: argv,
+      args: chaosArgs(argv),
       options: {
         vms: { type: 'string' },
         workers: { type: 'string' },
         live: { type: 'string' },
         root: { type: 'string' },
         base: { type: 'string' },
+        'template-dir': { type: 'string' },
+        chaos: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
       strict: true,
@@ -291,6 +433,30 @@ function parseOptions(argv: string[]): Options | 'help' {
     } catch {
       throw new UsageError(`--base ${opts.base} is not readable`)
     }
+  }
+  const templateDir = v['template-dir']
+  if (templateDir !== undefined) {
+    if (templateDir.trim() === '') throw new UsageError('--template-dir must name a directory')
+    if (opts.base) throw new UsageError('--template-dir and --base exclude each other: a workspace starts from one of them')
+    opts.templateDir = path.resolve(templateDir)
+    const st = statOrUndefined(opts.templateDir)
+    if (!st) throw new UsageError(`--template-dir ${opts.templateDir} does not exist`)
+    if (!st.isDirectory()) throw new UsageError(`--template-dir ${opts.templateDir} is not a directory`)
+    try {
+      fs.accessSync(opts.templateDir, fs.constants.R_OK | fs.constants.X_OK)
+    } catch {
+      throw new UsageError(`--template-dir ${opts.templateDir} is not readable`)
+    }
+    if (statOrUndefined(path.join(opts.templateDir, TREE_MARKER)))
+      throw new UsageError(`--template-dir ${opts.templateDir} holds ${TREE_MARKER}, the name of the demo's marker file`)
+  }
+  if (v.chaos !== undefined) {
+    const c = v.chaos.trim()
+    if (c === '') opts.chaos = { percent: 25 }
+    else if (c.endsWith('%')) {
+      const n = positiveInt('chaos', c.slice(0, -1), 25, 100)
+      opts.chaos = { percent: n }
+    } else opts.chaos = { count: positiveInt('chaos', c, 1, 256) }
   }
   if (opts.workers > opts.vms) opts.workers = opts.vms
   return opts
@@ -331,6 +497,61 @@ async function sha256(file: string): Promise<string> {
   const hash = createHash('sha256')
   for await (const chunk of fs.createReadStream(file, { highWaterMark: 1 << 20 })) hash.update(chunk as Buffer)
   return hash.digest('hex')
+}
+
+interface Manifest {
+  /** sha256 over one line per entry below the directory (sorted): path, type, mode, size, symlink target, and with
+   * `contents` also mtime, ctime and the file's sha256. */
+  digest: string
+  entries: number
+  files: number
+  bytes: number
+  /** The largest regular file with its owner-write bit and at least MARKER_LEN bytes (relative), if any. */
+  probe?: string
+}
+
+/**
+ * Walks `dir` without following symlinks. Sockets are left out (a tree clone skips them); `skip` is a name left out
+ * at the top. Used by the workers (shape only: their clones have other times and one file with their marker) and by
+ * the parent, before and after the run, on the template itself (with contents).
+ */
+async function treeManifest(dir: string, options: { contents: boolean; skip?: string }): Promise<Manifest> {
+  const hash = createHash('sha256')
+  const m: Manifest = { digest: '', entries: 0, files: 0, bytes: 0 }
+  let probeSize = -1
+  const walk = async (rel: string) => {
+    const names = (await fsp.readdir(path.join(dir, rel))).sort()
+    for (const name of names) {
+      if (rel === '' && name === options.skip) continue
+      const r = rel === '' ? name : `${rel}/${name}`
+      const abs = path.join(dir, r)
+      const st = await fsp.lstat(abs, { bigint: true })
+      if (st.isSocket()) continue
+      const type = st.isFile() ? 'f' : st.isDirectory() ? 'd' : st.isSymbolicLink() ? 'l' : st.isFIFO() ? 'p' : st.isCharacterDevice() ? 'c' : 'b'
+      let line = `${JSON.stringify(r)} ${type} ${(st.mode & 0o7777n).toString(8)}`
+      if (type === 'f') line += ` ${st.size}`
+      if (type === 'l') line += ` -> ${JSON.stringify(await fsp.readlink(abs))}`
+      if (type === 'c' || type === 'b') line += ` rdev ${st.rdev}`
+      if (options.contents) {
+        line += ` mtime ${st.mtimeNs} ctime ${st.ctimeNs}`
+        if (type === 'f') line += ` sha256 ${await sha256(abs)}`
+      }
+      hash.update(line + '\n')
+      m.entries++
+      if (type === 'f') {
+        m.files++
+        m.bytes += Number(st.size)
+        if ((st.mode & 0o200n) !== 0n && st.size >= BigInt(MARKER_LEN) && st.size > probeSize) {
+          probeSize = Number(st.size)
+          m.probe = r
+        }
+      }
+      if (type === 'd') await walk(r)
+    }
+  }
+  await walk('')
+  m.digest = hash.digest('hex')
+  return m
 }
 
 const FS_TYPES: Record<number, string> = {
@@ -609,6 +830,16 @@ interface WorkerState {
   fatal?: string
   stderr: string
   live: Set<string>
+  /** Allocations it reported. */
+  allocated: number
+  /** Workspaces it finished: checked (disposed) or failed to allocate. */
+  completed: number
+  /** --chaos: SIGKILL it when it reports this many allocations. */
+  killAt?: number
+  /** --chaos: killed on purpose (its exit is no failure; a replacement makes the rest of its share). */
+  chaosKilled?: boolean
+  /** The worker this one replaces (--chaos). */
+  replaces?: number
 }
 
 interface Made {
@@ -618,10 +849,23 @@ interface Made {
   ms: number
   method: string
   bytes: number
+  files: number
   worker: number
+  /** It reported that it started to dispose this one. */
+  disposing?: boolean
   checked?: Extract<FromWorker, { t: 'checked' }>
 }
 
+/** Names of the published, trash and staging entries the pool holds beyond what was there before the run. */
+async function leftBehind(root: string, before: Set<string>) {
+  const entries = (await poolEntries(root)).filter((e) => !before.has(e))
+  const names = (dir: string) => entries.filter((e) => path.dirname(e) === dir).map((e) => path.basename(e))
+  return {
+    published: names('.'),
+    trash: names(path.join('.vmspace', 'trash')),
+    staging: names(path.join('.vmspace', 'staging')),
+  }
+}
 
 async function main(): Promise<number> {
   let opts: Options | 'help'
@@ -671,8 +915,8 @@ async function main(): Promise<number> {
   for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(sig, onSignal)
 
   try {
-    // ---- setup: base image, pool
-    const base0 = await prepareBase(o, cleanup)
+    // ---- setup: base image or template tree, pool
+    const base0 = o.templateDir ? undefined : await prepareBase(o, cleanup)
     let root: string
     let ownRoot = false
     if (o.root) root = o.root
@@ -687,11 +931,12 @@ async function main(): Promise<number> {
     const before = new Set(await poolEntries(root))
     const rootFs = await fsType(root)
 
-    // Reflink shares extents within one file system only: a base on another file system than the pool is first
-    // cloned into the pool (a workspace of its own, live for the whole run), and the workers clone that.
+    // Reflink shares extents within one file system only: a base (or template tree) on another file system than
+    // the pool is first cloned into the pool (a workspace of its own, live for the whole run), and the workers
+    // clone that.
     let base = base0
     let baseWs: Workspace | undefined
-    if (fs.statSync(base0.path).dev !== fs.statSync(root).dev) {
+    if (base0 && fs.statSync(base0.path).dev !== fs.statSync(root).dev) {
       const t0 = performance.now()
       status(`the base is on another file system than the pool: cloning it into the pool once (${rootFs})`)
       baseWs = await pool.allocate({ template: { 'base.img': base0.path }, meta: { demo: 'vmspace', role: 'base', source: base0.path } })
@@ -705,8 +950,40 @@ async function main(): Promise<number> {
           `workspaces were cloned from that copy.`,
       )
     }
-    status(`hashing the base (${humanBytes(base.size)})`)
-    const hashBefore = await sha256(base.path)
+    let hashBefore = ''
+    if (base) {
+      status(`hashing the base (${humanBytes(base.size)})`)
+      hashBefore = await sha256(base.path)
+    }
+
+    // The template tree: its full manifest (contents, times) before the run, and its shape for the workers.
+    let tree: { spec: TreeSpec; original: string; before: Manifest; originalBefore?: Manifest } | undefined
+    if (o.templateDir) {
+      let dir = o.templateDir
+      if (fs.statSync(dir).dev !== fs.statSync(root).dev) {
+        const t0 = performance.now()
+        status(`the template is on another file system than the pool: cloning it into the pool once (${rootFs})`)
+        baseWs = await pool.allocate({ template: { template: dir }, meta: { demo: 'vmspace', role: 'template', source: dir } })
+        const ws = baseWs
+        cleanup.add(() => ws.dispose())
+        dir = path.join(baseWs.path, 'template')
+        const c = baseWs.template[0]
+        notes.push(
+          `the template (${o.templateDir}) is on another file system than the pool, so it was copied once into the ` +
+            `pool's ${rootFs} (workspace ${baseWs.name}: ${c.files} files, ${humanBytes(c.bytes)}, ` +
+            `${((performance.now() - t0) / 1000).toFixed(1)} s) and the workspaces were cloned from that copy.`,
+        )
+      }
+      status(`hashing the template tree ${dir} (listing, modes, sizes, times, contents)`)
+      const full = await treeManifest(dir, { contents: true })
+      const shape = await treeManifest(dir, { contents: false })
+      tree = {
+        original: o.templateDir,
+        before: full,
+        originalBefore: dir === o.templateDir ? undefined : await treeManifest(o.templateDir, { contents: true }),
+        spec: { dir, shape: shape.digest, entries: shape.entries, files: shape.files, bytes: shape.bytes, probe: full.probe },
+      }
+    }
 
     // ---- run
     const total = o.vms
@@ -728,15 +1005,42 @@ async function main(): Promise<number> {
         .join(' / ')
     const sortedLatencies = () => [...latencies].sort((a, b) => a - b)
 
-    status(`starting ${nWorkers} workers for ${total} workspaces (at most ${o.live} live per worker) in ${root} (${rootFs})`)
-    workers = Array.from({ length: nWorkers }, (_, index) => {
-      const count = Math.floor(total / nWorkers) + (index < total % nWorkers ? 1 : 0)
+    // --chaos: the victims among the first workers, each killed once it has reported between a quarter and a half
+    // of its share of allocations (at least one), with the rest of its workspaces in whatever state they are.
+    const victims = new Set<number>()
+    if (o.chaos) {
+      const n = 'count' in o.chaos ? Math.min(o.chaos.count, nWorkers) : Math.max(1, Math.round((nWorkers * o.chaos.percent) / 100))
+      const order = Array.from({ length: nWorkers }, (_, i) => i).sort(() => Math.random() - 0.5)
+      for (const i of order.slice(0, Math.min(n, nWorkers))) victims.add(i)
+    }
+    let started = false
+
+    const startWorker = (count: number, replaces?: number): WorkerState => {
+      const index = workers.length
       const child = fork(__filename, [], {
         env: { ...process.env, [ROLE_ENV]: 'worker' },
         stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
         serialization: 'json',
       })
-      const w: WorkerState = { index, child, count, ready: false, finished: false, exited: false, stderr: '', live: new Set() }
+      const w: WorkerState = {
+        index,
+        child,
+        count,
+        ready: false,
+        finished: false,
+        exited: false,
+        stderr: '',
+        live: new Set(),
+        allocated: 0,
+        completed: 0,
+        replaces,
+      }
+      if (replaces === undefined && victims.has(index)) {
+        const lo = Math.max(1, Math.ceil(count / 4))
+        const hi = Math.max(lo, Math.ceil(count / 2))
+        w.killAt = lo + Math.floor(Math.random() * (hi - lo + 1))
+      }
+      workers.push(w)
       const keepTail = (chunk: Buffer) => {
         w.stderr = (w.stderr + chunk.toString()).slice(-4000)
       }
@@ -750,19 +1054,41 @@ async function main(): Promise<number> {
         switch (m.t) {
           case 'ready':
             w.ready = true
+            // A replacement starts as soon as it is ready; the first workers wait for the common start.
+            if (started && child.connected) child.send({ t: stopping || interrupted ? 'stop' : 'go' } satisfies ToWorker, () => {})
             break
           case 'allocated': {
-            const r: Made = { id: m.id, name: m.name, path: m.path, ms: m.ms, method: m.method, bytes: m.bytes, worker: index }
+            const r: Made = {
+              id: m.id,
+              name: m.name,
+              path: m.path,
+              ms: m.ms,
+              method: m.method,
+              bytes: m.bytes,
+              files: m.files,
+              worker: index,
+            }
             records.push(r)
             byKey.set(`${index}:${m.id}`, r)
             w.live.add(m.id)
+            w.allocated++
             latencies.push(m.ms)
             methodCount[m.method] = (methodCount[m.method] ?? 0) + 1
             bytes += m.bytes
+            if (w.killAt !== undefined && w.allocated === w.killAt && !w.exited && !w.finished && !stopping && !interrupted) {
+              w.chaosKilled = true
+              child.kill('SIGKILL')
+            }
+            break
+          }
+          case 'disposing': {
+            const r = byKey.get(`${index}:${m.id}`)
+            if (r) r.disposing = true
             break
           }
           case 'checked': {
             w.live.delete(m.id)
+            w.completed++
             const r = byKey.get(`${index}:${m.id}`)
             if (r) r.checked = m
             done++
@@ -771,6 +1097,7 @@ async function main(): Promise<number> {
           }
           case 'failed':
             failed.push({ worker: index, stage: m.stage, error: m.error })
+            w.completed++
             done++
             progress?.update(done)
             break
@@ -789,16 +1116,40 @@ async function main(): Promise<number> {
         w.exited = true
         if (signal) w.exitText = `killed by ${signal}`
         else if (code !== 0) w.exitText = `exited with code ${code}`
+        // A worker killed by --chaos: a fresh one makes the rest of its share (the workspaces it did not finish).
+        if (w.chaosKilled && signal === 'SIGKILL' && !stopping && !interrupted && w.count - w.completed > 0)
+          startWorker(w.count - w.completed, w.index)
         changed()
       })
-      child.send({ t: 'start', config: { index, root, base: base.path, baseSize: base.size, count, live: o.live, crashAfter: index === 0 ? crashAfter : 0 } } satisfies ToWorker, () => {})
+      child.send(
+        {
+          t: 'start',
+          config: {
+            index,
+            root,
+            base: base?.path ?? '',
+            baseSize: base?.size ?? 0,
+            tree: tree?.spec,
+            count,
+            live: o.live,
+            crashAfter: index === 0 ? crashAfter : 0,
+          },
+        } satisfies ToWorker,
+        () => {},
+      )
       return w
-    })
+    }
+
+    const chaosText = victims.size ? `, SIGKILL for ${victims.size} of them mid-run` : ''
+    status(`starting ${nWorkers} workers for ${total} workspaces (at most ${o.live} live per worker${chaosText}) in ${root} (${rootFs})`)
+    let stopping = false
+    for (let i = 0; i < nWorkers; i++) startWorker(Math.floor(total / nWorkers) + (i < total % nWorkers ? 1 : 0))
     phase = 'run'
 
     // Waits until `cond` holds; fails the run when a worker dies early or nothing is heard for STALL_MS.
-    const broken = () => workers.find((w) => (w.exited && (!w.finished || w.exitText)) || w.fatal)
+    const broken = () => workers.find((w) => (!w.chaosKilled && w.exited && (!w.finished || w.exitText)) || w.fatal)
     const stopAll = () => {
+      stopping = true
       for (const w of workers) if (!w.exited && w.child.connected) w.child.send({ t: 'stop' } satisfies ToWorker, () => {})
     }
     let crashSeen = false
@@ -812,6 +1163,7 @@ async function main(): Promise<number> {
         if (performance.now() - lastHeard > STALL_MS) {
           failures.push(`no worker reported anything for ${STALL_MS / 1000} s: killed them`)
           crashSeen = true
+          stopping = true
           for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
           await waitForExit()
           return
@@ -834,6 +1186,7 @@ async function main(): Promise<number> {
     progress = new Progress(total, () => ({ p50: percentile(sortedLatencies(), 50), methods: methodsText() }))
     const t0 = performance.now()
     lastHeard = t0
+    started = true
     for (const w of workers) if (!w.exited && w.child.connected) w.child.send({ t: 'go' } satisfies ToWorker, () => {})
     await waitFor(() => workers.every((w) => w.exited))
     const wall = (performance.now() - t0) / 1000
@@ -841,7 +1194,9 @@ async function main(): Promise<number> {
     progress.stop()
     phase = 'report'
 
+    const killed = workers.filter((w) => w.chaosKilled)
     for (const w of workers) {
+      if (w.chaosKilled && !w.fatal) continue // reported in the chaos rows
       if (w.exited && (!w.finished || w.exitText || w.fatal)) {
         let text = `worker ${w.index} (pid ${w.child.pid}) ${w.exitText ?? 'exited'} before finishing`
         if (w.finished && w.exitText) text = `worker ${w.index} (pid ${w.child.pid}) ${w.exitText}`
@@ -858,7 +1213,11 @@ async function main(): Promise<number> {
 
     // ---- checks
     const all = records
-    const checked = all.filter((r) => r.checked)
+    // What the killed workers never finished is theirs to leave behind: it is checked by the sweep, below.
+    const killedIndexes = new Set(killed.map((w) => w.index))
+    const orphaned = all.filter((r) => killedIndexes.has(r.worker) && !r.checked)
+    const lived = all.filter((r) => !orphaned.includes(r))
+    const checked = lived.filter((r) => r.checked)
     const isolated = checked.filter((r) => r.checked!.marker && r.checked!.markerFile && r.checked!.contents)
     const disposed = checked.filter((r) => r.checked!.disposed)
     const distinctPaths = new Set(all.map((r) => r.path)).size
@@ -867,22 +1226,114 @@ async function main(): Promise<number> {
       const shown = [...new Set(failed.map((f) => `${f.stage}: ${f.error}`))].slice(0, 3)
       failures.push(`${failed.length} allocate(s) failed, e.g.:\n    ${shown.join('\n    ')}`)
     }
-    if (all.length < total)
-      failures.push(`only ${all.length} of ${total} workspaces were made${crashSeen || interrupted ? ' (the workers were stopped early)' : ''}`)
-    if (isolated.length < all.length) {
+    if (lived.length < total)
+      failures.push(`only ${lived.length} of ${total} workspaces were made${crashSeen || interrupted ? ' (the workers were stopped early)' : ''}`)
+    if (isolated.length < lived.length) {
       const bad = checked.filter((r) => !isolated.includes(r)).slice(0, 3)
       failures.push(
-        `${all.length - isolated.length} workspace(s) failed the isolation checks or were never checked` +
+        `${lived.length - isolated.length} workspace(s) failed the isolation checks or were never checked` +
           (bad.length ? `, e.g.:\n    ${bad.map((r) => `${r.name}: ${r.checked!.problems.join('; ')}`).join('\n    ')}` : ''),
       )
     }
-    if (disposed.length < all.length) failures.push(`${all.length - disposed.length} workspace(s) were not disposed cleanly`)
+    if (disposed.length < lived.length) failures.push(`${lived.length - disposed.length} workspace(s) were not disposed cleanly`)
     if (distinctPaths < all.length || distinctIds < all.length)
       failures.push(`workspaces shared paths or ids: ${distinctPaths} distinct paths, ${distinctIds} distinct ids for ${all.length} workspaces`)
 
-    status('hashing the base again')
-    const hashAfter = await sha256(base.path)
-    if (hashAfter !== hashBefore) failures.push(`the base changed: sha256 ${hashBefore} before, ${hashAfter} after`)
+    let hashAfter = ''
+    if (base) {
+      status('hashing the base again')
+      hashAfter = await sha256(base.path)
+      if (hashAfter !== hashBefore) failures.push(`the base changed: sha256 ${hashBefore} before, ${hashAfter} after`)
+    }
+    let treeAfter: Manifest | undefined
+    let originalSame = true
+    if (tree) {
+      status('hashing the template tree again')
+      treeAfter = await treeManifest(tree.spec.dir, { contents: true })
+      if (treeAfter.digest !== tree.before.digest)
+        failures.push(
+          `the template ${tree.spec.dir} changed: ${tree.before.entries} entries (${tree.before.digest.slice(0, 16)}...) before, ` +
+            `${treeAfter.entries} (${treeAfter.digest.slice(0, 16)}...) after`,
+        )
+      if (tree.originalBefore) {
+        const originalAfter = await treeManifest(tree.original, { contents: true })
+        originalSame = originalAfter.digest === tree.originalBefore.digest
+        if (!originalSame) failures.push(`the template ${tree.original} changed during the run`)
+      }
+    }
+
+    // ---- chaos: what the killed workers left, and what one sweep reclaims
+    const chaosRows: [string, string][] = []
+    if (o.chaos) {
+      const killedPids = new Set(killed.map((w) => w.child.pid))
+      const orphanNames = new Map(orphaned.map((r) => [r.name, r]))
+      const left = await leftBehind(root, before)
+      const infos = new Map((await pool.list()).map((i) => [i.name, i]))
+      // name -> why it is an orphan
+      const expected = new Map<string, string>()
+      const problems: string[] = []
+      for (const name of left.published) {
+        if (name === baseWs?.name) continue
+        const info = infos.get(name)
+        const r = orphanNames.get(name)
+        if (info?.live) problems.push(`${name} is live after every worker exited`)
+        if (r) expected.set(name, r.disposing ? 'mid-dispose' : 'reported')
+        else if (info?.pid !== undefined && killedPids.has(info.pid)) expected.set(name, 'unreported')
+        else problems.push(`${name} is in the pool but no killed worker made it (pid ${info?.pid ?? 'unknown'})`)
+      }
+      for (const name of left.trash) {
+        if (orphanNames.get(name)?.disposing) expected.set(name, 'mid-dispose')
+        else problems.push(`${name} is in trash but no killed worker was disposing it`)
+      }
+      // Every worker is dead: a staging entry is a build a killed worker was in (a live one rolls back on failure).
+      for (const name of left.staging) expected.set(name, 'staging')
+      // A workspace a killed worker reported and never started to dispose must still be there: its owner is dead.
+      for (const r of orphaned) if (!r.disposing && !left.published.includes(r.name)) problems.push(`${r.name} was lost: reported held, not in the pool`)
+
+      status(`sweeping what the ${killed.length} killed worker(s) left: pool.sweep({ graceMs: 0 })`)
+      const report = await pool.sweep({ graceMs: 0 })
+      const reclaimed = new Set(report.reclaimed.map((e) => e.name))
+      const preexisting = [...reclaimed].filter((n) => [n, `.vmspace/trash/${n}`, `.vmspace/staging/${n}`].some((e) => before.has(e)))
+      for (const n of preexisting) reclaimed.delete(n)
+      const missing = [...expected.keys()].filter((n) => !reclaimed.has(n))
+      const extra = [...reclaimed].filter((n) => !expected.has(n))
+      const exact = missing.length === 0 && extra.length === 0
+      if (!exact)
+        failures.push(
+          `the sweep did not reclaim exactly the orphans: ${missing.length} not reclaimed (${missing.slice(0, 3).join(', ')}), ` +
+            `${extra.length} reclaimed that were no orphans (${extra.slice(0, 3).join(', ')})`,
+        )
+      for (const f of report.failed) failures.push(`sweep could not remove ${f.name} (${f.from}): ${f.code}`)
+      if (report.live !== (baseWs ? 1 : 0) && ownRoot) problems.push(`sweep counted ${report.live} live workspace(s)`)
+      for (const p of problems) failures.push(`chaos: ${p}`)
+      if (preexisting.length) notes.push(`the sweep also reclaimed ${preexisting.length} entr${preexisting.length === 1 ? 'y' : 'ies'} from before the run.`)
+
+      const kinds = (k: string) => [...expected.values()].filter((v) => v === k).length
+      const from = (k: string) => report.reclaimed.filter((e) => e.from === k && reclaimed.has(e.name)).length
+      const replacements = workers.filter((w) => w.replaces !== undefined)
+      chaosRows.push(
+        [
+          'chaos',
+          `SIGKILLed ${killed.length} of ${nWorkers} workers (after ${killed.map((w) => w.allocated).join(', ')} ` +
+            `allocations); ${replacements.length} replacement(s) made their remaining ` +
+            `${replacements.reduce((n, w) => n + w.count, 0)} workspaces`,
+        ],
+        [
+          'orphans / reclaimed by sweep',
+          `${expected.size} / ${reclaimed.size} (${exact ? 'exact match' : `MISMATCH: ${missing.length} missing, ${extra.length} extra`})`,
+        ],
+        [
+          'orphans by kind',
+          `${kinds('reported')} reported held, ${kinds('unreported')} published unreported, ${kinds('mid-dispose')} ` +
+            `mid-dispose, ${kinds('staging')} half-built (staging)`,
+        ],
+        [
+          'sweep reclaimed from',
+          `published ${from('published')}, trash ${from('trash')}, staging ${from('staging')}; ` +
+            `${report.metadataRemoved} metadata file(s); ${report.live} live left alone`,
+        ],
+      )
+    }
 
     const leftovers = (await pool.list()).filter((ws) => ws.name !== baseWs?.name)
     if (baseWs) await baseWs.dispose()
@@ -912,34 +1363,72 @@ async function main(): Promise<number> {
     // ---- notes
     const reflinks = methodCount.reflink ?? 0
     const copies = methodCount.copy ?? 0
+    const what = tree ? "the template's files" : "the base's data (holes kept)"
     if (copies > 0 && reflinks === 0)
       notes.push(
-        `${root} is on ${rootFs}, which cannot share extents (reflink): every clone fell back to a copy of the ` +
-          `base's data (holes kept). On XFS (mkfs.xfs -m reflink=1) or btrfs each clone is a reflink: try --root there.`,
+        `${root} is on ${rootFs}, which cannot share extents (reflink): every clone fell back to a copy of ` +
+          `${what}. On XFS (mkfs.xfs -m reflink=1) or btrfs each clone is a reflink: try --root there.`,
       )
     else if (copies > 0) notes.push(`${copies} clone(s) fell back to a copy although ${reflinks} were reflinks.`)
 
     // ---- summary
     const lat = sortedLatencies()
+    const spread = (values: number[], show: (n: number) => string) => {
+      if (values.length === 0) return '-'
+      const lo = Math.min(...values)
+      const hi = Math.max(...values)
+      return lo === hi ? show(lo) : `${show(lo)} to ${show(hi)}`
+    }
+    const fileClones = workers.reduce(
+      (acc, w) => ({ reflink: acc.reflink + (w.stats?.clones.reflink ?? 0), copy: acc.copy + (w.stats?.clones.copy ?? 0) }),
+      { reflink: 0, copy: 0 },
+    )
+    const made = `${lived.length} of ${total}${orphaned.length ? ` (+ ${orphaned.length} unfinished by killed workers)` : ''}`
     const rows: [string, string][] = [
-      ['workspaces', `${all.length} of ${total} (${nWorkers} workers, at most ${o.live} live each)`],
-      ['workspaces/s', wall > 0 ? (all.length / wall).toFixed(1) : '-'],
+      ['workspaces', `${made} (${workers.length} workers, at most ${o.live} live each)`],
+      ['workspaces/s', wall > 0 ? (lived.length / wall).toFixed(1) : '-'],
       ['allocate p50 (ms)', ms(percentile(lat, 50))],
       ['allocate p99 (ms)', ms(percentile(lat, 99))],
-      ['clone methods', methodsText()],
-      ['bytes cloned', `${humanBytes(bytes)} (${humanBytes(base.size)} each, ${humanBytes(base.allocated)} of it data)`],
-      ['isolation checks passed', `${isolated.length}/${all.length} (own marker only, at offset ${MARKER_OFFSET} and in ${MARKER_FILE})`],
-      ['distinct paths / ids', `${distinctPaths}/${all.length} / ${distinctIds}/${all.length}`],
-      ['base sha256 unchanged', `${hashAfter === hashBefore ? 'yes' : 'NO'} (${hashAfter.slice(0, 16)}...)`],
-      ['disposed', `${disposed.length}/${all.length}`],
-      ['entries left in pool', `${left.length}`],
-      ['result', failures.length ? `FAILED (${failures.length} problem${failures.length === 1 ? '' : 's'})` : 'all checks passed'],
+      [tree ? 'clone methods (per workspace)' : 'clone methods', methodsText()],
     ]
+    if (tree) {
+      rows.push(
+        ['files / bytes per workspace', `${spread(all.map((r) => r.files), String)} files / ${spread(all.map((r) => r.bytes), humanBytes)}`],
+        [
+          'file clones (reflink / copy)',
+          `${fileClones.reflink} / ${fileClones.copy} (the workers' pool.stats()${killed.length ? `, the ${killed.length} killed not counted` : ''})`,
+        ],
+        ['bytes cloned', `${humanBytes(bytes)} in ${all.reduce((n, r) => n + r.files, 0)} files`],
+        [
+          'isolation checks passed',
+          `${isolated.length}/${lived.length} (own ${TREE_MARKER} only${tree.spec.probe ? `, own marker in its clone of ${tree.spec.probe}` : ''}, tree = template)`,
+        ],
+      )
+    } else {
+      rows.push(
+        ['bytes cloned', `${humanBytes(bytes)} (${humanBytes(base!.size)} each, ${humanBytes(base!.allocated)} of it data)`],
+        ['isolation checks passed', `${isolated.length}/${lived.length} (own marker only, at offset ${MARKER_OFFSET} and in ${MARKER_FILE})`],
+      )
+    }
+    rows.push(['distinct paths / ids', `${distinctPaths}/${all.length} / ${distinctIds}/${all.length}`])
+    if (tree)
+      rows.push([
+        'template unchanged',
+        `${treeAfter?.digest === tree.before.digest && originalSame ? 'yes' : 'NO'} (listing, modes, sizes, times, contents: ` +
+          `${tree.before.digest.slice(0, 16)}...${tree.originalBefore ? `; the original ${tree.original} too` : ''})`,
+      ])
+    else rows.push(['base sha256 unchanged', `${hashAfter === hashBefore ? 'yes' : 'NO'} (${hashAfter.slice(0, 16)}...)`])
+    rows.push(['disposed', `${disposed.length}/${lived.length}`], ...chaosRows, ['entries left in pool', `${left.length}`])
+    rows.push(['result', failures.length ? `FAILED (${failures.length} problem${failures.length === 1 ? '' : 's'})` : 'all checks passed'])
     const out: string[] = []
     out.push('')
-    out.push(`vmspace demo: ${all.length < total ? `${all.length} of ${total}` : total} workspaces in ${wall.toFixed(1)} s`)
-    out.push(`  pool  ${root} (${rootFs}${ownRoot ? ', removed at the end' : ''})`)
-    out.push(`  base  ${base0.path}: ${base.what}, ${humanBytes(base.size)}, ${humanBytes(base.allocated)} data`)
+    out.push(`vmspace demo: ${lived.length < total ? `${lived.length} of ${total}` : total} workspaces in ${wall.toFixed(1)} s`)
+    out.push(`  pool      ${root} (${rootFs}${ownRoot ? ', removed at the end' : ''})`)
+    if (tree)
+      out.push(
+        `  template  ${tree.original}: ${tree.spec.entries} entries, ${tree.spec.files} files, ${humanBytes(tree.spec.bytes)}`,
+      )
+    else out.push(`  base      ${base0!.path}: ${base!.what}, ${humanBytes(base!.size)}, ${humanBytes(base!.allocated)} data`)
     const w1 = Math.max(...rows.map((r) => r[0].length))
     const w2 = Math.max(...rows.map((r) => r[1].length))
     const line = `+-${'-'.repeat(w1)}-+-${'-'.repeat(w2)}-+`

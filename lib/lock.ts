@@ -108,6 +108,8 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
       )
     })
     signal?.addEventListener('abort', onAbort, { once: true })
+    // An abort while the lock file was being opened fired before the listener existed.
+    if (signal?.aborted) onAbort()
   })
 }
 
@@ -118,7 +120,8 @@ export interface UpdateJsonOptions {
   timeoutMs?: number
   /**
    * The type the index holds: `'object'` (default) or `'array'`. A file of another JSON type is
-   * `ERR_CORRUPT_INDEX`, and so is a `mutate` result of another type (nothing is written).
+   * `ERR_CORRUPT_INDEX`; a `mutate` result that serialises to another type is a TypeError
+   * (`ERR_INVALID_RETURN_VALUE`). Nothing is written in either case.
    */
   create?: 'object' | 'array'
 }
@@ -130,7 +133,10 @@ const utf8 = new TextDecoder('utf-8', { fatal: true })
  * inode: never the data file, which the rename replaces under waiting writers) → read → parse → `mutate(current)`
  * (may be async; `current` is undefined when the file is missing) → temp file (O_EXCL, same directory) → fsync →
  * rename over → fsync of the directory when `durable` → release. Returns what was written; when `mutate` returns
- * undefined nothing is written and the current value is returned.
+ * undefined nothing is written and the current value is returned (undefined for a missing file).
+ * The replacement keeps the old file's mode and owner (where permitted); a new file gets 0666 less the umask.
+ * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is
+ * replaced by a file: give the real path.
  * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`
  * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing. The lock is
  * released on every path.
@@ -155,16 +161,19 @@ export async function updateJsonFile<T>(
       bytes = await call(native.readIndex(p))
     } catch (e) {
       if (e instanceof VmspaceError && e.code === 'EISDIR') throw corrupt(p, 'is a directory', undefined, e)
+      if (e instanceof VmspaceError && e.code === 'EINVAL') throw corrupt(p, 'is not a regular file', undefined, e)
       throw e
     }
     const current = bytes === undefined ? undefined : parseIndex(bytes, p, kind)
     const next = await fn(current as T | undefined)
     if (next === undefined) return current as T
-    if (!isKind(next, kind)) {
+    // Checked as the JSON that would be written (toJSON, Dates and the like change the type).
+    const text = JSON.stringify(next)
+    if (typeof text !== 'string' || text[0] !== (kind === 'array' ? '[' : '{')) {
       const err = new TypeError(`Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}`)
       throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
     }
-    await call(native.writeIndex(p, JSON.stringify(next) + '\n', durable))
+    await call(native.writeIndex(p, text + '\n', durable))
     return next
   } finally {
     await lock.release()

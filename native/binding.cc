@@ -272,7 +272,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
   std::string name = stringArg(info, 1);
   return Work<vmspace::AdoptResult>::Start(
       info.Env(), [pool, name] { return pool->adopt(name); },
-      [](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
+      [pool, name](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
         instance(env).leases.insert(r.leaseFd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", r.leaseFd);
@@ -282,6 +282,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
           vmspace::Error e;
           e.err = r.metaErrno;
           e.syscall = "open";
+          e.path = pool->root() + "/.vmspace/meta/" + name + ".json";
           o.Set("metaError", errorObject(env, e));
         }
         return o;
@@ -320,7 +321,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   return Work<std::vector<vmspace::ListEntry>>::Start(
       info.Env(), [pool] { return pool->list(); },
-      [](Napi::Env env, std::vector<vmspace::ListEntry>& entries) -> Napi::Value {
+      [pool](Napi::Env env, std::vector<vmspace::ListEntry>& entries) -> Napi::Value {
         Napi::Array out = Napi::Array::New(env, entries.size());
         for (size_t i = 0; i < entries.size(); i++) {
           Napi::Object o = Napi::Object::New(env);
@@ -332,6 +333,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
             vmspace::Error e;
             e.err = entries[i].metaErrno;
             e.syscall = "open";
+            e.path = pool->root() + "/.vmspace/meta/" + entries[i].name + ".json";
             o.Set("metaError", errorObject(env, e));
           }
           out.Set(static_cast<uint32_t>(i), o);

@@ -18,12 +18,23 @@ function runWorker(code: string): Worker {
 }
 
 describe('locks held by worker threads', () => {
-  test('a worker that ends while holding a lock releases it', async () => {
+  test('a worker terminated while holding a lock releases it', async () => {
     const file = path.join(dir, 'held.lock')
-    const w = runWorker(`v.lockFile(${JSON.stringify(file)}).then(() => require('worker_threads').parentPort.postMessage('held'))`)
+    // The interval keeps the worker alive until it is terminated.
+    const w = runWorker(
+      `setInterval(() => {}, 1000); v.lockFile(${JSON.stringify(file)}).then(() => require('worker_threads').parentPort.postMessage('held'))`,
+    )
     await new Promise((resolve) => w.once('message', resolve))
     await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
     await w.terminate()
+    const lock = await lockFile(file, { wait: false })
+    await lock.release()
+  })
+
+  test('a worker whose event loop ends while holding a lock releases it', async () => {
+    const file = path.join(dir, 'ended.lock')
+    const w = runWorker(`v.lockFile(${JSON.stringify(file)}).then((l) => { globalThis.kept = l })`)
+    await new Promise((resolve) => w.once('exit', resolve))
     const lock = await lockFile(file, { wait: false })
     await lock.release()
   })

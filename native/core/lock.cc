@@ -12,6 +12,7 @@
 #include "error.h"
 #include "fd.h"
 #include "names.h"
+#include "process.h"
 #include "rename.h"
 
 namespace vmspace {
@@ -53,7 +54,8 @@ int lockCancelSignal() {
 }
 
 bool readWholeFile(const std::string& path, std::string* out) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
+  // O_NONBLOCK: a fifo in the file's place must not park this thread in open(2) waiting for a writer.
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
   if (!fd) {
     if (errno == ENOENT) return false;
     throwErrno(errno, "open", path);
@@ -61,6 +63,7 @@ bool readWholeFile(const std::string& path, std::string* out) {
   struct stat st;
   if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", path);
   if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "read", path);
+  if (!S_ISREG(st.st_mode)) throwErrno(EINVAL, "read", path);  // fifo, device (e.g. /dev/zero), socket
   out->clear();
   out->resize(static_cast<size_t>(st.st_size) + 1);
   size_t got = 0;
@@ -84,7 +87,8 @@ void replaceFile(const std::string& path, const std::string& data, bool durable)
   UniqueFd dirFd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
   if (!dirFd) throwErrno(errno, "open", dir);
   std::string tmp = "." + leaf + ".tmp-" + randomHex(6);
-  UniqueFd fd(openat(dirFd.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
+  // Private (0600) until complete; then the mode and owner of the file it replaces, or 0666 less the umask.
+  UniqueFd fd(openat(dirFd.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!fd) throwErrno(errno, "open", dir + "/" + tmp);
   try {
     size_t done = 0;
@@ -99,9 +103,13 @@ void replaceFile(const std::string& path, const std::string& data, bool durable)
     // The data reaches the disk before the name points at it: after a crash the index is old or new, never
     // empty (the failure mode of rename without fsync on delayed-allocation file systems).
     if (fsync(fd.get()) != 0) throwErrno(errno, "fsync", dir + "/" + tmp);
-    // Keep the mode of the file being replaced.
     struct stat st;
-    if (fstatat(dirFd.get(), leaf.c_str(), &st, 0) == 0) fchmod(fd.get(), st.st_mode & 07777);
+    if (fstatat(dirFd.get(), leaf.c_str(), &st, 0) == 0) {
+      if (fchown(fd.get(), st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dir + "/" + tmp);
+      if (fchmod(fd.get(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dir + "/" + tmp);
+    } else if (fchmod(fd.get(), 0666 & ~currentUmask()) != 0) {
+      throwErrno(errno, "chmod", dir + "/" + tmp);
+    }
     fd.reset();
     if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0) throwErrno(errno, "rename", dir + "/" + tmp, path);
   } catch (...) {

@@ -8,6 +8,8 @@
 
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <unordered_set>
 
 #include "error.h"
 #include "names.h"
@@ -120,6 +122,26 @@ void appendJsonString(std::string* out, const std::string& s) {
   out->push_back('"');
 }
 
+// Pauses between the tries of a lease that was found held: a list() elsewhere holds a shared probe lock for a
+// moment (longer when its process is preempted in between), which alone must not make a free lease look held.
+constexpr long kProbeBackoffUs[] = {100, 300, 1000, 3000, 10000};
+
+void pauseUs(long us) {
+  struct timespec pause = {0, us * 1000};
+  nanosleep(&pause, nullptr);
+}
+
+// flock(LOCK_EX|LOCK_NB), tried again over ~15 ms while it is held; errno is EWOULDBLOCK when it stays held.
+bool tryLeaseBriefly(int fd) {
+  for (long us : kProbeBackoffUs) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
+    if (errno != EWOULDBLOCK) return false;
+    pauseUs(us);
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
+  return false;
+}
+
 bool isHexId(const char* s) {
   for (int i = 0; i < kIdHexChars; i++) {
     char c = s[i];
@@ -207,22 +229,42 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     res.name = req.prefix + "-" + res.id;
   };
 
-  // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted.
+  // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted. The
+  // lease is taken before anything is inside, so a sweep sees a leased staging entry as being built.
+  UniqueFd lease;
   for (;;) {
     draw();
-    if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) == 0) break;
-    if (errno != EEXIST) throwErrno(errno, "mkdir", root_ + "/.vmspace/staging/" + res.name);
+    std::string shown = root_ + "/.vmspace/staging/" + res.name;
+    if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) != 0) {
+      if (errno != EEXIST) throwErrno(errno, "mkdir", shown);
+      res.retries++;
+      continue;
+    }
+    lease.reset(openat(stagingFd_.get(), res.name.c_str(), kDirFlags));
+    if (!lease) {
+      int err = errno;
+      unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
+      throwErrno(err, "open", shown);
+    }
+    if (flock(lease.get(), LOCK_EX | LOCK_NB) == 0) break;
+    // Someone probes the new entry (a sweep, with a grace period shorter than this build's age): wait for the
+    // probe, then make sure the entry was not reclaimed meanwhile; if it was, claim a fresh name.
+    if (errno != EWOULDBLOCK || flock(lease.get(), LOCK_EX) != 0) {
+      int err = errno;
+      unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
+      throwErrno(err, "flock", shown);
+    }
+    struct stat at, own;
+    if (fstat(lease.get(), &own) == 0 && fstatat(stagingFd_.get(), res.name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 &&
+        at.st_ino == own.st_ino && at.st_dev == own.st_dev)
+      break;
     res.retries++;
   }
   std::string stagingName = res.name;
   std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
-  UniqueFd lease;
   std::string metaPublished;
   bool published = false;
   try {
-    lease = openDirAt(stagingFd_.get(), stagingName.c_str(), stagingPath);
-    // The lease is taken before anything is inside: a sweep sees a leased staging entry as being built.
-    if (flock(lease.get(), LOCK_EX | LOCK_NB) != 0) throwErrno(errno, "flock", stagingPath);
 
     CloneOptions opts = req.clone;
     opts.overwrite = false;
@@ -311,6 +353,13 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   return res;
 }
 
+void Pool::dropMeta(const std::string& name) {
+  std::string file = name + ".json";
+  if (unlinkat(metaFd_.get(), file.c_str(), 0) == 0 || errno == ENOENT) return;
+  if (errno != EISDIR) throwErrno(errno, "unlink", metaPath(name));
+  removeTreeNoFollow(metaFd_.get(), file, metaPath(name));  // a directory in its place: removed safely too
+}
+
 bool Pool::moveToTrash(const std::string& name, int fd) {
   struct stat own;
   if (fstat(fd, &own) != 0) throwErrno(errno, "fstat", path(name));
@@ -341,15 +390,14 @@ void Pool::dispose(const std::string& name, int leaseFd) {
               fstat(lease.get(), &own) == 0 && there.st_ino == own.st_ino && there.st_dev == own.st_dev;
   }
   if (inTrash) removeTreeNoFollow(trashFd_.get(), name, trashPath);
-  if (unlinkat(metaFd_.get(), (name + ".json").c_str(), 0) != 0 && errno != ENOENT)
-    throwErrno(errno, "unlink", metaPath(name));
+  dropMeta(name);
 }
 
 AdoptResult Pool::adopt(const std::string& name) {
   AdoptResult r;
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
-  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+  if (!tryLeaseBriefly(fd.get())) {
     if (errno == EWOULDBLOCK)
       throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, "flock",
                 path(name));
@@ -421,30 +469,59 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
 
   // Published workspaces: a free lease means the owner is gone. The lock is held while the workspace is moved
   // and removed, so no adopt can take it meanwhile.
+  std::unordered_set<std::string> handled;  // published entries this sweep moved to trash
+  auto reclaimPublished = [&](const std::string& name, int fd) {
+    handled.insert(name);
+    if (dryRun) {
+      report.reclaimed.push_back({name, "published", 0, {}});
+      return;
+    }
+    try {
+      if (!moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
+    } catch (const Error& err) {
+      report.failed.push_back({name, "published", 0, err});
+      return;
+    }
+    removeInTrash(name, "published");
+    try {
+      dropMeta(name);
+    } catch (const Error&) {
+    }
+  };
+  // A lease found held is tried once more after the pass (and a short pause): a list() elsewhere holds a
+  // shared probe lock for a moment, which alone must not make a dead owner's workspace look live.
+  std::vector<std::string> heldOnce;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if ((type != DT_DIR && type != DT_UNKNOWN) || !isWorkspaceName(name.c_str())) continue;
     UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
     if (!fd) continue;
     if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-      if (errno == EWOULDBLOCK) report.live++;
+      if (errno == EWOULDBLOCK) heldOnce.push_back(name);
       continue;
     }
-    if (dryRun) {
-      report.reclaimed.push_back({name, "published", 0, {}});
-      continue;
-    }
-    try {
-      if (!moveToTrash(name, fd.get())) continue;  // disposed or reclaimed by someone else meanwhile
-    } catch (const Error& err) {
-      report.failed.push_back({name, "published", 0, err});
-      continue;
-    }
-    removeInTrash(name, "published");
-    unlinkat(metaFd_.get(), (name + ".json").c_str(), 0);
+    reclaimPublished(name, fd.get());
   }
+  // Found held: tried again after the pass, over the same backoff as adopt, all of them per pause.
+  for (long us : kProbeBackoffUs) {
+    if (heldOnce.empty()) break;
+    pauseUs(us);
+    std::vector<std::string> still;
+    for (const std::string& name : heldOnce) {
+      UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+      if (!fd) continue;
+      if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK) still.push_back(name);
+        continue;
+      }
+      reclaimPublished(name, fd.get());
+    }
+    heldOnce.swap(still);
+  }
+  report.live += heldOnce.size();
 
   // Trash: everything not locked by a dispose still removing it.
   for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
+    if (handled.count(name)) continue;  // reported by the pass above, removed or failed
     UniqueFd fd(openat(trashFd_.get(), name.c_str(), kDirFlags));
     if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
     if (dryRun) {
@@ -452,16 +529,21 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       continue;
     }
     removeInTrash(name, "trash");
-    unlinkat(metaFd_.get(), (name + ".json").c_str(), 0);
+    try {
+      dropMeta(name);
+    } catch (const Error&) {
+    }
   }
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
   std::string stagingDir = root_ + "/.vmspace/staging";
   for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
+    // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
+    // disturbed.
+    if (ageMs(stagingFd_.get(), name) < graceMs) continue;
     UniqueFd fd(openat(stagingFd_.get(), name.c_str(), kDirFlags));
     if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    if (ageMs(stagingFd_.get(), name) < graceMs) continue;
     if (dryRun) {
       report.reclaimed.push_back({name, "staging", 0, {}});
       continue;
@@ -488,7 +570,13 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
         continue;
     }
     if (ageMs(metaFd_.get(), file) < graceMs) continue;
-    if (!dryRun && unlinkat(metaFd_.get(), file.c_str(), 0) != 0) continue;
+    if (!dryRun) {
+      try {
+        removeTreeNoFollow(metaFd_.get(), file, root_ + "/.vmspace/meta/" + file);
+      } catch (const Error&) {
+        continue;
+      }
+    }
     report.metaRemoved++;
   }
   return report;

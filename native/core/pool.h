@@ -113,6 +113,8 @@ class Pool {
   // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in
   // the root. Verifies that what moved is that directory, and puts anything else back.
   bool moveToTrash(const std::string& name, int fd);
+  // Removes meta/<name>.json (ENOENT is fine; a directory in its place is removed safely).
+  void dropMeta(const std::string& name);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
   bool publishMeta(const std::string& name, const std::string& json, bool durable);
 

@@ -23,6 +23,7 @@
 #include "error.h"
 #include "fd.h"
 #include "names.h"
+#include "process.h"
 #include "remove.h"
 #include "rename.h"
 
@@ -30,19 +31,6 @@ namespace vmspace {
 namespace {
 
 constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
-
-// The process umask, read without changing it (umask(2) can only be read by setting it, which races with other
-// threads): the Umask: line of /proc/self/status, Linux 4.7. 022 where it cannot be read.
-mode_t currentUmask() {
-  FILE* f = fopen("/proc/self/status", "re");
-  if (!f) return 022;
-  char line[256];
-  unsigned mask = 022;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "Umask: %o", &mask) == 1) break;
-  fclose(f);
-  return static_cast<mode_t>(mask);
-}
 
 struct InodeKey {
   dev_t dev;

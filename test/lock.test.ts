@@ -1,0 +1,422 @@
+/**
+ * lockFile / FileLock (DESIGN.md, "Locked JSON index" and "Threads"): flock(2) on a stable lock file, shared and
+ * exclusive modes, wait: false, timeoutMs, AbortSignal, release on SIGKILL, and waits that never park a libuv pool
+ * thread (64 waiters with UV_THREADPOOL_SIZE=4 leave fs calls working).
+ * Whether someone waits is read from /proc/locks (the kernel's view), never guessed with a sleep.
+ */
+import { spawn } from 'node:child_process'
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import * as readline from 'node:readline'
+import { describe, expect, onTestFinished, test } from 'vitest'
+import { AbortError, FileLock, lockFile, VmspaceError } from '../lib/index.js'
+import { eventually, fixtures, freshDir, runCommand, tryFlockPath } from './helpers.js'
+import { flocksOn, flockWaiters, IndexChild, waitersOn } from './lock-helpers.js'
+
+/** `flock -n -s` in another process: 99 when a shared lock cannot be had now, 0 when it could. */
+function tryFlockShared(target: string): number | null {
+  return runCommand('flock', ['-n', '-s', '-E', '99', target, 'true']).status
+}
+
+/** A settled-state probe for a promise, without waiting on it. */
+function track<T>(p: Promise<T>): { readonly state: 'pending' | 'fulfilled' | 'rejected'; readonly value?: T; readonly error?: unknown } {
+  const s: { state: 'pending' | 'fulfilled' | 'rejected'; value?: T; error?: unknown } = { state: 'pending' }
+  p.then(
+    (v) => Object.assign(s, { state: 'fulfilled', value: v }),
+    (e) => Object.assign(s, { state: 'rejected', error: e }),
+  )
+  return s
+}
+
+/** A lock that the test releases when it finishes, whatever happens. */
+async function held(file: string, options?: Parameters<typeof lockFile>[1]): Promise<FileLock> {
+  const lock = await lockFile(file, options)
+  onTestFinished(() => lock.release())
+  return lock
+}
+
+/** Asserts nobody holds `file` now: another process gets it exclusively at once. */
+function expectFree(file: string): void {
+  expect(tryFlockPath(file)).toBe(0)
+}
+
+describe('lockFile basics', () => {
+  test('creates a missing lock file with mode 0600, holds an exclusive flock on it, and never deletes it', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const lock = await lockFile(file)
+    expect(lock).toBeInstanceOf(FileLock)
+    expect(lock.path).toBe(file)
+    expect(lock.shared).toBe(false)
+    const st = fs.statSync(file)
+    expect(st.isFile()).toBe(true)
+    expect(st.mode & 0o7777).toBe(0o600)
+    expect(st.size).toBe(0)
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    expect(tryFlockPath(file)).toBe(99)
+    await lock.release()
+    expectFree(file)
+    expect(fs.existsSync(file)).toBe(true)
+    expect(flocksOn(file)).toEqual([])
+  })
+
+  test('an existing lock file keeps its mode and content', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    fs.writeFileSync(file, 'keep', { mode: 0o640 })
+    fs.chmodSync(file, 0o640)
+    const ino = fs.statSync(file).ino
+    const lock = await lockFile(file)
+    await lock.release()
+    const st = fs.statSync(file)
+    expect(st.mode & 0o7777).toBe(0o640)
+    expect(st.ino).toBe(ino)
+    expect(fs.readFileSync(file, 'utf8')).toBe('keep')
+  })
+
+  test('a relative path resolves against the cwd', async () => {
+    const dir = freshDir()
+    const rel = path.relative(process.cwd(), path.join(dir, 'rel.lock'))
+    const lock = await lockFile(rel)
+    expect(lock.path).toBe(path.join(dir, 'rel.lock'))
+    await lock.release()
+  })
+
+  test('release is idempotent, and a second release never closes an fd reused by a later lock', async () => {
+    const dir = freshDir()
+    const [a, b] = [path.join(dir, 'a.lock'), path.join(dir, 'b.lock')]
+    const first = await lockFile(a)
+    const r1 = first.release()
+    const r2 = first.release()
+    expect(r2).toBe(r1)
+    await Promise.all([r1, r2])
+    expectFree(a)
+    // The kernel hands out the lowest free fd: the next lock most likely reuses first's number.
+    const second = await held(b)
+    await first.release()
+    await first[Symbol.asyncDispose]()
+    expect(tryFlockPath(b)).toBe(99)
+    await second.release()
+    expectFree(b)
+  })
+
+  test('[Symbol.asyncDispose] releases the lock', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const lock = await lockFile(file)
+    expect(tryFlockPath(file)).toBe(99)
+    await lock[Symbol.asyncDispose]()
+    expectFree(file)
+    await lock.release() // still idempotent
+  })
+
+  test('`await using` releases the lock at the end of the block', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    {
+      await using lock = await lockFile(file)
+      expect(lock.path).toBe(file)
+      expect(tryFlockPath(file)).toBe(99)
+    }
+    expectFree(file)
+    // …also when the block throws
+    await expect(
+      (async () => {
+        await using _lock = await lockFile(file)
+        expect(tryFlockPath(file)).toBe(99)
+        throw new Error('boom')
+      })(),
+    ).rejects.toThrow('boom')
+    expectFree(file)
+  })
+
+  test('a lock file in a missing directory rejects with ENOENT (the directory is not made)', async () => {
+    const dir = freshDir()
+    const file = path.join(dir, 'missing', 'a.lock')
+    const err = await lockFile(file).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ENOENT', syscall: 'open', path: file })
+    expect(fs.existsSync(path.join(dir, 'missing'))).toBe(false)
+  })
+})
+
+describe('exclusion', () => {
+  test('two lockFile calls in one process exclude each other: the second waits until the first is released', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const first = await lockFile(file)
+    const second = track(lockFile(file))
+    await waitersOn(file, 1, process.pid)
+    expect(second.state).toBe('pending')
+    await first.release()
+    await eventually(() => second.state !== 'pending')
+    expect(second.state).toBe('fulfilled')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    await second.value!.release()
+    expectFree(file)
+  })
+
+  test('shared locks coexist, in this process and with another process', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const a = await held(file, { shared: true })
+    const b = await held(file, { shared: true, wait: false })
+    expect([a.shared, b.shared]).toEqual([true, true])
+    expect(tryFlockShared(file)).toBe(0)
+    expect(tryFlockPath(file)).toBe(99)
+    expect(flocksOn(file).map((e) => [e.blocked, e.shared])).toEqual([
+      [false, true],
+      [false, true],
+    ])
+  })
+
+  test('an exclusive lock excludes shared ones, and a shared lock excludes exclusive ones', async () => {
+    const dir = freshDir()
+    const file = path.join(dir, 'a.lock')
+    const ex = await lockFile(file)
+    await expect(lockFile(file, { shared: true, wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
+    expect(tryFlockShared(file)).toBe(99)
+    await ex.release()
+
+    const sh = await lockFile(file, { shared: true })
+    await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
+    expect(tryFlockPath(file)).toBe(99)
+    // A waiting exclusive lock gets it once the shared one goes.
+    const ex2 = track(lockFile(file))
+    await waitersOn(file, 1, process.pid)
+    await sh.release()
+    await eventually(() => ex2.state !== 'pending')
+    expect(ex2.state).toBe('fulfilled')
+    await ex2.value!.release()
+    expectFree(file)
+  })
+
+  test('a lock held by another process excludes this one; a shared one held there admits shared ones here', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const child = new IndexChild()
+    await child.expect('ready')
+    child.command({ op: 'lock', path: file })
+    await child.expect('locked')
+    await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
+    await expect(lockFile(file, { wait: false, shared: true })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
+    const waiting = track(lockFile(file))
+    await waitersOn(file, 1, process.pid)
+    child.command({ op: 'release' })
+    await child.expect('released')
+    await eventually(() => waiting.state !== 'pending')
+    expect(waiting.state).toBe('fulfilled')
+    await waiting.value!.release()
+
+    child.command({ op: 'lock', path: file, shared: true })
+    await child.expect('locked')
+    const sh = await lockFile(file, { shared: true, wait: false })
+    await sh.release()
+    await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
+    child.proc.stdin!.end()
+    expect((await child.exited).code).toBe(0)
+    expectFree(file)
+  })
+})
+
+describe('wait: false, timeoutMs, AbortSignal', () => {
+  test('wait: false on a held lock rejects at once with ERR_LOCK_HELD (path, syscall, EWOULDBLOCK cause)', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    await held(file)
+    const err = await lockFile(file, { wait: false }).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ name: 'VmspaceError', code: 'ERR_LOCK_HELD', path: file, syscall: 'flock' })
+    expect((err as Error).cause).toMatchObject({ code: 'EAGAIN' })
+    expect(flockWaiters(file)).toBe(0)
+    expect(flocksOn(file)).toHaveLength(1)
+  })
+
+  test('wait: false on a free lock takes it', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const lock = await lockFile(file, { wait: false })
+    expect(tryFlockPath(file)).toBe(99)
+    await lock.release()
+  })
+
+  test('timeoutMs rejects with ERR_LOCK_TIMEOUT and leaves no waiter and no lock behind', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const holder = await lockFile(file)
+    const err = await lockFile(file, { timeoutMs: 30 }).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file })
+    await expect(lockFile(file, { timeoutMs: 0 })).rejects.toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file })
+    await expect(lockFile(file, { timeoutMs: 1, shared: true })).rejects.toMatchObject({ code: 'ERR_LOCK_TIMEOUT' })
+    await eventually(() => flockWaiters(file) === 0)
+    await holder.release()
+    const again = await lockFile(file, { wait: false })
+    await again.release()
+    expectFree(file)
+  })
+
+  test('timeoutMs on a lock granted before it expires gives the lock', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const holder = await lockFile(file)
+    const waiting = track(lockFile(file, { timeoutMs: 2 ** 31 - 1 }))
+    await waitersOn(file, 1, process.pid)
+    await holder.release()
+    await eventually(() => waiting.state !== 'pending')
+    expect(waiting.state).toBe('fulfilled')
+    await waiting.value!.release()
+  })
+
+  test('an already-aborted signal rejects with an AbortError before anything is opened (no lock file made)', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const reason = new Error('stop')
+    const err = await lockFile(file, { signal: AbortSignal.abort(reason) }).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(AbortError)
+    expect(err).toMatchObject({ name: 'AbortError', code: 'ABORT_ERR' })
+    expect((err as Error).cause).toBe(reason)
+    expect(fs.existsSync(file)).toBe(false)
+  })
+
+  test('an abort while waiting rejects with an AbortError; the lock is never left held', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const holder = await lockFile(file)
+    const ac = new AbortController()
+    const waiting = track(lockFile(file, { signal: ac.signal }))
+    await waitersOn(file, 1, process.pid)
+    ac.abort()
+    await eventually(() => waiting.state !== 'pending')
+    expect(waiting.state).toBe('rejected')
+    expect(waiting.error).toBeInstanceOf(AbortError)
+    expect(waiting.error).toMatchObject({ name: 'AbortError', code: 'ABORT_ERR' })
+    await eventually(() => flockWaiters(file) === 0)
+    await holder.release()
+    const later = await lockFile(file, { wait: false })
+    await later.release()
+    expectFree(file)
+  })
+
+  test('an abort right after the call (before the wait has begun) rejects with an AbortError', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const holder = await lockFile(file)
+    const ac = new AbortController()
+    const waiting = track(lockFile(file, { signal: ac.signal }))
+    ac.abort() // lockFile is still opening the file on the pool: the wait has not started yet
+    // Let the holder go after a while, so a wait that missed the abort ends (granted) instead of hanging.
+    const letGo = setTimeout(() => void holder.release(), 500)
+    onTestFinished(() => {
+      clearTimeout(letGo)
+      return holder.release()
+    })
+    await eventually(() => waiting.state !== 'pending')
+    if (waiting.state === 'fulfilled') await waiting.value!.release()
+    expect(waiting.state, 'the abort was missed: lockFile waited on and resolved with a held lock').toBe('rejected')
+    expect(waiting.error).toMatchObject({ name: 'AbortError' })
+    await holder.release()
+    const later = await lockFile(file, { wait: false })
+    await later.release()
+  })
+
+  test('aborts racing with grants: each call either gets the lock or rejects with AbortError, none is left held', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const outcomes = { granted: 0, aborted: 0 }
+    for (let i = 0; i < 40; i++) {
+      const holder = await lockFile(file)
+      const ac = new AbortController()
+      const p = lockFile(file, { signal: ac.signal })
+      if (i % 2 === 0) await waitersOn(file, 1, process.pid)
+      // Release and abort in the same turn: the grant and the cancel race.
+      const released = holder.release()
+      if (i % 4 < 2) ac.abort()
+      else setImmediate(() => ac.abort())
+      await released
+      const r = await p.then(
+        (lock) => lock,
+        (e: unknown) => e,
+      )
+      if (r instanceof FileLock) {
+        outcomes.granted++
+        await r.release()
+      } else {
+        expect(r).toMatchObject({ name: 'AbortError' })
+        outcomes.aborted++
+      }
+      await eventually(() => flocksOn(file).length === 0)
+    }
+    expect(outcomes.granted + outcomes.aborted).toBe(40)
+    const last = await lockFile(file, { wait: false })
+    await last.release()
+  })
+})
+
+describe('crash', () => {
+  test('a holder killed with SIGKILL releases the lock; a waiter here gets it', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const child = new IndexChild()
+    await child.expect('ready')
+    child.command({ op: 'lock', path: file })
+    await child.expect('locked')
+    expect(tryFlockPath(file)).toBe(99)
+    const waiting = track(lockFile(file))
+    await waitersOn(file, 1, process.pid)
+    child.proc.kill('SIGKILL')
+    expect((await child.exited).signal).toBe('SIGKILL')
+    await eventually(() => waiting.state !== 'pending')
+    expect(waiting.state).toBe('fulfilled')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    await waiting.value!.release()
+    expect(fs.existsSync(file)).toBe(true)
+  })
+})
+
+describe('threads (DESIGN.md, "Threads")', () => {
+  test('64 waiters with UV_THREADPOOL_SIZE=4: fs calls still complete while they wait; then all get the lock in turn', async () => {
+    const dir = freshDir()
+    const proc = spawn(process.execPath, [path.join(fixtures, 'lock-waiters-child.cjs'), dir, '64'], {
+      env: { ...process.env, UV_THREADPOOL_SIZE: '4' },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    })
+    let stderr = ''
+    proc.stderr.setEncoding('utf8').on('data', (s: string) => (stderr += s))
+    onTestFinished(() => {
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGKILL')
+    })
+    const messages: Record<string, Record<string, unknown>> = {}
+    readline.createInterface({ input: proc.stdout }).on('line', (line) => {
+      const m = JSON.parse(line) as Record<string, unknown>
+      messages[m.event as string] = m
+    })
+    const exited = new Promise<number | null>((resolve) => proc.on('exit', (code) => resolve(code)))
+    let code: number | null | undefined
+    void exited.then((c) => (code = c))
+    // First: all 64 wait (in flock, each on a thread of its own), and the pool still serves fs calls.
+    await eventually(() => messages.waiting !== undefined || code !== undefined)
+    expect(messages.error, stderr).toBeUndefined()
+    expect(messages.waiting).toMatchObject({ blocked: 64, pool: '4' })
+    await eventually(() => messages['fs-ok'] !== undefined || code !== undefined)
+    // Nobody got the lock while the holder had it, and the reads did not wait for the holder.
+    expect(messages['fs-ok']).toMatchObject({ reads: 16, inside: 0, granted: 0 })
+    expect(await exited, stderr).toBe(0)
+    expect(messages.error, stderr).toBeUndefined()
+    const granted = messages.granted as { order: number[]; maxInside: number; count: number }
+    expect(granted.maxInside).toBe(1)
+    expect([...granted.order].sort((a, b) => a - b)).toEqual(Array.from({ length: 64 }, (_, i) => i))
+    expect(messages.index).toMatchObject({ keys: 64 })
+  })
+})
+
+describe('bad arguments (TypeError/RangeError before any syscall)', () => {
+  const cases: [string, unknown, unknown, string, string][] = [
+    ['path not a string', 42, undefined, 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['path empty', '', undefined, 'TypeError', 'ERR_INVALID_ARG_VALUE'],
+    ['path with NUL', '/tmp/a\0b', undefined, 'TypeError', 'ERR_INVALID_ARG_VALUE'],
+    ['options not an object', 'FILE', 'yes', 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['options an array', 'FILE', [], 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['shared not a boolean', 'FILE', { shared: 1 }, 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['wait not a boolean', 'FILE', { wait: 'no' }, 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['timeoutMs negative', 'FILE', { timeoutMs: -1 }, 'RangeError', 'ERR_INVALID_ARG_VALUE'],
+    ['timeoutMs fractional', 'FILE', { timeoutMs: 1.5 }, 'RangeError', 'ERR_INVALID_ARG_VALUE'],
+    ['timeoutMs NaN', 'FILE', { timeoutMs: NaN }, 'RangeError', 'ERR_INVALID_ARG_VALUE'],
+    ['timeoutMs Infinity', 'FILE', { timeoutMs: Infinity }, 'RangeError', 'ERR_INVALID_ARG_VALUE'],
+    ['timeoutMs too large for a timer', 'FILE', { timeoutMs: 2 ** 31 }, 'RangeError', 'ERR_INVALID_ARG_VALUE'],
+    ['timeoutMs a string', 'FILE', { timeoutMs: '10' }, 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+    ['signal not an AbortSignal', 'FILE', { signal: { aborted: false } }, 'TypeError', 'ERR_INVALID_ARG_TYPE'],
+  ]
+  test.each(cases)('%s', async (_label, p, options, ctor, code) => {
+    const dir = freshDir()
+    const file = p === 'FILE' ? path.join(dir, 'a.lock') : p
+    const err = await lockFile(file as string, options as never).catch((e: unknown) => e)
+    expect((err as Error).constructor.name).toBe(ctor)
+    expect(err).toMatchObject({ code })
+    expect(fs.readdirSync(dir)).toEqual([])
+  })
+})

@@ -1,0 +1,354 @@
+/**
+ * Sweep of dead owners (DESIGN.md, "sweep"): liveness is the lease alone. A workspace whose owner lives is never
+ * touched, however many sweeps run; what dead owners left is reclaimed, exactly that. Corrupt metadata is reported,
+ * never rewritten; a removal that fails (a mount inside) is reported and finished by a later sweep; a pool of
+ * another format is refused untouched.
+ */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { describe, expect, test } from 'vitest'
+import { openPool, VmspaceError, type Pool } from '../lib/index.js'
+import {
+  Child,
+  emptyPoolState,
+  fixtures,
+  freshDir,
+  metaPath,
+  mounts,
+  mountsBeneath,
+  needs,
+  poolState,
+  runCommand,
+  snapshotTree,
+  workspaceChild,
+} from './helpers.js'
+
+interface Allocated {
+  id: string
+  name: string
+  path: string
+  content: string
+}
+
+function loopChild(root: string, op: 'sweep' | 'list'): Child {
+  return new Child(path.join(fixtures, 'pool-loop-child.cjs'), [root, op])
+}
+
+async function runsOf(c: Child): Promise<number> {
+  c.send('status')
+  return (await c.expect('status')).runs as number
+}
+
+/** A workspace whose lease is free: allocated here, then released without a handoff. */
+async function orphan(pool: Pool) {
+  const ws = await pool.allocate({ meta: { orphan: true } })
+  await ws.release()
+  return ws
+}
+
+describe('a live owner’s workspace is never swept', () => {
+  test('8 processes hold their workspaces while another process sweeps in a loop; once they exit, one sweep reclaims exactly those 8', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const holders = Array.from({ length: 8 }, () => workspaceChild(pool.root))
+    await Promise.all(holders.map((c) => c.expect('ready')))
+    for (const c of holders) c.send('allocate')
+    const allocated = (await Promise.all(holders.map((c) => c.expect('allocated')))) as unknown as Allocated[]
+
+    const sweeper = loopChild(pool.root, 'sweep')
+    await sweeper.expect('ready')
+    // Many sweeps while the 8 hold; the holders read their own files meanwhile.
+    let rounds = 0
+    while ((await runsOf(sweeper)) < 500 || rounds < 3) {
+      for (const c of holders) c.send('check')
+      const checked = await Promise.all(holders.map((c) => c.expect('checked')))
+      checked.forEach((m, i) => expect(m.content).toBe(allocated[i].content))
+      rounds++
+    }
+    sweeper.send('stop')
+    const stopped = await sweeper.expect('stopped')
+    expect(stopped.runs).toBeGreaterThanOrEqual(500)
+    expect(stopped).toMatchObject({ reclaimed: [], failed: [], live: [8] })
+
+    for (const a of allocated) expect(fs.readFileSync(path.join(a.path, 'own.txt'), 'utf8')).toBe(a.content)
+    expect(poolState(pool.root)).toEqual({
+      visible: allocated.map((a) => a.name).sort(),
+      staging: [],
+      trash: [],
+      meta: allocated.map((a) => `${a.name}.json`).sort(),
+    })
+    const listed = await pool.list()
+    expect(listed.map((e) => [e.id, e.live]).sort()).toEqual(allocated.map((a) => [a.id, true]).sort())
+
+    for (const c of holders) c.send('exit')
+    for (const c of holders) expect(await c.exited).toEqual({ code: 0, signal: null })
+    const report = await pool.sweep()
+    expect(report.failed).toEqual([])
+    expect(report.live).toBe(0)
+    expect(report.reclaimed.map((e) => e.id).sort()).toEqual(allocated.map((a) => a.id).sort())
+    expect(report.reclaimed.every((e) => e.from === 'published' && e.name === `vm-${e.id}`)).toBe(true)
+    expect(report.metadataRemoved).toBe(0) // each went with its workspace
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('a sweep with graceMs 0 reclaims the orphans around a live workspace and leaves that one alone', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const dead = await Promise.all([orphan(pool), orphan(pool), orphan(pool)])
+    const live = await pool.allocate()
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.live).toBe(1)
+    expect(report.reclaimed.map((e) => e.id).sort()).toEqual(dead.map((w) => w.id).sort())
+    expect(poolState(pool.root).visible).toEqual([live.name])
+    await live.dispose()
+  })
+
+  // Found by this suite: sweep probes every free staging entry with flock(LOCK_EX|LOCK_NB) before it looks at its
+  // age; a build between its mkdir and its own flock then gets EWOULDBLOCK and allocate rejects with EAGAIN
+  // (native/core/pool.cc, Pool::allocate, `flock(lease.get(), LOCK_EX | LOCK_NB)`), even with the default grace.
+  test('an allocate racing sweeps of other processes (default grace) never fails', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const sweepers = [loopChild(pool.root, 'sweep'), loopChild(pool.root, 'sweep')]
+    await Promise.all(sweepers.map((c) => c.expect('ready')))
+    const errors: Record<string, number> = {}
+    let ok = 0
+    const lane = async () => {
+      for (let i = 0; i < 1500; i++) {
+        try {
+          const ws = await pool.allocate()
+          await ws.dispose()
+          ok++
+        } catch (e) {
+          const key = `${(e as VmspaceError).code} (${(e as VmspaceError).syscall})`
+          errors[key] = (errors[key] ?? 0) + 1
+        }
+      }
+    }
+    await Promise.all([lane(), lane()])
+    for (const c of sweepers) c.send('stop')
+    const stopped = await Promise.all(sweepers.map((c) => c.expect('stopped')))
+    expect(stopped.flatMap((s) => s.reclaimed as string[])).toEqual([])
+    expect(errors).toEqual({})
+    expect(ok).toBe(3000)
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  // Found by this suite: list() probes liveness with flock(LOCK_SH|LOCK_NB); while it holds that probe, a sweep's
+  // LOCK_EX|LOCK_NB on an orphan fails with EWOULDBLOCK and the orphan is counted live (and left).
+  test('a sweep reclaims every orphan although another process lists the pool meanwhile', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const lister = loopChild(pool.root, 'list')
+    await lister.expect('ready')
+    const missed: string[] = []
+    for (let round = 0; round < 40; round++) {
+      const orphans = await Promise.all(Array.from({ length: 10 }, () => orphan(pool)))
+      const report = await pool.sweep()
+      expect(report.failed).toEqual([])
+      const reclaimed = new Set(report.reclaimed.map((e) => e.id))
+      for (const o of orphans) if (!reclaimed.has(o.id)) missed.push(`round ${round}: ${o.name} (sweep said live: ${report.live})`)
+      await pool.sweep() // what was missed, so that every round starts empty
+    }
+    lister.send('stop')
+    await lister.expect('stopped')
+    expect(missed).toEqual([])
+  })
+})
+
+describe('corrupt metadata is reported and never rewritten', () => {
+  const corrupt: [string, string][] = [
+    ['null', 'null\n'],
+    ['[]', '[]\n'],
+    ['truncated JSON', '{"format":1,"createdAt":1700000000000,"pid":12,"meta":{"a":'],
+    ['a JSON string', '"vm"\n'],
+    ['an empty file', ''],
+  ]
+  test.each(corrupt)('%s: list() reports ERR_CORRUPT_METADATA; list, sweep and adopt leave the bytes identical', async (_, text) => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const live = await pool.allocate({ meta: { a: 1 } })
+    const dead = await orphan(pool)
+    for (const ws of [live, dead]) fs.writeFileSync(metaPath(pool.root, ws.name), text)
+    const bytes = Buffer.from(text)
+
+    const listed = await pool.list()
+    expect(listed).toHaveLength(2)
+    for (const info of listed) {
+      expect(info.error).toBeInstanceOf(VmspaceError)
+      expect(info.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA', path: metaPath(pool.root, info.name) })
+      expect(info.meta).toBeUndefined()
+      expect(info.createdAt).toBeUndefined()
+    }
+    expect(listed.find((i) => i.id === live.id)?.live).toBe(true)
+    expect(listed.find((i) => i.id === dead.id)?.live).toBe(false)
+    for (const ws of [live, dead]) expect(fs.readFileSync(metaPath(pool.root, ws.name)).equals(bytes)).toBe(true)
+
+    // adopt hands the error over in info and leaves the file as it is.
+    const adopted = await pool.adopt(dead.id)
+    expect(adopted.info?.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA' })
+    expect(fs.readFileSync(metaPath(pool.root, dead.name)).equals(bytes)).toBe(true)
+
+    // Both workspaces exist (and are leased): a sweep keeps their metadata, byte for byte.
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 2, metadataRemoved: 0 })
+    for (const ws of [live, dead]) expect(fs.readFileSync(metaPath(pool.root, ws.name)).equals(bytes)).toBe(true)
+
+    await live.dispose()
+    await adopted.dispose()
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('a directory in place of the metadata file: list() reports EISDIR on the entry; sweep leaves it and the workspace', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate({ meta: { a: 1 } })
+    const file = metaPath(pool.root, ws.name)
+    fs.unlinkSync(file)
+    fs.mkdirSync(file)
+    fs.writeFileSync(path.join(file, 'inside'), 'x')
+    const before = snapshotTree(file)
+
+    const [info] = await pool.list()
+    expect(info).toMatchObject({ id: ws.id, live: true })
+    expect(info.error).toBeInstanceOf(VmspaceError)
+    expect(info.error).toMatchObject({ code: 'EISDIR' })
+    expect(info.meta).toBeUndefined()
+    expect(snapshotTree(file)).toEqual(before)
+
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 1, metadataRemoved: 0 })
+    expect(snapshotTree(file)).toEqual(before)
+    expect(fs.existsSync(ws.path)).toBe(true)
+    await ws.release()
+  })
+})
+
+describe('unreadable metadata names its file', () => {
+  // Found by this suite: native/binding.cc (List, Adopt) builds the error of an unreadable metadata file from the
+  // errno and syscall only, so `error.path` is missing (DESIGN.md: corrupt input is "an error naming the file").
+  test('list() and adopt() set error.path for a metadata file that cannot be read (a directory in its place)', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await orphan(pool)
+    const file = metaPath(pool.root, ws.name)
+    fs.unlinkSync(file)
+    fs.mkdirSync(file)
+    const [info] = await pool.list()
+    expect(info.error).toMatchObject({ code: 'EISDIR', path: file })
+    const adopted = await pool.adopt(ws.id)
+    expect(adopted.info?.error).toMatchObject({ code: 'EISDIR', path: file })
+  })
+})
+
+describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bind', !mounts.root && 'not root')}`, () => {
+  /** A directory outside the pool with files, bind-mounted at `<ws>/mnt`. */
+  function bindInto(dir: string, wsPath: string) {
+    const outside = path.join(dir, 'outside')
+    fs.mkdirSync(path.join(outside, 'sub'), { recursive: true })
+    fs.writeFileSync(path.join(outside, 'keep.txt'), 'keep me')
+    fs.writeFileSync(path.join(outside, 'sub', 'deep.txt'), 'me too')
+    fs.mkdirSync(path.join(wsPath, 'mnt'))
+    fs.writeFileSync(path.join(wsPath, 'sibling.txt'), 'x')
+    const bind = runCommand('mount', ['--bind', outside, path.join(wsPath, 'mnt')])
+    expect(bind.status, bind.stderr).toBe(0)
+    return { outside, before: snapshotTree(outside) }
+  }
+
+  test('dispose rejects with EBUSY (unrecoverable); a sweep reports it failed with EBUSY and keeps it in trash; after umount a sweep finishes it', async () => {
+    const dir = freshDir()
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await pool.allocate()
+    const { outside, before } = bindInto(dir, ws.path)
+    const trashed = path.join(pool.root, '.vmspace', 'trash', ws.name)
+
+    const err = await ws.dispose().catch((e: unknown) => e)
+    expect(err).toMatchObject({ code: 'EBUSY' })
+    expect(ws.status).toBe('unrecoverable')
+
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.reclaimed).toEqual([])
+    expect(report.failed).toEqual([expect.objectContaining({ id: ws.id, name: ws.name, from: 'trash', code: 'EBUSY' })])
+    expect(report.failed[0].error).toBeInstanceOf(VmspaceError)
+    expect(poolState(pool.root)).toMatchObject({ visible: [], staging: [], trash: [ws.name] })
+    expect(mountsBeneath(trashed)).toEqual([path.join(trashed, 'mnt')])
+    expect(snapshotTree(outside)).toEqual(before)
+    expect(fs.readFileSync(path.join(trashed, 'mnt', 'keep.txt'), 'utf8')).toBe('keep me')
+
+    expect(runCommand('umount', [path.join(trashed, 'mnt')]).status).toBe(0)
+    const later = await pool.sweep({ graceMs: 0 })
+    expect(later.failed).toEqual([])
+    expect(later.reclaimed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash' })])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    expect(snapshotTree(outside)).toEqual(before)
+  })
+
+  test('an orphan with a mount inside: the sweep moves it to trash and reports EBUSY; after umount a later sweep reclaims it', async () => {
+    const dir = freshDir()
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await orphan(pool)
+    const { outside, before } = bindInto(dir, ws.path)
+    const trashed = path.join(pool.root, '.vmspace', 'trash', ws.name)
+
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.reclaimed).toEqual([])
+    expect(report.failed).toContainEqual(expect.objectContaining({ id: ws.id, from: 'published', code: 'EBUSY' }))
+    expect(report.failed.every((e) => e.id === ws.id && e.code === 'EBUSY')).toBe(true)
+    expect(poolState(pool.root)).toMatchObject({ visible: [], staging: [], trash: [ws.name] })
+    expect(snapshotTree(outside)).toEqual(before)
+
+    // Still mounted: the next sweep fails the same way and changes nothing.
+    const again = await pool.sweep({ graceMs: 0 })
+    expect(again.failed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash', code: 'EBUSY' })])
+    expect(snapshotTree(outside)).toEqual(before)
+
+    expect(runCommand('umount', [path.join(trashed, 'mnt')]).status).toBe(0)
+    const later = await pool.sweep({ graceMs: 0 })
+    expect(later.failed).toEqual([])
+    expect(later.reclaimed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash' })])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    expect(snapshotTree(outside)).toEqual(before)
+  })
+
+  // Found by this suite: Pool::sweep moves the orphan to trash and fails to remove it (reported from 'published'),
+  // then its trash pass meets the same entry and reports it again (from 'trash'): two failures for one workspace.
+  test('one sweep reports a workspace it could not remove once, not once per pass', async () => {
+    const dir = freshDir()
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await orphan(pool)
+    bindInto(dir, ws.path)
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code}`)).toEqual([`${ws.name} published EBUSY`])
+  })
+})
+
+describe('openPool of another on-disk format', () => {
+  test.each([['0'], ['2'], ['garbage'], ['1.0'], ['']])(
+    'version %j: ERR_POOL_FORMAT (create true or false), and nothing in the pool changes',
+    async (version) => {
+      const root = path.join(freshDir(), 'pool')
+      // A pool with something in every place: a live-looking workspace, an orphan, a staging and a trash entry.
+      const pool = await openPool(root)
+      const kept = await pool.allocate({ meta: { keep: true } })
+      fs.writeFileSync(path.join(kept.path, 'data.txt'), 'data')
+      await kept.release()
+      fs.mkdirSync(path.join(root, '.vmspace', 'staging', `vm-${'a'.repeat(32)}`))
+      fs.mkdirSync(path.join(root, '.vmspace', 'trash', `vm-${'b'.repeat(32)}`))
+      await pool.close()
+      fs.writeFileSync(path.join(root, '.vmspace', 'version'), version === '' ? '' : `${version}\n`)
+      const times = () => {
+        const out: Record<string, number> = {}
+        const walk = (rel: string) => {
+          const st = fs.lstatSync(path.join(root, rel))
+          out[rel || '.'] = st.mtimeMs
+          if (st.isDirectory()) for (const n of fs.readdirSync(path.join(root, rel))) walk(path.join(rel, n))
+        }
+        walk('')
+        return out
+      }
+      const before = snapshotTree(root)
+      const mtimes = times()
+
+      for (const create of [true, false]) {
+        const err = await openPool(root, { create }).catch((e: unknown) => e)
+        expect(err).toBeInstanceOf(VmspaceError)
+        expect(err).toMatchObject({ code: 'ERR_POOL_FORMAT', path: path.join(root, '.vmspace', 'version') })
+      }
+      expect(snapshotTree(root)).toEqual(before)
+      expect(times()).toEqual(mtimes)
+    },
+  )
+})
