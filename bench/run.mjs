@@ -14,6 +14,7 @@ import { Bench } from 'tinybench'
 const require = createRequire(import.meta.url)
 const here = path.dirname(new URL(import.meta.url).pathname)
 const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
+const { native: binding } = require(path.join(here, '..', 'dist', 'binding.js'))
 
 const { values: args } = parseArgs({
   options: {
@@ -86,6 +87,11 @@ if (want('allocate')) {
       const ws = await pool.allocate()
       await ws.dispose()
     })
+    // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
+    bench.add('2 no-op pool hops', async () => {
+      await binding.lockRelease(-1)
+      await binding.lockRelease(-1)
+    })
     bench.add('fs.promises mkdtemp+rm', async () => {
       const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
       await fs.promises.rm(d, { recursive: true })
@@ -94,12 +100,15 @@ if (want('allocate')) {
     const p50 = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
     const vm = p50('vmspace allocate+dispose')
     const node = p50('fs.promises mkdtemp+rm')
+    const hops = p50('2 no-op pool hops')
     rows.push({
       'file system': t.fs,
       'native floor µs (bare)': (nativeBare / 1e3).toFixed(1),
       'native floor µs (+meta)': (nativeMeta / 1e3).toFixed(1),
       'vmspace µs': vm.toFixed(1),
       'vmspace / floor(+meta)': (vm / (nativeMeta / 1e3)).toFixed(2),
+      '2 no-op hops µs': hops.toFixed(1),
+      '(vmspace − hops) / floor': ((vm - hops) / (nativeMeta / 1e3)).toFixed(2),
       'mkdtemp+rm µs': node.toFixed(1),
       'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
     })
