@@ -168,9 +168,18 @@ export async function updateJsonFile<T>(
     const next = await fn(current as T | undefined)
     if (next === undefined) return current as T
     // Checked as the JSON that would be written (toJSON, Dates and the like change the type).
-    const text = JSON.stringify(next)
+    let text: string | undefined
+    let cause: unknown
+    try {
+      text = JSON.stringify(next)
+    } catch (e) {
+      cause = e // cycles, BigInt
+    }
     if (typeof text !== 'string' || text[0] !== (kind === 'array' ? '[' : '{')) {
-      const err = new TypeError(`Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}`)
+      const err = new TypeError(
+        `Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}${cause ? ' that cannot be serialised' : ''}`,
+        cause === undefined ? undefined : { cause },
+      )
       throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
     }
     await call(native.writeIndex(p, text + '\n', durable))

@@ -372,7 +372,9 @@ export class Pool {
   }
 
   async #releaseIfIdle() {
-    if (this.#closed && this.#open === 0 && !this.#handleClosed) {
+    if (!this.#closed || this.#open !== 0 || this.#handleClosed) return
+    await this.#inFlight.idle() // a list() or sweep() still running uses the fds
+    if (this.#open === 0 && !this.#handleClosed) {
       this.#handleClosed = true
       await call(native.closePool(this.#handle))
     }
@@ -497,10 +499,11 @@ export class Workspace implements AsyncDisposable {
 function templateEntries(template: unknown): { dir: string; entries: [string, string][] } {
   if (template === undefined) return { dir: '', entries: [] }
   if (typeof template === 'string') return { dir: absolutePath('options.template', template), entries: [] }
-  if (typeof template !== 'object' || template === null || Array.isArray(template))
-    throw invalidType('options.template', 'a directory path or an object mapping workspace paths to sources', template)
+  const proto = typeof template === 'object' && template !== null ? Object.getPrototypeOf(template) : undefined
+  if (proto !== Object.prototype && proto !== null)
+    throw invalidType('options.template', 'a directory path or a plain object mapping workspace paths to sources', template)
   const seen = new Set<string>()
-  const entries = Object.entries(template).map(([dest, source]): [string, string] => {
+  const entries = Object.entries(template as Record<string, unknown>).map(([dest, source]): [string, string] => {
     const rel = relativePath(`options.template[${JSON.stringify(dest)}]`, dest)
     if (seen.has(rel)) throw invalidValue('options.template', 'each destination once', dest)
     seen.add(rel)

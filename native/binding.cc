@@ -58,10 +58,7 @@ class Work : public Napi::AsyncWorker {
   using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
 
   static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs) {
-    auto* work = new Work(env, std::move(exec), std::move(toJs));
-    Napi::Promise promise = work->deferred_.Promise();
-    work->Queue();
-    return promise;
+    return Start(env, std::move(exec), std::move(toJs), nullptr);
   }
 
  private:
@@ -82,15 +79,35 @@ class Work : public Napi::AsyncWorker {
     }
   }
 
+  // On the JS thread, also while the env is being torn down (a worker thread ending with this work in flight):
+  // then no JS can run, node-addon-api throws, and the result must still not leak. A toJs that hands an fd to
+  // the instance sets it to -1 in the result; `drop` releases whatever is left.
   void OnOK() override {
-    Napi::Env env = Env();
-    Napi::HandleScope scope(env);
-    if (error_) {
-      deferred_.Reject(errorObject(env, *error_));
-      return;
+    try {
+      Napi::Env env = Env();
+      Napi::HandleScope scope(env);
+      if (error_) {
+        deferred_.Reject(errorObject(env, *error_));
+        return;
+      }
+      deferred_.Resolve(toJs_(env, result_));
+    } catch (...) {
+      if (!error_ && drop_) drop_(result_);
     }
-    deferred_.Resolve(toJs_(env, result_));
   }
+
+ public:
+  // Called with the result when it could not be delivered to JS.
+  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop) {
+    auto* work = new Work(env, std::move(exec), std::move(toJs));
+    work->drop_ = std::move(drop);
+    Napi::Promise promise = work->deferred_.Promise();
+    work->Queue();
+    return promise;
+  }
+
+ private:
+  std::function<void(R&)> drop_;
 
   Napi::Promise::Deferred deferred_;
   Exec exec_;
@@ -236,11 +253,12 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   return Work<vmspace::AllocateResult>::Start(
       info.Env(), [pool, req, progress] { return pool->allocate(req); },
       [reflink](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
-        instance(env).leases.insert(r.leaseFd);
+        int fd = std::exchange(r.leaseFd, -1);
+        instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("id", r.id);
         o.Set("name", r.name);
-        o.Set("leaseFd", r.leaseFd);
+        o.Set("leaseFd", fd);
         o.Set("retries", r.retries);
         Napi::Array clones = Napi::Array::New(env, r.clones.size());
         for (size_t i = 0; i < r.clones.size(); i++) {
@@ -250,6 +268,9 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
         }
         o.Set("clones", clones);
         return o;
+      },
+      [](vmspace::AllocateResult& r) {
+        if (r.leaseFd >= 0) ::close(r.leaseFd);  // the workspace is then an orphan for a sweep
       });
 }
 
@@ -273,9 +294,10 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
   return Work<vmspace::AdoptResult>::Start(
       info.Env(), [pool, name] { return pool->adopt(name); },
       [pool, name](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
-        instance(env).leases.insert(r.leaseFd);
+        int fd = std::exchange(r.leaseFd, -1);
+        instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
-        o.Set("leaseFd", r.leaseFd);
+        o.Set("leaseFd", fd);
         if (r.metaErrno == 0) {
           o.Set("metaText", r.metaText);
         } else {
@@ -286,6 +308,9 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
           o.Set("metaError", errorObject(env, e));
         }
         return o;
+      },
+      [](vmspace::AdoptResult& r) {
+        if (r.leaseFd >= 0) ::close(r.leaseFd);
       });
 }
 
@@ -434,11 +459,15 @@ Napi::Value LockOpen(const Napi::CallbackInfo& info) {
         return o;
       },
       [](Napi::Env env, Opened& o) -> Napi::Value {
-        instance(env).locks.insert(o.fd);
+        int fd = std::exchange(o.fd, -1);
+        instance(env).locks.insert(fd);
         Napi::Object r = Napi::Object::New(env);
-        r.Set("fd", o.fd);
+        r.Set("fd", fd);
         r.Set("acquired", o.acquired);
         return r;
+      },
+      [](Opened& o) {
+        if (o.fd >= 0) ::close(o.fd);
       });
 }
 

@@ -38,11 +38,12 @@ void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string&
 
 // Copies [off, off+len) by read/write; returns the bytes copied (short only at end of file).
 uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std::string& srcPath,
-                            const std::string& dstPath) {
+                            const std::string& dstPath, const std::atomic<bool>* cancel) {
   constexpr size_t kBuf = 1 << 20;
   std::unique_ptr<char[]> buf(new char[kBuf]);
   uint64_t done = 0;
   while (done < len) {
+    if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
     size_t want = static_cast<size_t>(std::min<uint64_t>(kBuf, len - done));
     ssize_t n = pread(src, buf.get(), want, off + static_cast<off_t>(done));
     if (n < 0) {
@@ -60,11 +61,13 @@ uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std
 // `offload` is false for reflink 'never': on XFS and btrfs copy_file_range may share extents, which 'never'
 // promises not to do.
 void copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, const std::string& srcPath,
-               const std::string& dstPath) {
+               const std::string& dstPath, const std::atomic<bool>* cancel) {
+  constexpr uint64_t kChunk = 64 << 20;  // copy_file_range in chunks, so that a cancel is seen
   uint64_t done = 0;
   while (*offload && done < len) {
+    if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
     loff_t in = off + static_cast<off_t>(done), out = in;
-    ssize_t n = copy_file_range(src, &in, dst, &out, static_cast<size_t>(len - done), 0);
+    ssize_t n = copy_file_range(src, &in, dst, &out, static_cast<size_t>(std::min(kChunk, len - done)), 0);
     if (n < 0) {
       if (errno == EINTR) continue;
       // Refused (old kernel, cross-file-system, special files): fall back for this and every later range.
@@ -77,12 +80,12 @@ void copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, const s
     if (n == 0) return;  // end of file: the source shrank while we copied
     done += static_cast<uint64_t>(n);
   }
-  if (done < len) copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath);
+  if (done < len) copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
 }
 
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)).
 void copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
-                const std::string& dstPath) {
+                const std::string& dstPath, const std::atomic<bool>* cancel) {
   off_t pos = 0, end = static_cast<off_t>(size);
   while (pos < end) {
     off_t data = lseek(src, pos, SEEK_DATA);
@@ -94,7 +97,7 @@ void copySparse(int src, int dst, uint64_t size, bool offload, const std::string
     if (data >= end) break;
     off_t hole = lseek(src, data, SEEK_HOLE);
     if (hole < 0 || hole > end) hole = end;
-    copyRange(src, dst, data, static_cast<uint64_t>(hole - data), &offload, srcPath, dstPath);
+    copyRange(src, dst, data, static_cast<uint64_t>(hole - data), &offload, srcPath, dstPath, cancel);
     pos = hole;
   }
   // Trailing hole (and the size itself): extending by ftruncate allocates nothing.
@@ -104,7 +107,7 @@ void copySparse(int src, int dst, uint64_t size, bool offload, const std::string
 }  // namespace
 
 CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                      const std::string& dstPath) {
+                      const std::string& dstPath, const std::atomic<bool>* cancel) {
   if (reflink != Reflink::Never) {
     if (ioctl(dst, FICLONE, src) == 0) return CloneMethod::Reflink;
     int err = errno;
@@ -114,13 +117,16 @@ CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const st
                 "the file systems of source and destination cannot share extents (reflink: 'always')", err,
                 "ioctl(FICLONE)", srcPath, dstPath);
   }
-  copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath);
+  copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, cancel);
   return CloneMethod::Copy;
 }
 
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity) {
-  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
+                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
+                            const std::atomic<bool>* cancel) {
+  // O_NONBLOCK: a fifo given as the source must not park this thread in open(2) waiting for a writer; it is
+  // refused below like any other file that is not regular. (No effect on regular files.)
+  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
   if (!src) throwErrno(errno, "open", srcPath);
   struct stat st;
   if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
@@ -135,7 +141,7 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
     CloneFileResult result{cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), options.reflink, srcPath,
-                                     dstPath),
+                                     dstPath, cancel),
                            static_cast<uint64_t>(st.st_size)};
     if (fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "fchmod", dstPath);
     if (options.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath);

@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -33,8 +34,9 @@ struct SourceIdentity {
 // Fills the empty regular file `dst` with the data of `src` (`size` bytes): ioctl(FICLONE) unless `reflink` is
 // Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
 // ERR_REFLINK_UNSUPPORTED. Other errors are thrown as they are. Returns how the data arrived.
+// A copy checks `cancel` (when given) between chunks and stops with ECANCELED.
 CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                      const std::string& dstPath);
+                      const std::string& dstPath, const std::atomic<bool>* cancel = nullptr);
 
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
 // cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete; on every failure the temp
@@ -43,7 +45,7 @@ CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const st
 // ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options,
-                            SourceIdentity* identity = nullptr);
+                            SourceIdentity* identity = nullptr, const std::atomic<bool>* cancel = nullptr);
 
 // Opens the parent of the relative path `rel` beneath `baseFd` and returns its fd (O_CLOEXEC; the caller closes
 // it); `leaf` receives the last component. With `createParents`, missing directories are made (mode 0777 & ~umask);

@@ -18,9 +18,12 @@
 namespace vmspace {
 
 int lockOpen(const std::string& path, bool shared, bool* acquired) {
-  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
-  if (!fd && (errno == EACCES || errno == EISDIR || errno == EROFS))
-    fd.reset(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));  // flock needs no write access
+  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!fd && (errno == EACCES || errno == EISDIR || errno == EROFS)) {
+    int first = errno;
+    fd.reset(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));  // flock needs no write access
+    if (!fd) throwErrno(errno == ENOENT ? first : errno, "open", path);  // missing and not creatable: the first
+  }
   if (!fd) throwErrno(errno, "open", path);
   *acquired = flock(fd.get(), (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0;
   if (!*acquired && errno != EWOULDBLOCK) throwErrno(errno, "flock", path);

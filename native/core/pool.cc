@@ -42,7 +42,8 @@ void makeDirs(const std::string& path) {
 
 // Reads a whole small file below `at`; returns the errno (0 on success).
 int readSmallFile(int at, const std::string& name, std::string* out) {
-  UniqueFd fd(openat(at, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY));
+  // O_NONBLOCK: a fifo in a metadata file's place must not park this thread in open(2).
+  UniqueFd fd(openat(at, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
   if (!fd) return errno;
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return errno;

@@ -3,10 +3,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <optional>
+#include <unordered_set>
 #include <vector>
 
 #include "error.h"
@@ -17,9 +19,20 @@ namespace vmspace {
 namespace {
 
 struct Frame {
-  DIR* dir;
+  DIR* dir;          // null while closed to bound the fds a deep tree takes (see kMaxOpenFrames)
   std::string path;  // display path of this directory
   std::string name;  // its name in the frame below (empty for the root of the walk)
+  dev_t dev;
+  ino_t ino;
+};
+
+// At most this many directories of the walk are open at once; the ones above them are closed and reopened
+// (through "..", checked by device and inode) when the walk climbs back. A guest can nest directories deeper
+// than any fd limit; removal must not depend on depth.
+constexpr size_t kMaxOpenFrames = 64;
+
+struct InodeHashKey {
+  size_t operator()(const std::pair<dev_t, ino_t>& k) const { return std::hash<uint64_t>()(k.second * 31 + k.first); }
 };
 
 class Remover {
@@ -35,8 +48,15 @@ class Remover {
       record(err, "fdopendir", path);
       return;
     }
-    stack_.push_back(Frame{d, path, {}});
+    struct stat st;
+    fstat(dirfd(d), &st);
+    stack_.push_back(Frame{d, path, {}, st.st_dev, st.st_ino});
     while (!stack_.empty()) step();
+  }
+
+  ~Remover() {
+    for (Frame& f : stack_)
+      if (f.dir) closedir(f.dir);
   }
 
   void rethrowFirst() {
@@ -52,6 +72,26 @@ class Remover {
     first_->path = path;
   }
 
+  // Climbing back into a parent whose DIR was closed: reopen it through the child's "..", and only if it is
+  // still the same directory (a rename meanwhile must not redirect the walk). Restarting its readdir is fine:
+  // what was removed is gone, and what could not be removed is in stuck_.
+  bool reopenParent(Frame& parent, DIR* child) {
+    int fd = openat(dirfd(child), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino) {
+      if (fd >= 0) ::close(fd);
+      record(ESTALE, "openat", parent.path);
+      return false;
+    }
+    parent.dir = fdopendir(fd);
+    if (!parent.dir) {
+      record(errno, "fdopendir", parent.path);
+      ::close(fd);
+      return false;
+    }
+    return true;
+  }
+
   void step() {
     Frame& top = stack_.back();
     errno = 0;
@@ -60,11 +100,20 @@ class Remover {
       if (errno) record(errno, "readdir", top.path);
       Frame done = std::move(top);
       stack_.pop_back();
+      if (!stack_.empty() && !stack_.back().dir && !reopenParent(stack_.back(), done.dir)) {
+        closedir(done.dir);
+        for (Frame& f : stack_)
+          if (f.dir) closedir(f.dir);
+        stack_.clear();  // the walk cannot go on safely; the first error says why
+        return;
+      }
       closedir(done.dir);
       if (!stack_.empty()) {
         Frame& parent = stack_.back();
-        if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT)
+        if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
           record(errno, "rmdir", done.path);
+          stuck_.insert({done.dev, done.ino});  // not entered again when its parent is read again
+        }
       }
       return;
     }
@@ -93,7 +142,7 @@ class Remover {
     }
     std::string path = top.path + "/" + name;
     struct statx stx;
-    if (statxFd(fd, STATX_MODE | STATX_MNT_ID | STATX_BLOCKS, &stx) != 0) {
+    if (statxFd(fd, STATX_MODE | STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &stx) != 0) {
       record(errno, "statx", path);
       ::close(fd);
       return true;
@@ -101,6 +150,11 @@ class Remover {
     if (mountOf(stx) != mount_) {
       // Another file system (or a bind mount of this one) is mounted here: never enter it.
       record(EBUSY, "rmdir", path);
+      ::close(fd);
+      return true;
+    }
+    dev_t dev = makedev(stx.stx_dev_major, stx.stx_dev_minor);
+    if (stuck_.count({dev, static_cast<ino_t>(stx.stx_ino)})) {
       ::close(fd);
       return true;
     }
@@ -112,7 +166,14 @@ class Remover {
       ::close(fd);
       return true;
     }
-    stack_.push_back(Frame{d, std::move(path), name});
+    stack_.push_back(Frame{d, std::move(path), name, dev, static_cast<ino_t>(stx.stx_ino)});
+    if (stack_.size() > kMaxOpenFrames) {
+      Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
+      if (old.dir) {
+        closedir(old.dir);
+        old.dir = nullptr;
+      }
+    }
     return true;
   }
 
@@ -136,6 +197,7 @@ class Remover {
   uint64_t* bytes_;
   std::vector<Frame> stack_;
   std::optional<Error> first_;
+  std::unordered_set<std::pair<dev_t, ino_t>, InodeHashKey> stuck_;  // directories that could not be removed
 };
 
 }  // namespace

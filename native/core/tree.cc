@@ -340,11 +340,15 @@ class TreeCloner {
       }
     }
     // O_NOATIME keeps the walk from dirtying every source inode; allowed for the owner and CAP_FOWNER only.
-    int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+    // O_NONBLOCK: should the entry have become a fifo since fstatat, open must not wait for a writer.
+    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
     UniqueFd src(openat(sdir, name, flags));
     if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openat(sdir, name, flags & ~O_NOATIME));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
+    struct stat now;
+    if (fstat(src.get(), &now) != 0) throwErrno(errno, "fstat", srcPath(rel), dstPath(rel));
+    if (!S_ISREG(now.st_mode) || now.st_ino != st.st_ino) throwErrno(EAGAIN, "open", srcPath(rel), dstPath(rel));
     // Created with its final permission bits where the umask keeps them, saving an fchmod per file; the
     // tree is private until published (its root is 0700).
     mode_t perm = st.st_mode & 0777;
@@ -354,7 +358,7 @@ class TreeCloner {
     CloneMethod m;
     try {
       m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, srcPath(rel),
-                    dstPath(rel));
+                    dstPath(rel), progress_ ? &progress_->cancel : nullptr);
     } catch (Error& e) {
       // Name the entry the way every other failure of the walk does: the source entry and its destination.
       e.path = srcPath(rel);
@@ -513,7 +517,8 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   struct stat st;
   if (stat(srcPath.c_str(), &st) != 0) throwErrno(errno, "stat", srcPath, dstPath);
   if (!S_ISDIR(st.st_mode)) {
-    CloneFileResult r = cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity);
+    CloneFileResult r =
+        cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity, progress ? &progress->cancel : nullptr);
     CloneSummary s;
     s.files = 1;
     s.bytes = r.bytes;

@@ -1,0 +1,97 @@
+// What a hostile or careless caller can do must not hang, crash or defeat cleanup.
+import { execFileSync, spawnSync } from 'node:child_process'
+import * as fs from 'node:fs'
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { Worker } from 'node:worker_threads'
+import { afterEach, beforeEach, describe, expect, test } from 'vitest'
+import { clone, openPool } from '../lib/index.js'
+
+const dist = path.resolve(__dirname, '..', 'dist', 'index.js')
+let dir: string
+beforeEach(() => {
+  dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-robust-'))
+})
+afterEach(() => fs.rmSync(dir, { recursive: true, force: true }))
+
+function deepTree(root: string, depth: number) {
+  // Built fd-relative (like a guest would), since the full path outgrows PATH_MAX.
+  execFileSync('python3', [
+    '-c',
+    `import os\nfd = os.open(${JSON.stringify(root)}, os.O_RDONLY)\nfor i in range(${depth}):\n    os.mkdir('d', dir_fd=fd)\n    os.close(os.open('f', os.O_CREAT | os.O_WRONLY, dir_fd=fd))\n    n = os.open('d', os.O_RDONLY, dir_fd=fd)\n    os.close(fd)\n    fd = n\n`,
+  ])
+}
+
+describe('removal does not depend on depth', () => {
+  test('removeTree of a tree 3000 directories deep succeeds with only 256 fds allowed', () => {
+    const root = path.join(dir, 'deep')
+    fs.mkdirSync(root)
+    deepTree(root, 3000)
+    const r = spawnSync('bash', ['-c', `ulimit -n 256 && exec "$0" -e "require(process.argv[1]).removeTree(process.argv[2]).then(() => console.log('ok'), (e) => console.log(e.code))" "$1" "$2"`, process.execPath, dist, root], { encoding: 'utf8' })
+    expect(r.stdout.trim()).toBe('ok')
+    expect(fs.existsSync(root)).toBe(false)
+  })
+
+  test('dispose of a workspace a guest filled 3000 directories deep leaves nothing', async () => {
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await pool.allocate()
+    deepTree(ws.path, 3000)
+    await ws.dispose()
+    expect(ws.status).toBe('disposed')
+    expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+    expect(fs.readdirSync(path.join(pool.root, '.vmspace', 'trash'))).toEqual([])
+    await pool.close()
+  })
+})
+
+describe('fifos never park a thread', () => {
+  test('a fifo as clone source is refused with EINVAL at once, and leaves nothing', async () => {
+    const fifo = path.join(dir, 'fifo')
+    execFileSync('mkfifo', [fifo])
+    await expect(clone(fifo, path.join(dir, 'out'))).rejects.toMatchObject({ code: 'EINVAL' })
+    expect(fs.readdirSync(dir).sort()).toEqual(['fifo'])
+  })
+
+  test('a fifo in place of a metadata file is reported by list(), which does not hang', async () => {
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await pool.allocate()
+    const meta = path.join(pool.root, '.vmspace', 'meta', `${ws.name}.json`)
+    fs.rmSync(meta)
+    execFileSync('mkfifo', [meta])
+    const [info] = await pool.list()
+    expect(info.error?.code).toBe('EINVAL')
+    await ws.dispose()
+    await pool.close()
+  })
+})
+
+describe('worker threads that end mid-operation', () => {
+  test('a worker exiting while its allocate and clone run does not take the process down; a sweep reclaims what it left', async () => {
+    const big = path.join(dir, 'big')
+    fs.writeFileSync(big, Buffer.alloc(32 << 20, 7))
+    const poolRoot = path.join(dir, 'pool')
+    for (let i = 0; i < 4; i++) {
+      const w = new Worker(
+        `const v = require(${JSON.stringify(dist)}); v.clone(${JSON.stringify(big)}, ${JSON.stringify(path.join(dir, 'c'))} + Math.random()).catch(() => {}); v.openPool(${JSON.stringify(poolRoot)}).then((p) => p.allocate({ template: { r: ${JSON.stringify(big)} } })); setTimeout(() => process.exit(0), ${i * 2})`,
+        { eval: true },
+      )
+      await new Promise((resolve) => w.once('exit', resolve))
+    }
+    const pool = await openPool(poolRoot)
+    await pool.sweep({ graceMs: 0 })
+    expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+    await pool.close()
+  })
+})
+
+describe('abort', () => {
+  test('aborting a single-file copy stops it and leaves nothing', async () => {
+    const big = path.join(dir, 'big')
+    fs.writeFileSync(big, Buffer.alloc(256 << 20, 1))
+    const ac = new AbortController()
+    const p = clone(big, path.join(dir, 'copy'), { reflink: 'never', signal: ac.signal, onProgress: () => {} })
+    ac.abort()
+    await expect(p).rejects.toMatchObject({ name: 'AbortError' })
+    expect(fs.readdirSync(dir)).toEqual(['big'])
+  })
+})
