@@ -340,15 +340,13 @@ class TreeCloner {
       }
     }
     // O_NOATIME keeps the walk from dirtying every source inode; allowed for the owner and CAP_FOWNER only.
-    // O_NONBLOCK: should the entry have become a fifo since fstatat, open must not wait for a writer.
+    // O_NONBLOCK: should the entry have become a fifo since fstatat, open must not wait for a writer (the
+    // clone of it then fails: FICLONE and lseek refuse a fifo).
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
     UniqueFd src(openat(sdir, name, flags));
     if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openat(sdir, name, flags & ~O_NOATIME));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    struct stat now;
-    if (fstat(src.get(), &now) != 0) throwErrno(errno, "fstat", srcPath(rel), dstPath(rel));
-    if (!S_ISREG(now.st_mode) || now.st_ino != st.st_ino) throwErrno(EAGAIN, "open", srcPath(rel), dstPath(rel));
     // Created with its final permission bits where the umask keeps them, saving an fchmod per file; the
     // tree is private until published (its root is 0700).
     mode_t perm = st.st_mode & 0777;
