@@ -13,6 +13,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "rename.h"
 #include "statx.h"
 
 namespace vmspace {
@@ -239,12 +240,6 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
   remover.rethrowFirst();
   if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);
 }
-
-}  // namespace vmspace
-
-#include "rename.h"
-
-namespace vmspace {
 
 void removeTreeNoFollow(const std::string& path) {
   std::string parent, leaf;

@@ -17,10 +17,6 @@ namespace vmspace {
 void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath,
                         uint64_t* bytes = nullptr);
 
-}  // namespace vmspace
-
-namespace vmspace {
-
 // removeTreeNoFollow for an absolute path: its parent is opened (following the caller's own path as given), the
 // last component is never followed. A mount point at `path` itself is EBUSY.
 void removeTreeNoFollow(const std::string& path);
