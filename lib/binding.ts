@@ -1,5 +1,6 @@
 /** The native addon (native/binding.cc), loaded once per thread; its functions take checked arguments only. */
 import * as path from 'node:path'
+import type { CloneResult } from './clone.js'
 
 /** reflink option as the binding takes it. */
 export const enum ReflinkCode {
@@ -8,20 +9,8 @@ export const enum ReflinkCode {
   Never = 2,
 }
 
-export interface NativeCloneResult {
-  kind: 'file' | 'tree'
-  method: 'reflink' | 'copy' | 'mixed'
-  files: number
-  bytes: number
-  reflinked: number
-  copied: number
-  dirs?: number
-  symlinks?: number
-  hardlinks?: number
-  fifos?: number
-  devices?: number
-  skipped?: { sockets: number; devices: number }
-}
+/** A clone's result as the binding returns it: the public CloneResult without `path`, which lib/ adds. */
+export type NativeCloneResult = Omit<CloneResult, 'path'>
 
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 

@@ -81,18 +81,9 @@ export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): 
   }
 }
 
-export function toResult(r: NativeCloneResult, dest: string): CloneResult {
-  const { kind, method, files, bytes, reflinked, copied } = r
-  const out: CloneResult = { kind, method, path: dest, files, bytes, reflinked, copied }
-  if (kind === 'tree') {
-    out.dirs = r.dirs
-    out.symlinks = r.symlinks
-    out.hardlinks = r.hardlinks
-    out.fifos = r.fifos
-    out.devices = r.devices
-    out.skipped = r.skipped
-  }
-  return out
+export function toResult(r: NativeCloneResult & { dest?: string }, dest: string): CloneResult {
+  const { dest: _templateDest, ...result } = r
+  return { ...result, path: dest }
 }
 
 const PROGRESS_MS = 100
