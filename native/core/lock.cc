@@ -11,6 +11,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "names.h"
 #include "process.h"
 #include "rename.h"
@@ -57,30 +58,10 @@ int lockCancelSignal() {
 }
 
 bool readWholeFile(const std::string& path, std::string* out) {
-  // O_NONBLOCK: a fifo in the file's place must not park this thread in open(2) waiting for a writer.
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!fd) {
-    if (errno == ENOENT) return false;
-    throwErrno(errno, "open", path);
-  }
-  struct stat st;
-  if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", path);
-  if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "read", path);
-  if (!S_ISREG(st.st_mode)) throwErrno(EINVAL, "read", path);  // fifo, device (e.g. /dev/zero), socket
-  out->clear();
-  out->resize(static_cast<size_t>(st.st_size) + 1);
-  size_t got = 0;
-  for (;;) {
-    if (got == out->size()) out->resize(got * 2 + 64);
-    ssize_t n = read(fd.get(), &(*out)[got], out->size() - got);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throwErrno(errno, "read", path);
-    }
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  out->resize(got);
+  const char* syscall;
+  int err = readRegularFileAt(AT_FDCWD, path.c_str(), 0, out->max_size() / 2, out, &syscall);
+  if (err == ENOENT && syscall == std::string("open")) return false;
+  if (err) throwErrno(err, syscall, path);
   return true;
 }
 
@@ -94,15 +75,7 @@ void replaceFile(const std::string& path, const std::string& data, bool durable)
   UniqueFd fd(openat(dirFd.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!fd) throwErrno(errno, "open", dir + "/" + tmp);
   try {
-    size_t done = 0;
-    while (done < data.size()) {
-      ssize_t n = write(fd.get(), data.data() + done, data.size() - done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throwErrno(errno, "write", dir + "/" + tmp);
-      }
-      done += static_cast<size_t>(n);
-    }
+    if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", dir + "/" + tmp);
     // The data reaches the disk before the name points at it: after a crash the index is old or new, never
     // empty (the failure mode of rename without fsync on delayed-allocation file systems).
     if (fsync(fd.get()) != 0) throwErrno(errno, "fsync", dir + "/" + tmp);

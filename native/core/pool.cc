@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "error.h"
+#include "io.h"
 #include "names.h"
 #include "remove.h"
 
@@ -40,46 +41,9 @@ void makeDirs(const std::string& path) {
   }
 }
 
-// Reads a whole small file below `at`; returns the errno (0 on success).
+// Reads a whole small file below `at` (never following a symlink); returns the errno (0 on success).
 int readSmallFile(int at, const std::string& name, std::string* out) {
-  // O_NONBLOCK: a fifo in a metadata file's place must not park this thread in open(2).
-  UniqueFd fd(openat(at, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!fd) return errno;
-  struct stat st;
-  if (fstat(fd.get(), &st) != 0) return errno;
-  if (S_ISDIR(st.st_mode)) return EISDIR;
-  if (!S_ISREG(st.st_mode)) return EINVAL;
-  if (static_cast<size_t>(st.st_size) > kMaxMetaBytes) return EFBIG;
-  // st_size is a hint only: files under /proc report 0.
-  out->resize(static_cast<size_t>(st.st_size) + 1);
-  size_t got = 0;
-  for (;;) {
-    if (got == out->size()) {
-      if (got > kMaxMetaBytes) return EFBIG;
-      out->resize(got * 2 + 64);
-    }
-    ssize_t n = read(fd.get(), &(*out)[got], out->size() - got);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  out->resize(got);
-  return 0;
-}
-
-void writeAllFd(int fd, const std::string& data, const std::string& shown) {
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t n = write(fd, data.data() + done, data.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throwErrno(errno, "write", shown);
-    }
-    done += static_cast<size_t>(n);
-  }
+  return readRegularFileAt(at, name.c_str(), O_NOFOLLOW, kMaxMetaBytes, out);
 }
 
 // Writes `data` to a fresh temp file in `dirFd` and links it under `name` with renameat2(RENAME_NOREPLACE).
@@ -90,7 +54,7 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
   UniqueFd fd(openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
   if (!fd) throwErrno(errno, "open", shown);
   try {
-    writeAllFd(fd.get(), data, shown);
+    if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
     if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
     fd.reset();
     if (renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0) {
@@ -441,6 +405,11 @@ std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const st
   }
 }
 
+// A published workspace as readdir shows it: a directory (or an entry of unknown type) named <prefix>-<32 hex>.
+bool isWorkspaceEntry(const std::string& name, unsigned char type) {
+  return (type == DT_DIR || type == DT_UNKNOWN) && isWorkspaceName(name.c_str());
+}
+
 // Milliseconds since the entry was made: its birth time where the file system records it (statx STATX_BTIME:
 // ext4, XFS, btrfs), else its last status change.
 int64_t ageMs(int dirFd, const std::string& name) {
@@ -493,7 +462,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   // shared probe lock for a moment, which alone must not make a dead owner's workspace look live.
   std::vector<std::string> heldOnce;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
-    if ((type != DT_DIR && type != DT_UNKNOWN) || !isWorkspaceName(name.c_str())) continue;
+    if (!isWorkspaceEntry(name, type)) continue;
     UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
     if (!fd) continue;
     if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
@@ -585,29 +554,12 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
 
 std::vector<ListEntry> Pool::list() {
   std::vector<ListEntry> out;
-  // A new open file description: readdir offsets are per description, and list() may run concurrently.
-  int fd = openat(rootFd_.get(), ".", kDirFlags);
-  if (fd < 0) throwErrno(errno, "open", root_);
-  DIR* dir = fdopendir(fd);
-  if (!dir) {
-    int err = errno;
-    ::close(fd);
-    throwErrno(err, "opendir", root_);
-  }
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
-  for (;;) {
-    errno = 0;
-    struct dirent* de = readdir(dir);
-    if (!de) {
-      if (errno) throwErrno(errno, "readdir", root_);
-      break;
-    }
-    if (de->d_type != DT_DIR && de->d_type != DT_UNKNOWN) continue;
-    if (!isWorkspaceName(de->d_name)) continue;
-    UniqueFd ws(openat(rootFd_.get(), de->d_name, kDirFlags));
+  for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
+    if (!isWorkspaceEntry(name, type)) continue;
+    UniqueFd ws(openat(rootFd_.get(), name.c_str(), kDirFlags));
     if (!ws) continue;  // disposed meanwhile, or not a directory
     ListEntry entry;
-    entry.name = de->d_name;
+    entry.name = name;
     // A shared probe conflicts with the owner's exclusive lease and with nothing else; released by the close.
     if (flock(ws.get(), LOCK_SH | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(entry.name));
