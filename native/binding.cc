@@ -134,6 +134,17 @@ Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
 struct Unit {};
 Napi::Value undefinedOf(Napi::Env env, Unit&) { return env.Undefined(); }
 
+// An operation with no result: resolves with undefined.
+Napi::Promise runVoid(Napi::Env env, std::function<void()> fn) {
+  return Work<Unit>::Start(
+      env,
+      [fn = std::move(fn)] {
+        fn();
+        return Unit{};
+      },
+      undefinedOf);
+}
+
 // ---- argument conversion (types were checked by lib/; a mismatch here is a TypeError, never a crash) ----
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i) {
@@ -219,13 +230,7 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
 
 Napi::Value ClosePool(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
-  return Work<Unit>::Start(
-      info.Env(),
-      [pool] {
-        pool->close();
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [pool] { pool->close(); });
 }
 
 Napi::Value Allocate(const Napi::CallbackInfo& info) {
@@ -279,13 +284,7 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   std::string name = stringArg(info, 1);
   int leaseFd = static_cast<int>(intArg(info, 2));
   instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
-  return Work<Unit>::Start(
-      info.Env(),
-      [pool, name, leaseFd] {
-        pool->dispose(name, leaseFd);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
 }
 
 Napi::Value Adopt(const Napi::CallbackInfo& info) {
@@ -411,35 +410,17 @@ Napi::Value CancelProgress(const Napi::CallbackInfo& info) {
 
 Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
   std::string path = stringArg(info, 0);
-  return Work<Unit>::Start(
-      info.Env(),
-      [path] {
-        vmspace::removeTreeNoFollow(path);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [path] { vmspace::removeTreeNoFollow(path); });
 }
 
 Napi::Value RenameNoReplace(const Napi::CallbackInfo& info) {
   std::string from = stringArg(info, 0), to = stringArg(info, 1);
-  return Work<Unit>::Start(
-      info.Env(),
-      [from, to] {
-        vmspace::renameNoReplace(from, to);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [from, to] { vmspace::renameNoReplace(from, to); });
 }
 
 Napi::Value Exchange(const Napi::CallbackInfo& info) {
   std::string a = stringArg(info, 0), b = stringArg(info, 1);
-  return Work<Unit>::Start(
-      info.Env(),
-      [a, b] {
-        vmspace::exchange(a, b);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [a, b] { vmspace::exchange(a, b); });
 }
 
 // ---- locks ----
@@ -599,13 +580,7 @@ Napi::Value LockCancel(const Napi::CallbackInfo& info) {
 
 // Closes an fd on the pool: the kernel drops its flock with the last fd of the open file description.
 Napi::Promise closeFd(Napi::Env env, int fd) {
-  return Work<Unit>::Start(
-      env,
-      [fd] {
-        ::close(fd);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(env, [fd] { ::close(fd); });
 }
 
 // Closes a workspace's lease fd without removing the workspace (Workspace.release).
@@ -647,13 +622,7 @@ Napi::Value ReadIndex(const Napi::CallbackInfo& info) {
 Napi::Value WriteIndex(const Napi::CallbackInfo& info) {
   std::string path = stringArg(info, 0), text = stringArg(info, 1);
   bool durable = boolArg(info, 2);
-  return Work<Unit>::Start(
-      info.Env(),
-      [path, text, durable] {
-        vmspace::replaceFile(path, text, durable);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [path, text, durable] { vmspace::replaceFile(path, text, durable); });
 }
 
 // Test seam (see core/names.h): the next workspace ids drawn, process-wide.
