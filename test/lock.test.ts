@@ -312,17 +312,19 @@ describe('wait: false, timeoutMs, AbortSignal', () => {
     for (let i = 0; i < 40; i++) {
       const holder = await lockFile(file)
       const ac = new AbortController()
-      const p = lockFile(file, { signal: ac.signal })
+      // Settle into a value at once: the call may reject while the awaits below run, and a rejection with no
+      // handler yet is an unhandled rejection.
+      const outcome = lockFile(file, { signal: ac.signal }).then(
+        (lock) => lock,
+        (e: unknown) => e,
+      )
       if (i % 2 === 0) await waitersOn(file, 1, process.pid)
       // Release and abort in the same turn: the grant and the cancel race.
       const released = holder.release()
       if (i % 4 < 2) ac.abort()
       else setImmediate(() => ac.abort())
       await released
-      const r = await p.then(
-        (lock) => lock,
-        (e: unknown) => e,
-      )
+      const r = await outcome
       if (r instanceof FileLock) {
         outcomes.granted++
         await r.release()
