@@ -27,7 +27,11 @@ export interface CloneOptions {
   overwrite?: boolean
   /** fsync each new file before it is published and the directory after. Default false. */
   durable?: boolean
-  /** Called with running totals at most every 100 ms while a clone runs. */
+  /**
+   * Called with running totals at most every 100 ms while a clone runs. An exception it throws cancels the clone
+   * like an abort: the call rejects with that exception and what was built is removed (unless the clone had
+   * already completed, then the destination stays complete).
+   */
   onProgress?: (p: CloneProgressEvent) => void
   /** Cancels between entries; what was built is removed and the call rejects with an AbortError. */
   signal?: AbortSignal
@@ -108,18 +112,29 @@ export async function withProgress<T>(
   }
   const handle = native.newProgress()
   let last = { files: 0, bytes: 0 }
+  // What onProgress threw: it runs on a timer, where a throw would be an uncaught exception; it cancels instead.
+  let thrown: { error: unknown } | undefined
   const tick = () => {
     const [files, bytes] = native.readProgress(handle)
     if (files === last.files && bytes === last.bytes) return
     last = { files, bytes }
-    onProgress!({ files, bytes })
+    try {
+      onProgress!({ files, bytes })
+    } catch (error) {
+      thrown = { error }
+      clearInterval(timer)
+      native.cancelProgress(handle)
+    }
   }
   const timer = onProgress ? setInterval(tick, PROGRESS_MS) : undefined
   const onAbort = () => native.cancelProgress(handle)
   signal?.addEventListener('abort', onAbort, { once: true })
   try {
-    return await run(handle)
+    const result = await run(handle)
+    if (thrown) throw thrown.error
+    return result
   } catch (e) {
+    if (thrown) throw thrown.error
     if (signal?.aborted && (e as { code?: string })?.code === 'ECANCELED') throw new AbortError(signal.reason)
     throw fromNative(e)
   } finally {

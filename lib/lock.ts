@@ -51,7 +51,8 @@ const CANCEL_REPEAT_MS = 10
  * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open).
  * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
  * releases a lock when its holder exits or is killed. Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`,
- * an AbortError, or the errno of open/flock.
+ * an AbortError, the errno of open/flock, or `EAGAIN` (syscall `pthread_create`) when no thread can be started
+ * for a wait (RLIMIT_NPROC).
  */
 export async function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
   const p = absolutePath('path', path)
@@ -81,6 +82,7 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
   return new Promise<FileLock>((resolve, reject) => {
     let cancelledBy: 'timeout' | 'abort' | undefined
     let repeat: NodeJS.Timeout | undefined
+    let timer: NodeJS.Timeout | undefined
     let handle: WaitHandle | undefined = undefined
     const cancel = (why: 'timeout' | 'abort') => {
       if (cancelledBy) return
@@ -89,24 +91,31 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
       // The signal that interrupts the wait can arrive just before the thread blocks: repeat until it answers.
       repeat = setInterval(() => native.lockCancel(handle!), CANCEL_REPEAT_MS)
     }
-    const timer = timeoutMs === undefined ? undefined : setTimeout(() => cancel('timeout'), timeoutMs)
     const onAbort = () => cancel('abort')
-    handle = native.lockWait(fd, shared, (errno) => {
+    // Closes the fd (which drops any lock it got), then rejects.
+    const releaseAndReject = (error: () => Error) => native.lockRelease(fd).then(() => reject(error()), reject)
+    const onDone = (errno: number) => {
       clearTimeout(timer)
       clearInterval(repeat)
       signal?.removeEventListener('abort', onAbort)
       if (errno === 0 && !cancelledBy) return resolve(new FileLock(p, shared, fd))
-      // Granted just as it was cancelled, or failed: close the fd, which drops any lock it got.
-      native.lockRelease(fd).then(
-        () => {
-          if (cancelledBy === 'abort') reject(new AbortError(signal?.reason))
-          else if (cancelledBy === 'timeout')
-            reject(vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' }))
-          else reject(errnoError(errno, 'flock', p))
-        },
-        reject,
+      // Granted just as it was cancelled, or failed.
+      void releaseAndReject(() =>
+        cancelledBy === 'abort'
+          ? new AbortError(signal?.reason)
+          : cancelledBy === 'timeout'
+            ? vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' })
+            : errnoError(errno, 'flock', p),
       )
-    })
+    }
+    try {
+      handle = native.lockWait(fd, shared, onDone)
+    } catch (e) {
+      // No thread could be started for the wait (EAGAIN: RLIMIT_NPROC or the kernel's limit); nothing waits.
+      void releaseAndReject(() => errnoError((e as { errno?: number }).errno ?? 11 /* EAGAIN */, 'pthread_create', p))
+      return
+    }
+    if (timeoutMs !== undefined) timer = setTimeout(() => cancel('timeout'), timeoutMs)
     signal?.addEventListener('abort', onAbort, { once: true })
     // An abort while the lock file was being opened fired before the listener existed.
     if (signal?.aborted) onAbort()

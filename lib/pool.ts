@@ -278,7 +278,8 @@ export class Pool {
   /**
    * Takes over the workspace `id` (of this pool's prefix) whose lease is free, e.g. after its sidecar
    * restarted and its VM exited. Throws `ERR_LEASE_HELD` while any process holds the lease, `ENOENT` for an
-   * unknown id. The returned workspace's `info` has its metadata (with `error` where it does not parse).
+   * unknown id. A list() elsewhere probing the lease at that moment (a shared flock, which a lease never is) only
+   * delays the take-over, by up to 1 s of back-off, and refuses it only if the probes never pause that long. The returned workspace's `info` has its metadata (with `error` where it does not parse).
    */
   async adopt(id: string): Promise<Workspace> {
     if (typeof id !== 'string') throw invalidType('id', 'a workspace id string', id)
@@ -303,7 +304,7 @@ export class Pool {
    * Reclaims what no live process holds (DESIGN.md, "sweep"): every published workspace whose lease is free
    * (moved to trash, removed), everything in trash that no dispose is removing, unleased staging entries older
    * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
-   * never age or pid.
+   * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
    */
   async sweep(options?: SweepOptions): Promise<SweepReport> {
     const o = optionsObject<SweepOptions>('options', options)

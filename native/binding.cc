@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_set>
 #include <functional>
@@ -529,7 +530,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
   instance(env).waiters.insert(waiter);
   int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
-  std::thread t([waiter, sig] {
+  auto wait = [waiter, sig] {
     // No V8 here: runs on the wait's own thread.
     int err;
     for (;;) {
@@ -565,7 +566,19 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
       delete done;
     }
     waiter->tsfn.Release();
-  });
+  };
+  std::thread t;
+  try {
+    t = std::thread(wait);
+  } catch (const std::system_error& e) {
+    // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the fd goes back to the caller, who closes it.
+    instance(env).waiters.erase(waiter);
+    instance(env).locks.insert(waiter->fd);
+    waiter->tsfn.Release();
+    Napi::Error err = Napi::Error::New(env, std::string("vmspace: no thread for the lock wait: ") + e.what());
+    err.Set("errno", Napi::Number::New(env, e.code().value()));
+    throw err;
+  }
   waiter->thread = t.native_handle();
   t.detach();
   return Napi::External<WaiterRef>::New(env, new WaiterRef(waiter), [](Napi::Env, WaiterRef* w) { delete w; });

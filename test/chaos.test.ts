@@ -167,6 +167,7 @@ async function chaos(dir: string, rounds: number) {
         await sleep(1)
       }
     })()
+    observer.catch(() => {}) // awaited in the finally below; until then a failure must not be unhandled
     const killed = children.map(async (c) => {
       c.send('go')
       await c.expect('started')

@@ -110,7 +110,8 @@ describe('worker_threads', () => {
       })
       return w
     })
-    const exits = workers.map((w) => once(w, 'exit'))
+    // once() rejects on an 'error' event: kept as a value until awaited below, never an unhandled rejection.
+    const exits = workers.map((w) => once(w, 'exit').catch((e: unknown) => [e]))
     const messages = workers.map((w) => {
       const queue: unknown[] = []
       const waiters: ((m: unknown) => void)[] = []

@@ -15,6 +15,7 @@ import {
   eventually,
   fixtures,
   freshDir,
+  killOnFinish,
   metaPath,
   openFdTargets,
   poolState,
@@ -46,16 +47,6 @@ async function endReader(fifo: string): Promise<void> {
   })
   fs.writeSync(fd, 'exit\n')
   fs.closeSync(fd)
-}
-
-function killOnFinish(pid: number) {
-  onTestFinished(() => {
-    try {
-      process.kill(pid, 'SIGKILL')
-    } catch {
-      // gone already
-    }
-  })
 }
 
 async function errorOf(p: Promise<unknown>): Promise<VmspaceError> {
@@ -114,7 +105,7 @@ describe('a lease handed to a child process', () => {
     fs.writeFileSync(path.join(ws.path, 'own.txt'), 'mine')
     const child = spawn('sh', ['-c', 'read line < "$1"', 'vm', fifo], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
     const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => resolve(code)))
-    killOnFinish(child.pid!)
+    onTestFinished(() => void child.kill('SIGKILL'))
     await new Promise((r) => child.once('spawn', r))
 
     await ws.release()

@@ -258,6 +258,32 @@ export function openFdTargets(pid: number): Map<number, string> {
 
 export type Message = { event: string; [key: string]: unknown }
 
+/** The start time of process `pid` (field 22 of /proc/<pid>/stat, clock ticks since boot), or null once it is gone. */
+function startTime(pid: number): string | null {
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8')
+    return stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19] ?? null
+  } catch {
+    return null
+  }
+}
+
+/**
+ * SIGKILLs process `pid` (not a child of ours: reaped by init) when the test finishes, if it still runs. Its start
+ * time is compared first, so a pid reused by another process after it exited is never killed.
+ */
+export function killOnFinish(pid: number): void {
+  const started = startTime(pid)
+  onTestFinished(() => {
+    if (started === null || startTime(pid) !== started) return
+    try {
+      process.kill(pid, 'SIGKILL')
+    } catch {
+      // gone meanwhile
+    }
+  })
+}
+
 /**
  * A child process speaking JSON lines: it writes one JSON object per stdout line, reads commands as stdin lines.
  * Killed when the current test finishes, if still running.
@@ -292,8 +318,17 @@ export class Child {
         resolve({ code, signal })
       })
     })
-    onTestFinished(() => {
-      if (!this.#done) this.proc.kill('SIGKILL')
+    // A failed spawn (EAGAIN under load) or a write after the child died: a failed wait, not an uncaught error.
+    this.proc.on('error', (e) => {
+      this.stderr += `\n[${e.message}]`
+      for (const w of this.#waiters.splice(0)) w.reject(e)
+    })
+    this.proc.stdin!.on('error', () => {})
+    onTestFinished(async () => {
+      if (this.#done || this.proc.exitCode !== null || this.proc.signalCode !== null) return
+      this.proc.kill('SIGKILL')
+      // Reaped before the directories it may write into are removed (bounded: a child stuck in the kernel).
+      await Promise.race([this.exited, new Promise((r) => setTimeout(r, 5000).unref())])
     })
   }
 

@@ -8,7 +8,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { eventually, freshDir, openFdTargets, tryFlockFd, tryFlockPath, workspaceChild } from './helpers.js'
+import { eventually, freshDir, killOnFinish, openFdTargets, tryFlockFd, tryFlockPath, workspaceChild } from './helpers.js'
 
 async function setup() {
   const pool = await openPool(path.join(freshDir(), 'pool'))
@@ -79,13 +79,7 @@ describe('children', () => {
     const { id, path: wsPath } = (await owner.expect('allocated')) as unknown as { id: string; path: string }
     owner.send('handoff')
     const { pid } = (await owner.expect('handed')) as unknown as { pid: number }
-    onTestFinished(() => {
-      try {
-        process.kill(pid, 'SIGKILL')
-      } catch {
-        // gone already
-      }
-    })
+    killOnFinish(pid)
     owner.send('exit')
     expect((await owner.exited).code).toBe(0)
 

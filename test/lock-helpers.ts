@@ -15,18 +15,22 @@ export interface FlockEntry {
 
 /** The flock(2) locks and waiting requests on the inode `file` names now (a missing file has none). */
 export function flocksOn(file: string): FlockEntry[] {
-  let ino: string
+  let st: fs.BigIntStats
   try {
-    ino = fs.statSync(file, { bigint: true }).ino.toString()
+    st = fs.statSync(file, { bigint: true })
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === 'ENOENT') return []
     throw e
   }
+  // The device as /proc/locks prints it, "major:minor" in hex (glibc's gnu_dev_major/gnu_dev_minor split).
+  const major = ((st.dev >> 8n) & 0xfffn) | ((st.dev >> 32n) & ~0xfffn)
+  const minor = (st.dev & 0xffn) | ((st.dev >> 12n) & ~0xffn)
   const out: FlockEntry[] = []
   // "12: FLOCK  ADVISORY  WRITE 1234 fe:00:2146723 0 EOF" and, for a waiter, "12: -> FLOCK  ADVISORY  WRITE …"
   for (const line of fs.readFileSync('/proc/locks', 'utf8').split('\n')) {
-    const m = /^\d+:\s+(->\s+)?FLOCK\s+\S+\s+(READ|WRITE)\s+(\d+)\s+[0-9a-f]+:[0-9a-f]+:(\d+)\s/.exec(line)
-    if (m && m[4] === ino) out.push({ blocked: m[1] !== undefined, shared: m[2] === 'READ', pid: Number(m[3]) })
+    const m = /^\d+:\s+(->\s+)?FLOCK\s+\S+\s+(READ|WRITE)\s+(\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s/.exec(line)
+    if (m && BigInt(m[6]!) === st.ino && BigInt(`0x${m[4]}`) === major && BigInt(`0x${m[5]}`) === minor)
+      out.push({ blocked: m[1] !== undefined, shared: m[2] === 'READ', pid: Number(m[3]) })
   }
   return out
 }

@@ -10,7 +10,7 @@ import * as path from 'node:path'
 import * as readline from 'node:readline'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { AbortError, FileLock, lockFile, VmspaceError } from '../lib/index.js'
-import { eventually, fixtures, freshDir, runCommand, tryFlockPath } from './helpers.js'
+import { Child, eventually, fixtures, freshDir, runCommand, tryFlockPath } from './helpers.js'
 import { flocksOn, flockWaiters, IndexChild, waitersOn } from './lock-helpers.js'
 
 /** `flock -n -s` in another process: 99 when a shared lock cannot be had now, 0 when it could. */
@@ -393,6 +393,20 @@ describe('threads (DESIGN.md, "Threads")', () => {
     expect(granted.maxInside).toBe(1)
     expect([...granted.order].sort((a, b) => a - b)).toEqual(Array.from({ length: 64 }, (_, i) => i))
     expect(messages.index).toMatchObject({ keys: 64 })
+  })
+
+  test.skipIf(process.getuid?.() !== 0)('no thread for a wait (RLIMIT_NPROC): the call rejects with EAGAIN and closes its fd, the process lives on', async () => {
+    const dir = freshDir()
+    fs.chmodSync(dir, 0o777)
+    const child = new Child(path.join(fixtures, 'lock-nproc-child.cjs'), [dir])
+    expect(await child.next()).toEqual({
+      event: 'result',
+      error: { name: 'VmspaceError', code: 'EAGAIN', errno: -11, syscall: 'pthread_create', path: path.join(dir, 'n.lock') },
+      fdsBefore: 1,
+      fdsAfter: 1,
+      again: true,
+    })
+    expect((await child.exited).code, child.stderr).toBe(0)
   })
 })
 

@@ -72,7 +72,7 @@ describe('worker threads that end mid-operation', () => {
     const poolRoot = path.join(dir, 'pool')
     for (let i = 0; i < 4; i++) {
       const w = new Worker(
-        `const v = require(${JSON.stringify(dist)}); v.clone(${JSON.stringify(big)}, ${JSON.stringify(path.join(dir, 'c'))} + Math.random()).catch(() => {}); v.openPool(${JSON.stringify(poolRoot)}).then((p) => p.allocate({ template: { r: ${JSON.stringify(big)} } })); setTimeout(() => process.exit(0), ${i * 2})`,
+        `const v = require(${JSON.stringify(dist)}); v.clone(${JSON.stringify(big)}, ${JSON.stringify(path.join(dir, 'c'))} + Math.random()).catch(() => {}); v.openPool(${JSON.stringify(poolRoot)}).then((p) => p.allocate({ template: { r: ${JSON.stringify(big)} } })).catch(() => {}); setTimeout(() => process.exit(0), ${i * 2})`,
         { eval: true },
       )
       await new Promise((resolve) => w.once('exit', resolve))

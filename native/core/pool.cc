@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -87,24 +88,39 @@ void appendJsonString(std::string* out, const std::string& s) {
   out->push_back('"');
 }
 
-// Pauses between the tries of a lease that was found held: a list() elsewhere holds a shared probe lock for a
-// moment (longer when its process is preempted in between), which alone must not make a free lease look held.
-constexpr long kProbeBackoffUs[] = {100, 300, 1000, 3000, 10000};
+// How long a lease held only by shared probes (list() in some process, each a few microseconds) is tried
+// again before it counts as held; a free lease is refused only when probes overlap for all that time.
+constexpr long kProbeDeadlineNs = 1000L * 1000 * 1000;
+constexpr long kProbeFirstPauseUs = 100;
+constexpr long kProbeMaxPauseUs = 10000;
+
+long monotonicNs() {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec * 1000L * 1000 * 1000 + now.tv_nsec;
+}
 
 void pauseUs(long us) {
   struct timespec pause = {0, us * 1000};
   nanosleep(&pause, nullptr);
 }
 
-// flock(LOCK_EX|LOCK_NB), tried again over ~15 ms while it is held; errno is EWOULDBLOCK when it stays held.
-bool tryLeaseBriefly(int fd) {
-  for (long us : kProbeBackoffUs) {
+// flock(LOCK_EX|LOCK_NB) on a workspace directory. Leases are exclusive and list() probes are shared, so when
+// the exclusive try fails a shared try tells them apart: it fails at once under a lease (false, errno
+// EWOULDBLOCK), and succeeds when only probes are in the way, which are waited out with a growing pause.
+bool tryLease(int fd) {
+  const long deadline = monotonicNs() + kProbeDeadlineNs;
+  for (long pauseFor = kProbeFirstPauseUs;; pauseFor = std::min(pauseFor * 2, kProbeMaxPauseUs)) {
     if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
     if (errno != EWOULDBLOCK) return false;
-    pauseUs(us);
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0) return false;  // EWOULDBLOCK: an exclusive lease
+    flock(fd, LOCK_UN);
+    if (monotonicNs() >= deadline) {
+      errno = EWOULDBLOCK;
+      return false;
+    }
+    pauseUs(pauseFor);
   }
-  if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
-  return false;
 }
 
 bool isHexId(const char* s) {
@@ -362,7 +378,7 @@ AdoptResult Pool::adopt(const std::string& name) {
   AdoptResult r;
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
-  if (!tryLeaseBriefly(fd.get())) {
+  if (!tryLease(fd.get())) {
     if (errno == EWOULDBLOCK)
       throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, "flock",
                 path(name));
@@ -458,36 +474,16 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     } catch (const Error&) {
     }
   };
-  // A lease found held is tried once more after the pass (and a short pause): a list() elsewhere holds a
-  // shared probe lock for a moment, which alone must not make a dead owner's workspace look live.
-  std::vector<std::string> heldOnce;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
     UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
     if (!fd) continue;
-    if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-      if (errno == EWOULDBLOCK) heldOnce.push_back(name);
+    if (!tryLease(fd.get())) {
+      if (errno == EWOULDBLOCK) report.live++;
       continue;
     }
     reclaimPublished(name, fd.get());
   }
-  // Found held: tried again after the pass, over the same backoff as adopt, all of them per pause.
-  for (long us : kProbeBackoffUs) {
-    if (heldOnce.empty()) break;
-    pauseUs(us);
-    std::vector<std::string> still;
-    for (const std::string& name : heldOnce) {
-      UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
-      if (!fd) continue;
-      if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-        if (errno == EWOULDBLOCK) still.push_back(name);
-        continue;
-      }
-      reclaimPublished(name, fd.get());
-    }
-    heldOnce.swap(still);
-  }
-  report.live += heldOnce.size();
 
   // Trash: everything not locked by a dispose still removing it.
   for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
@@ -560,11 +556,13 @@ std::vector<ListEntry> Pool::list() {
     if (!ws) continue;  // disposed meanwhile, or not a directory
     ListEntry entry;
     entry.name = name;
-    // A shared probe conflicts with the owner's exclusive lease and with nothing else; released by the close.
+    // A shared probe conflicts with the owner's exclusive lease and with nothing else. It is dropped at once
+    // (the close), so an adopt or sweep elsewhere waits out as short a window as possible (tryLease).
     if (flock(ws.get(), LOCK_SH | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(entry.name));
       entry.live = true;
     }
+    ws.reset();
     entry.metaErrno = readSmallFile(metaFd_.get(), entry.name + ".json", &entry.metaText);
     out.push_back(std::move(entry));
   }

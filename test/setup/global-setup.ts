@@ -50,7 +50,16 @@ function makeLoopFs(dir: string, name: string, size: number, mkfs: string[]): st
     fs.closeSync(fd)
     run(mkfs[0], [...mkfs.slice(1), image])
     fs.mkdirSync(mountPoint)
-    run('mount', ['-o', 'loop', image, mountPoint])
+    // Another job taking a free loop device at the same moment makes mount fail once: try again.
+    for (let attempt = 1; ; attempt++) {
+      try {
+        run('mount', ['-o', 'loop', image, mountPoint])
+        break
+      } catch (e) {
+        if (attempt === 3) throw e
+        spawnSync('sleep', ['0.5'])
+      }
+    }
     // mkdtemp directories below are 0700; the mount point itself is left open for tests running as another uid.
     fs.chmodSync(mountPoint, 0o755)
     return mountPoint
