@@ -24,6 +24,7 @@ import {
   tryFlockPath,
   workspaceChild,
 } from './helpers.js'
+import { flocksOn } from './lock-helpers.js'
 
 /** A fifo below a fresh directory; writing a line to it ends the `read line < fifo` children of these tests. */
 function makeFifo(): string {
@@ -245,6 +246,35 @@ describe('adopt', () => {
     expect(ws.status).toBe('disposed')
     expect(fs.existsSync(metaPath(pool.root, ws.name))).toBe(false)
     expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('a shared lock held on an orphan for a while (a lister preempted mid-probe) delays adopt and sweep; neither refuses it', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    for (const op of ['adopt', 'sweep'] as const) {
+      const ws = await orphan(pool)
+      // flock(1) holds LOCK_SH on the directory until its `cat` reads end of input.
+      const prober = spawn('flock', ['-s', ws.path, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
+      onTestFinished(() => void prober.kill('SIGKILL'))
+      await eventually(() => flocksOn(ws.path).some((e) => e.shared && !e.blocked && e.pid !== process.pid))
+      const outcome = (op === 'adopt' ? pool.adopt(ws.id) : pool.sweep({ graceMs: 0 })).then(
+        (value) => ({ value }),
+        (error: unknown) => ({ error }),
+      )
+      setTimeout(() => prober.stdin!.end(), 50)
+      const r = await outcome
+      expect(r).not.toHaveProperty('error')
+      if (op === 'adopt') {
+        const adopted = (r as { value: Workspace }).value
+        expect(adopted).toMatchObject({ id: ws.id, status: 'ready' })
+        await adopted.dispose()
+      } else {
+        expect((r as { value: { reclaimed: { id: string }[]; live: number } }).value).toMatchObject({
+          reclaimed: [expect.objectContaining({ id: ws.id })],
+          live: 0,
+        })
+      }
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+    }
   })
 
   // Found by this suite: list() probes liveness with flock(LOCK_SH|LOCK_NB) on the workspace directory; an adopt
