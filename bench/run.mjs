@@ -3,7 +3,7 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
-import { execFileSync } from 'node:child_process'
+import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
@@ -22,7 +22,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | tree | index
+    only: { type: 'string' }, // allocate | tree | index | lease
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
@@ -160,7 +160,60 @@ if (want('tree')) {
   ])
 }
 
-// 3. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
+// 3. Liveness: how fast adopt() refuses a live lease and sweep() passes live workspaces (8 held by another
+// process), against list() of the same pool and a no-op pool hop. A lease is told from a list() probe by a
+// shared flock try, so a live lease costs no back-off (it cost ~15 ms of sleeps per adopt or sweep before).
+if (want('lease')) {
+  const t = targets[0]
+  const root = path.join(t.dir, 'lease-pool')
+  const pool = await vmspace.openPool(root)
+  const dist = path.join(here, '..', 'dist', 'index.js')
+  const holder = spawn(process.execPath, ['-e', `
+    const v = require(${JSON.stringify(dist)})
+    v.openPool(${JSON.stringify(root)}).then(async (p) => {
+      const ids = []
+      for (let i = 0; i < 8; i++) ids.push((await p.allocate()).id)
+      console.log(JSON.stringify(ids))
+      process.stdin.on('end', () => process.exit(0)).resume()
+    })`], { stdio: ['pipe', 'pipe', 'inherit'] })
+  const liveIds = JSON.parse(await new Promise((r) => holder.stdout.once('data', (d) => r(String(d)))))
+  const orphan = await pool.allocate()
+  await orphan.release()
+  const probes = new Bench({ time: timeMs, warmupTime: 300 })
+  probes.add('no-op pool hop', () => binding.lockRelease(-1))
+  probes.add('list() (9 workspaces)', () => pool.list())
+  probes.add('adopt() of a live workspace (refused)', () =>
+    pool.adopt(liveIds[0]).then(
+      () => { throw new Error('adopted a live workspace') },
+      (e) => { if (e.code !== 'ERR_LEASE_HELD') throw e },
+    ))
+  probes.add('adopt() + release() of an orphan', async () => (await pool.adopt(orphan.id)).release())
+  await probes.run()
+  // Now held here as well, so that a sweep counts 9 live and reclaims nothing.
+  const held = await pool.adopt(orphan.id)
+  const sweeps = new Bench({ time: timeMs, warmupTime: 300 })
+  sweeps.add('sweep() (9 live)', async () => {
+    const r = await pool.sweep()
+    if (r.live !== 9) throw new Error(`sweep counted ${r.live} live`)
+  })
+  await sweeps.run()
+  await held.dispose()
+  holder.stdin.end()
+  const all = [...probes.tasks, ...sweeps.tasks]
+  for (const x of all) if (x.result.error) throw x.result.error
+  const hop = all[0].result.latency.p50 * 1e3
+  console.log(`\nliveness on ${t.fs} (medians, µs; 8 workspaces leased by another process)`)
+  console.table(
+    all.map((x) => ({
+      operation: x.name,
+      'µs': (x.result.latency.p50 * 1e3).toFixed(1),
+      '/ no-op hop': ((x.result.latency.p50 * 1e3) / hop).toFixed(1),
+    })),
+  )
+  await pool.close()
+}
+
+// 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
 if (want('index') && fs.existsSync(path.join(here, 'index.mjs'))) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
