@@ -28,9 +28,10 @@ export interface CloneOptions {
   /** fsync each new file before it is published and the directory after. Default false. */
   durable?: boolean
   /**
-   * Called with running totals at most every 100 ms while a clone runs. An exception it throws cancels the clone
-   * like an abort: the call rejects with that exception and what was built is removed (unless the clone had
-   * already completed, then the destination stays complete).
+   * Called with running totals at most every 100 ms while a clone runs. An exception it throws (or, for an async
+   * callback, a rejection that comes while the clone runs) cancels the clone like an abort: the call rejects with
+   * that exception and what was built is removed (unless the clone had already completed, then the destination
+   * stays complete). A rejection after the call has settled is ignored.
    */
   onProgress?: (p: CloneProgressEvent) => void
   /** Cancels between entries; what was built is removed and the call rejects with an AbortError. */
@@ -119,12 +120,18 @@ export async function withProgress<T>(
     if (files === last.files && bytes === last.bytes) return
     last = { files, bytes }
     try {
-      onProgress!({ files, bytes })
+      const r = onProgress!({ files, bytes }) as unknown
+      // An async callback's rejection counts as a throw (unhandled, it would end the process).
+      if (typeof (r as PromiseLike<void> | undefined)?.then === 'function') (r as PromiseLike<void>).then(undefined, fail)
     } catch (error) {
-      thrown = { error }
-      clearInterval(timer)
-      native.cancelProgress(handle)
+      fail(error)
     }
+  }
+  const fail = (error: unknown) => {
+    if (thrown) return
+    thrown = { error }
+    clearInterval(timer)
+    native.cancelProgress(handle)
   }
   const timer = onProgress ? setInterval(tick, PROGRESS_MS) : undefined
   const onAbort = () => native.cancelProgress(handle)

@@ -1,5 +1,5 @@
 /**
- * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md and DESIGN.md.
+ * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md.
  */
 export { openPool, Pool, Workspace } from './pool.js'
 export type {

@@ -87,7 +87,9 @@ export interface SweepOptions {
   dryRun?: boolean
   /**
    * Staging entries and metadata files younger than this (ms, by birth time) are left alone even when
-   * unleased: a build may not have taken its lease yet. Default 60000.
+   * unleased: a build may not have taken its lease yet. Default 60000. With 0, an allocate running meanwhile in
+   * another process can lose its staging entry in the microseconds before its lease; it then draws a fresh name,
+   * and fails with `ENOENT` only after 16 such losses in a row. Metadata of a build in staging is always kept.
    */
   graceMs?: number
 }

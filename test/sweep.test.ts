@@ -4,13 +4,15 @@
  * never rewritten; a removal that fails (a mount inside) is reported and finished by a later sweep; a pool of
  * another format is refused untouched.
  */
+import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { describe, expect, test } from 'vitest'
+import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool, VmspaceError, type Pool } from '../lib/index.js'
 import {
   Child,
   emptyPoolState,
+  eventually,
   fixtures,
   freshDir,
   metaPath,
@@ -99,6 +101,32 @@ describe('a live owner’s workspace is never swept', () => {
     expect(report.reclaimed.map((e) => e.id).sort()).toEqual(dead.map((w) => w.id).sort())
     expect(poolState(pool.root).visible).toEqual([live.name])
     await live.dispose()
+  })
+
+  // Found by a cold review: a graceMs 0 sweep removed the metadata temp file of a build still in staging, and that
+  // build's allocate failed with ENOENT (renameat2) as it published its metadata.
+  test('graceMs 0 leaves the metadata temp file of a build in progress (leased staging entry); once the build is dead, one sweep reclaims both', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const name = `vm-${'ab'.repeat(16)}`
+    const staging = path.join(pool.root, '.vmspace', 'staging', name)
+    const temp = path.join(pool.root, '.vmspace', 'meta', `.${name}.json.tmp-0123456789ab`)
+    fs.mkdirSync(staging)
+    fs.writeFileSync(temp, '{"building":true}')
+    // flock(1) holds the staging entry's lease (as a build does) until its `cat` reads end of input.
+    const builder = spawn('flock', ['-o', staging, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
+    onTestFinished(() => void builder.kill('SIGKILL'))
+    await eventually(() => runCommand('flock', ['-n', '-E', '99', staging, 'true']).status === 99)
+
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], metadataRemoved: 0 })
+    expect(fs.readFileSync(temp, 'utf8')).toBe('{"building":true}')
+
+    builder.stdin!.end()
+    await new Promise((r) => builder.once('exit', r))
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.reclaimed).toEqual([expect.objectContaining({ name, from: 'staging' })])
+    expect(report.metadataRemoved).toBe(1)
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    expect(fs.readdirSync(path.join(pool.root, '.vmspace', 'meta'))).toEqual([])
   })
 
   // Found by this suite: sweep probes every free staging entry with flock(LOCK_EX|LOCK_NB) before it looks at its

@@ -539,25 +539,34 @@ describe('AbortSignal', () => {
     expectNothingLeft(d, ['src'])
   })
 
-  test('clone(): an exception thrown by onProgress cancels the clone like an abort: it rejects with that exception and leaves nothing', async () => {
-    const d = freshTreeDir(mounts.scratch)
-    const src = path.join(d, 'src')
-    const dst = path.join(d, 'dst')
-    const boom = new Error('progress bar broke')
-    const { err } = await abortMidWalk(
-      src,
-      (_signal, onProgress) =>
-        clone(src, dst, {
-          onProgress: (p) => {
-            onProgress(p)
-            throw boom
-          },
-        }),
-      { cleanup: () => fs.rmSync(dst, { recursive: true }) },
-    )
-    expect(err).toBe(boom)
-    expectNothingLeft(d, ['src'])
-  })
+  for (const kind of ['a throw from', 'a rejection of an async'] as const) {
+    test(`clone(): ${kind} onProgress cancels the clone like an abort: it rejects with that exception and leaves nothing`, async () => {
+      const d = freshTreeDir(mounts.scratch)
+      const src = path.join(d, 'src')
+      const dst = path.join(d, 'dst')
+      const boom = new Error('progress bar broke')
+      const { err } = await abortMidWalk(
+        src,
+        (_signal, onProgress) =>
+          clone(src, dst, {
+            onProgress:
+              kind === 'a throw from'
+                ? (p) => {
+                    onProgress(p)
+                    throw boom
+                  }
+                : async (p) => {
+                    onProgress(p)
+                    await Promise.resolve()
+                    throw boom
+                  },
+          }),
+        { cleanup: () => fs.rmSync(dst, { recursive: true }) },
+      )
+      expect(err).toBe(boom)
+      expectNothingLeft(d, ['src'])
+    })
+  }
 
   test('Workspace.clone: the same abort leaves the workspace empty', async () => {
     const d = freshTreeDir(mounts.scratch)

@@ -108,8 +108,8 @@ void pauseUs(long us) {
 // flock(LOCK_EX|LOCK_NB) on a workspace directory. Leases are exclusive and list() probes are shared, so when
 // the exclusive try fails a shared try tells them apart: it fails at once under a lease (false, errno
 // EWOULDBLOCK), and succeeds when only probes are in the way, which are waited out with a growing pause.
-bool tryLease(int fd) {
-  const long deadline = monotonicNs() + kProbeDeadlineNs;
+// Probes are waited out until `deadline` (monotonicNs), then the lease counts as held.
+bool tryLease(int fd, long deadline) {
   for (long pauseFor = kProbeFirstPauseUs;; pauseFor = std::min(pauseFor * 2, kProbeMaxPauseUs)) {
     if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
     if (errno != EWOULDBLOCK) return false;
@@ -199,7 +199,8 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
 
 AllocateResult Pool::allocate(const AllocateRequest& req) {
   AllocateResult res;
-  int tries = 0;
+  int tries = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
+  int reclaimed = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
   auto draw = [&] {
     if (tries == kMaxNameTries)
       throwCode("ERR_NAME_EXHAUSTED",
@@ -213,33 +214,38 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted. The
   // lease is taken before anything is inside, so a sweep sees a leased staging entry as being built.
   UniqueFd lease;
-  for (;;) {
+  for (;; res.retries++) {
     draw();
     std::string shown = root_ + "/.vmspace/staging/" + res.name;
     if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) != 0) {
       if (errno != EEXIST) throwErrno(errno, "mkdir", shown);
-      res.retries++;
       continue;
     }
+    // Until the lease is ours, a sweep with a grace period shorter than this build's age may reclaim the entry:
+    // then it is gone (ENOENT here) or no longer the directory at the name (below), and a fresh name is claimed.
     lease.reset(openat(stagingFd_.get(), res.name.c_str(), kDirFlags));
     if (!lease) {
       int err = errno;
+      if (err == ENOENT && ++reclaimed < kMaxNameTries) {
+        tries--;  // not a collision
+        continue;
+      }
       unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "open", shown);
     }
-    if (flock(lease.get(), LOCK_EX | LOCK_NB) == 0) break;
-    // Someone probes the new entry (a sweep, with a grace period shorter than this build's age): wait for the
-    // probe, then make sure the entry was not reclaimed meanwhile; if it was, claim a fresh name.
-    if (errno != EWOULDBLOCK || flock(lease.get(), LOCK_EX) != 0) {
+    // A probe of that sweep holds the lock for a moment: wait for it.
+    if (flock(lease.get(), LOCK_EX | LOCK_NB) != 0 && (errno != EWOULDBLOCK || flock(lease.get(), LOCK_EX) != 0)) {
       int err = errno;
       unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "flock", shown);
     }
     struct stat at, own;
-    if (fstat(lease.get(), &own) == 0 && fstatat(stagingFd_.get(), res.name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 &&
-        at.st_ino == own.st_ino && at.st_dev == own.st_dev)
+    if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", shown);
+    if (fstatat(stagingFd_.get(), res.name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
+        at.st_dev == own.st_dev)
       break;
-    res.retries++;
+    if (++reclaimed == kMaxNameTries) throwErrno(ENOENT, "open", shown);
+    tries--;  // not a collision
   }
   std::string stagingName = res.name;
   std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
@@ -378,7 +384,7 @@ AdoptResult Pool::adopt(const std::string& name) {
   AdoptResult r;
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
-  if (!tryLease(fd.get())) {
+  if (!tryLease(fd.get(), monotonicNs() + kProbeDeadlineNs)) {
     if (errno == EWOULDBLOCK)
       throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, "flock",
                 path(name));
@@ -474,11 +480,13 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     } catch (const Error&) {
     }
   };
+  // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
+  const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
     UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
     if (!fd) continue;
-    if (!tryLease(fd.get())) {
+    if (!tryLease(fd.get(), probeDeadline)) {
       if (errno == EWOULDBLOCK) report.live++;
       continue;
     }
@@ -524,15 +532,23 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     }
   }
 
-  // Metadata without a workspace (published or being built), and temp files of writes that died.
+  // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
+  // (".<name>.json.tmp-<hex>", writeFileNoReplace) of a workspace still being built is a write in progress.
   for (auto& [file, type] : readNames(metaFd_.get(), root_ + "/.vmspace/meta")) {
-    bool temp = file[0] == '.';
-    if (!temp) {
+    std::string name;
+    if (file[0] == '.') {
+      size_t end = file.rfind(".json.tmp-");
+      if (end != std::string::npos && end > 1) name = file.substr(1, end - 1);
+    } else {
       if (file.size() < 6 || file.compare(file.size() - 5, 5, ".json") != 0) continue;
-      std::string name = file.substr(0, file.size() - 5);
+      name = file.substr(0, file.size() - 5);
+    }
+    if (!name.empty()) {
+      // Staging first: a publish moves the entry from staging to the root, so looking in that order never
+      // misses one being published between the two lookups.
       struct stat st;
-      if (fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
-          fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+      if (fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+          fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
         continue;
     }
     if (ageMs(metaFd_.get(), file) < graceMs) continue;

@@ -46,7 +46,7 @@ struct ClonedEntry {
 struct AllocateResult {
   std::string id, name;
   int leaseFd = -1;  // O_RDONLY|O_DIRECTORY|O_CLOEXEC fd of the workspace, holding flock(LOCK_EX): the lease
-  int retries = 0;   // names drawn again because the one drawn existed
+  int retries = 0;   // names drawn again: the one drawn existed, or a sweep reclaimed its entry before the lease
   std::vector<ClonedEntry> clones;
 };
 
