@@ -252,8 +252,8 @@ describe('adopt', () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     for (const op of ['adopt', 'sweep'] as const) {
       const ws = await orphan(pool)
-      // flock(1) holds LOCK_SH on the directory until its `cat` reads end of input.
-      const prober = spawn('flock', ['-s', ws.path, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
+      // flock(1) holds LOCK_SH on the directory until its `cat` reads end of input (-o: cat itself holds no fd of it).
+      const prober = spawn('flock', ['-o', '-s', ws.path, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
       onTestFinished(() => void prober.kill('SIGKILL'))
       await eventually(() => flocksOn(ws.path).some((e) => e.shared && !e.blocked && e.pid !== process.pid))
       const outcome = (op === 'adopt' ? pool.adopt(ws.id) : pool.sweep({ graceMs: 0 })).then(
