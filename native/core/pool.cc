@@ -448,14 +448,23 @@ int64_t ageMs(int dirFd, const std::string& name) {
 SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   SweepReport report;
   std::string trashDir = root_ + "/.vmspace/trash";
-  auto removeInTrash = [&](const std::string& name, const char* from) {
+  std::string stagingDir = root_ + "/.vmspace/staging";
+  // Removes dirFd/name (shown below dirPath) and reports it reclaimed (with the bytes freed) or failed.
+  auto removeEntry = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
     SweepEntry e{name, from, 0, {}};
     try {
-      removeTreeNoFollow(trashFd_.get(), name, trashDir + "/" + name, &e.bytes);
+      removeTreeNoFollow(dirFd, name, dirPath + "/" + name, &e.bytes);
       report.reclaimed.push_back(std::move(e));
     } catch (const Error& err) {
       e.error = err;
       report.failed.push_back(std::move(e));
+    }
+  };
+  // Metadata of a workspace this sweep removed; a metadata file it cannot remove is left for a later sweep.
+  auto dropMetaQuietly = [&](const std::string& name) {
+    try {
+      dropMeta(name);
+    } catch (const Error&) {
     }
   };
 
@@ -474,11 +483,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       report.failed.push_back({name, "published", 0, err});
       return;
     }
-    removeInTrash(name, "published");
-    try {
-      dropMeta(name);
-    } catch (const Error&) {
-    }
+    removeEntry(trashFd_.get(), trashDir, name, "published");
+    dropMetaQuietly(name);
   };
   // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
   const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
@@ -502,16 +508,12 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       report.reclaimed.push_back({name, "trash", 0, {}});
       continue;
     }
-    removeInTrash(name, "trash");
-    try {
-      dropMeta(name);
-    } catch (const Error&) {
-    }
+    removeEntry(trashFd_.get(), trashDir, name, "trash");
+    dropMetaQuietly(name);
   }
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
-  std::string stagingDir = root_ + "/.vmspace/staging";
   for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
     // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
     // disturbed.
@@ -522,14 +524,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       report.reclaimed.push_back({name, "staging", 0, {}});
       continue;
     }
-    SweepEntry e{name, "staging", 0, {}};
-    try {
-      removeTreeNoFollow(stagingFd_.get(), name, stagingDir + "/" + name, &e.bytes);
-      report.reclaimed.push_back(std::move(e));
-    } catch (const Error& err) {
-      e.error = err;
-      report.failed.push_back(std::move(e));
-    }
+    removeEntry(stagingFd_.get(), stagingDir, name, "staging");
   }
 
   // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
