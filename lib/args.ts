@@ -56,9 +56,14 @@ export function relativePath(name: string, value: unknown): string {
   return normal
 }
 
+/** An object that is not null and not an array (what JSON calls an object). */
+export function isPlainObject(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value)
+}
+
 export function optionsObject<T extends object>(name: string, value: unknown): Partial<T> {
   if (value === undefined) return {}
-  if (typeof value !== 'object' || value === null || Array.isArray(value)) throw invalidType(name, 'an object', value)
+  if (!isPlainObject(value)) throw invalidType(name, 'an object', value)
   return value as Partial<T>
 }
 

@@ -1,7 +1,7 @@
 /** Clone options and results, shared by the standalone clone(), Workspace.clone() and templates. */
 import { native, ReflinkCode, type NativeCloneResult, type ProgressHandle } from './binding.js'
 import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
-import { AbortError, fromNative } from './errors.js'
+import { AbortError, call, fromNative } from './errors.js'
 
 export type Reflink = 'always' | 'auto' | 'never'
 
@@ -104,13 +104,7 @@ export async function withProgress<T>(
 ): Promise<T> {
   const { onProgress, signal } = opts
   if (signal?.aborted) throw new AbortError(signal.reason)
-  if (!onProgress && !signal) {
-    try {
-      return await run(undefined)
-    } catch (e) {
-      throw fromNative(e)
-    }
-  }
+  if (!onProgress && !signal) return call(run(undefined))
   const handle = native.newProgress()
   let last = { files: 0, bytes: 0 }
   // What onProgress threw: it runs on a timer, where a throw would be an uncaught exception; it cancels instead.

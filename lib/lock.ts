@@ -6,7 +6,7 @@
  */
 import { TextDecoder } from 'node:util'
 import { native, type WaitHandle } from './binding.js'
-import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, oneOf, optionsObject } from './args.js'
+import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
 import { AbortError, call, errnoError, vmspaceError, VmspaceError } from './errors.js'
 
 export interface LockOptions {
@@ -47,6 +47,11 @@ export class FileLock implements AsyncDisposable {
 
 const CANCEL_REPEAT_MS = 10
 
+/** `options.timeoutMs`: undefined (wait as long as it takes) or whole ms a timer can hold. */
+function timeoutOption(value: unknown): number | undefined {
+  return value === undefined ? undefined : integerIn('options.timeoutMs', value, 0, 2 ** 31 - 1, 0)
+}
+
 /**
  * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open).
  * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
@@ -59,7 +64,7 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
   const o = optionsObject<LockOptions>('options', options)
   const shared = boolean('options.shared', o.shared, false)
   const wait = boolean('options.wait', o.wait, true)
-  const timeoutMs = o.timeoutMs === undefined ? undefined : integerIn('options.timeoutMs', o.timeoutMs, 0, 2 ** 31 - 1, 0)
+  const timeoutMs = timeoutOption(o.timeoutMs)
   const signal = abortSignal('options.signal', o.signal)
   if (signal?.aborted) throw new AbortError(signal.reason)
 
@@ -93,7 +98,7 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
     }
     const onAbort = () => cancel('abort')
     // Closes the fd (which drops any lock it got), then rejects.
-    const releaseAndReject = (error: () => Error) => native.lockRelease(fd).then(() => reject(error()), reject)
+    const releaseAndReject = (error: () => Error) => call(native.lockRelease(fd)).then(() => reject(error()), reject)
     const onDone = (errno: number) => {
       clearTimeout(timer)
       clearInterval(repeat)
@@ -160,7 +165,7 @@ export async function updateJsonFile<T>(
   if (!fn) throw invalidType('mutate', 'a function', mutate)
   const o = optionsObject<UpdateJsonOptions>('options', options)
   const durable = boolean('options.durable', o.durable, false)
-  const timeoutMs = o.timeoutMs === undefined ? undefined : integerIn('options.timeoutMs', o.timeoutMs, 0, 2 ** 31 - 1, 0)
+  const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
 
   const lock = await lockFile(p + '.lock', { timeoutMs })
@@ -199,7 +204,7 @@ export async function updateJsonFile<T>(
 }
 
 function isKind(v: unknown, kind: 'object' | 'array'): boolean {
-  return kind === 'array' ? Array.isArray(v) : typeof v === 'object' && v !== null && !Array.isArray(v)
+  return kind === 'array' ? Array.isArray(v) : isPlainObject(v)
 }
 
 function corrupt(path: string, why: string, offset?: number, cause?: unknown): VmspaceError {

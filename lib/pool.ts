@@ -12,6 +12,7 @@ import {
   integerIn,
   invalidType,
   invalidValue,
+  isPlainObject,
   oneOf,
   optionsObject,
   relativePath,
@@ -200,14 +201,14 @@ export class Pool {
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
-    const info = JSON.stringify({
+    // The caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
+    const info = `${JSON.stringify({
       format: 1,
       createdAt: Date.now(),
       pid: process.pid,
       hostname: hostname(),
       bootId: this.#bootId,
-      meta: metaObject(o.meta),
-    })
+    }).slice(0, -1)},"meta":${metaText(o.meta)}}`
     this.#assertOpen()
     // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
     this.#open++
@@ -220,15 +221,14 @@ export class Pool {
       )
     } catch (e) {
       this.#stats.failed++
-      this.#open--
-      await this.#releaseIfIdle()
+      await this._forget()
       throw e
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
     const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
     ws.template = r.clones.map((c) => {
-      this.#countClone(c)
+      this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
     })
     if (signal?.aborted) {
@@ -261,15 +261,15 @@ export class Pool {
     } catch {
       parsed = undefined
     }
-    if (typeof parsed !== 'object' || parsed === null || Array.isArray(parsed)) {
+    if (!isPlainObject(parsed)) {
       info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
         path: path.join(this.root, '.vmspace', 'meta', `${name}.json`),
       })
       return info
     }
-    const p = parsed as Record<string, unknown>
+    const p = parsed
     if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
-    if (typeof p.meta === 'object' && p.meta !== null && !Array.isArray(p.meta)) info.meta = p.meta as JsonObject
+    if (isPlainObject(p.meta)) info.meta = p.meta as JsonObject
     if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
     if (typeof p.pid === 'number') info.pid = p.pid
     if (typeof p.hostname === 'string') info.hostname = p.hostname
@@ -293,8 +293,7 @@ export class Pool {
     try {
       r = await call(this.#inFlight.track(native.adopt(this.#handle, name)))
     } catch (e) {
-      this.#open--
-      await this.#releaseIfIdle()
+      await this._forget()
       throw e
     }
     const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
@@ -352,12 +351,11 @@ export class Pool {
       await call(native.dispose(this.#handle, ws.name, leaseFd))
       this.#stats.disposed++
     } finally {
-      this.#open--
-      await this.#releaseIfIdle()
+      await this._forget()
     }
   }
 
-  /** @internal A workspace of this pool closed its lease without dispose (release). */
+  /** @internal A workspace of this pool is gone from it (disposed, released, or never made). */
   async _forget(): Promise<void> {
     this.#open--
     await this.#releaseIfIdle()
@@ -365,10 +363,6 @@ export class Pool {
 
   /** @internal */
   _countClone(r: NativeCloneResult): void {
-    this.#countClone(r)
-  }
-
-  #countClone(r: NativeCloneResult) {
     this.#stats.clones.reflink += r.reflinked
     this.#stats.clones.copy += r.copied
     this.#stats.bytesCloned += r.bytes
@@ -521,9 +515,10 @@ function hostname(): string {
   return (cachedHostname ??= os.hostname())
 }
 
-function metaObject(meta: unknown): JsonObject {
-  if (meta === undefined) return {}
-  if (typeof meta !== 'object' || meta === null || Array.isArray(meta)) throw invalidType('options.meta', 'a JSON object', meta)
+/** `meta` as JSON text, checked: a JSON object of at most MAX_META_BYTES. */
+function metaText(meta: unknown): string {
+  if (meta === undefined) return '{}'
+  if (!isPlainObject(meta)) throw invalidType('options.meta', 'a JSON object', meta)
   let text: string
   try {
     text = JSON.stringify(meta)
@@ -532,5 +527,5 @@ function metaObject(meta: unknown): JsonObject {
   }
   if (Buffer.byteLength(text) > MAX_META_BYTES)
     throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON`, meta, true)
-  return JSON.parse(text) as JsonObject
+  return text
 }
