@@ -5,17 +5,16 @@
 
 #include <pthread.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <system_error>
 #include <thread>
 #include <unordered_set>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -288,6 +287,20 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
 }
 
+// A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its file, with that path).
+void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
+             const std::string& metaText) {
+  if (metaErrno == 0) {
+    o.Set("metaText", metaText);
+    return;
+  }
+  vmspace::Error e;
+  e.err = metaErrno;
+  e.syscall = "open";
+  e.path = pool.metaPath(name);
+  o.Set("metaError", errorObject(env, e));
+}
+
 Napi::Value Adopt(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   std::string name = stringArg(info, 1);
@@ -298,15 +311,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
         instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", fd);
-        if (r.metaErrno == 0) {
-          o.Set("metaText", r.metaText);
-        } else {
-          vmspace::Error e;
-          e.err = r.metaErrno;
-          e.syscall = "open";
-          e.path = pool->root() + "/.vmspace/meta/" + name + ".json";
-          o.Set("metaError", errorObject(env, e));
-        }
+        setMeta(env, o, *pool, name, r.metaErrno, r.metaText);
         return o;
       },
       [](vmspace::AdoptResult& r) {
@@ -352,15 +357,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           Napi::Object o = Napi::Object::New(env);
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
-          if (entries[i].metaErrno == 0) {
-            o.Set("metaText", entries[i].metaText);
-          } else {
-            vmspace::Error e;
-            e.err = entries[i].metaErrno;
-            e.syscall = "open";
-            e.path = pool->root() + "/.vmspace/meta/" + entries[i].name + ".json";
-            o.Set("metaError", errorObject(env, e));
-          }
+          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
           out.Set(static_cast<uint32_t>(i), o);
         }
         return out;
@@ -544,14 +541,8 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
         break;
       }
       // No signal to interrupt a blocking wait with: poll without blocking instead.
-      if (flock(waiter->fd, (waiter->shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) {
-        err = 0;
-        break;
-      }
-      if (errno != EWOULDBLOCK) {
-        err = errno;
-        break;
-      }
+      err = vmspace::lockTry(waiter->fd, waiter->shared);
+      if (err != EWOULDBLOCK) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     std::lock_guard<std::mutex> lock(waiter->mu);

@@ -39,12 +39,13 @@ void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string&
 // Copies [off, off+len) by read/write; returns the bytes copied (short only at end of file).
 uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std::string& srcPath,
                             const std::string& dstPath, const std::atomic<bool>* cancel) {
-  constexpr size_t kBuf = 1 << 20;
-  std::unique_ptr<char[]> buf(new char[kBuf]);
+  // Up to 1 MiB, no more than the range needs (a tree of small files copies one range per file).
+  const size_t bufSize = static_cast<size_t>(std::min<uint64_t>(1 << 20, std::max<uint64_t>(len, 1)));
+  std::unique_ptr<char[]> buf(new char[bufSize]);
   uint64_t done = 0;
   while (done < len) {
     if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
-    size_t want = static_cast<size_t>(std::min<uint64_t>(kBuf, len - done));
+    size_t want = static_cast<size_t>(std::min<uint64_t>(bufSize, len - done));
     ssize_t n = pread(src, buf.get(), want, off + static_cast<off_t>(done));
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -121,6 +122,12 @@ CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const st
   return CloneMethod::Copy;
 }
 
+void fillIdentity(SourceIdentity* identity, const struct stat& st) {
+  if (identity)
+    *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                 static_cast<uint64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+}
+
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
                             const std::atomic<bool>* cancel) {
@@ -132,8 +139,7 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
   if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "clone", srcPath, dstPath);
   if (!S_ISREG(st.st_mode)) throwErrno(EINVAL, "clone", srcPath, dstPath);
-  if (identity) *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-                             static_cast<uint64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+  fillIdentity(identity, st);
 
   // The temp file is private (0600) until it is complete; its final mode is set just before publish.
   std::string tmpName = ".vmspace-tmp-" + randomHex(8);

@@ -31,6 +31,9 @@ struct SourceIdentity {
   int64_t mtimeNsec;
 };
 
+// Sets *identity (when given) from the source's stat.
+void fillIdentity(SourceIdentity* identity, const struct stat& st);
+
 // Fills the empty regular file `dst` with the data of `src` (`size` bytes): ioctl(FICLONE) unless `reflink` is
 // Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
 // ERR_REFLINK_UNSUPPORTED. Other errors are thrown as they are. Returns how the data arrived.

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <mutex>
 
 #include "error.h"
 #include "fd.h"
@@ -26,9 +25,14 @@ int lockOpen(const std::string& path, bool shared, bool* acquired) {
     if (!fd) throwErrno(errno == ENOENT ? first : errno, "open", path);  // missing and not creatable: the first
   }
   if (!fd) throwErrno(errno, "open", path);
-  *acquired = flock(fd.get(), (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0;
-  if (!*acquired && errno != EWOULDBLOCK) throwErrno(errno, "flock", path);
+  int err = lockTry(fd.get(), shared);
+  *acquired = err == 0;
+  if (err != 0 && err != EWOULDBLOCK) throwErrno(err, "flock", path);
   return fd.release();
+}
+
+int lockTry(int fd, bool shared) {
+  return flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0 ? 0 : errno;
 }
 
 int lockWaitBlocking(int fd, bool shared) {

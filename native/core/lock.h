@@ -12,6 +12,9 @@ namespace vmspace {
 // never deleted: a waiter may hold it open.
 int lockOpen(const std::string& path, bool shared, bool* acquired);
 
+// One flock(2) try without blocking: 0 when granted, else the errno (EWOULDBLOCK while another holds it).
+int lockTry(int fd, bool shared);
+
 // Blocks in flock(2) until the lock is granted (0) or a signal interrupts the wait (EINTR is returned, so the
 // caller can check for cancellation). Any other errno is returned as it is.
 int lockWaitBlocking(int fd, bool shared);

@@ -123,6 +123,13 @@ bool tryLease(int fd, long deadline) {
   }
 }
 
+// True when `name` in dirFd (not followed) is the file `own` describes: the identity check of a directory held
+// by fd against what is at its name now, after anything else could have moved it.
+bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
+  struct stat at;
+  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino && at.st_dev == own.st_dev;
+}
+
 bool isHexId(const char* s) {
   for (int i = 0; i < kIdHexChars; i++) {
     char c = s[i];
@@ -239,11 +246,9 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
       unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "flock", shown);
     }
-    struct stat at, own;
+    struct stat own;
     if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", shown);
-    if (fstatat(stagingFd_.get(), res.name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
-        at.st_dev == own.st_dev)
-      break;
+    if (sameEntry(stagingFd_.get(), res.name, own)) break;
     if (++reclaimed == kMaxNameTries) throwErrno(ENOENT, "open", shown);
     tries--;  // not a collision
   }
@@ -372,9 +377,8 @@ void Pool::dispose(const std::string& name, int leaseFd) {
   bool inTrash = moveToTrash(name, lease.get());
   if (!inTrash) {
     // Gone from the root: a dispose that failed before may have left it in trash; finish it if it is ours.
-    struct stat there, own;
-    inTrash = fstatat(trashFd_.get(), name.c_str(), &there, AT_SYMLINK_NOFOLLOW) == 0 &&
-              fstat(lease.get(), &own) == 0 && there.st_ino == own.st_ino && there.st_dev == own.st_dev;
+    struct stat own;
+    inTrash = fstat(lease.get(), &own) == 0 && sameEntry(trashFd_.get(), name, own);
   }
   if (inTrash) removeTreeNoFollow(trashFd_.get(), name, trashPath);
   dropMeta(name);
@@ -391,11 +395,9 @@ AdoptResult Pool::adopt(const std::string& name) {
     throwErrno(errno, "flock", path(name));
   }
   // A sweep may have removed it between our open and our lock: it must still be the directory at the name.
-  struct stat at, own;
+  struct stat own;
   if (fstat(fd.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
-  if (fstatat(rootFd_.get(), name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_ino != own.st_ino ||
-      at.st_dev != own.st_dev)
-    throwErrno(ENOENT, "open", path(name));
+  if (!sameEntry(rootFd_.get(), name, own)) throwErrno(ENOENT, "open", path(name));
   r.metaErrno = readSmallFile(metaFd_.get(), name + ".json", &r.metaText);
   r.leaseFd = fd.release();
   return r;

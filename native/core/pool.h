@@ -105,11 +105,12 @@ class Pool {
 
   void close();
   const std::string& root() const { return root_; }
+  // The metadata file of workspace `name`, as errors show it.
+  std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
  private:
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
-  std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
   // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in
   // the root. Verifies that what moved is that directory, and puts anything else back.
   bool moveToTrash(const std::string& name, int fd);

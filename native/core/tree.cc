@@ -6,7 +6,6 @@
 #include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -355,8 +354,9 @@ class TreeCloner {
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     CloneMethod m;
     try {
-      m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, srcPath(rel),
-                    dstPath(rel), progress_ ? &progress_->cancel : nullptr);
+      // The paths are set by the catch below, so none are built per file here.
+      m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
+                    std::string(), progress_ ? &progress_->cancel : nullptr);
     } catch (Error& e) {
       // Name the entry the way every other failure of the walk does: the source entry and its destination.
       e.path = srcPath(rel);
@@ -480,10 +480,15 @@ void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts,
               EXDEV, "clone", srcPath, dstPath);
 }
 
-void fillIdentity(SourceIdentity* identity, const struct stat& st) {
-  if (identity)
-    *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-                 static_cast<uint64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+// Opens the source directory of a tree clone, fills *st and `identity` from it, and applies checkSameFs.
+UniqueFd openSourceDir(const std::string& srcPath, int dstDirFd, const std::string& dstPath,
+                       const CloneOptions& options, SourceIdentity* identity, struct stat* st) {
+  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!src) throwErrno(errno, "open", srcPath, dstPath);
+  if (fstat(src.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
+  fillIdentity(identity, *st);
+  checkSameFs(*st, dstDirFd, options, srcPath, dstPath);
+  return src;
 }
 
 }  // namespace
@@ -497,12 +502,8 @@ const char* methodName(const CloneSummary& s, Reflink reflink) {
 
 CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::string& dstPath,
                            const CloneOptions& options, CloneProgress* progress, SourceIdentity* identity) {
-  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!src) throwErrno(errno, "open", srcPath, dstPath);
   struct stat st;
-  if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
-  fillIdentity(identity, st);
-  checkSameFs(st, dstFd, options, srcPath, dstPath);
+  UniqueFd src = openSourceDir(srcPath, dstFd, dstPath, options, identity, &st);
   TreeCloner cloner(options, progress, src.get(), dstFd, srcPath, dstPath);
   cloner.cloneContents();
   cloner.summary.tree = true;
@@ -522,16 +523,12 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
     s.bytes = r.bytes;
     (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
     if (progress) {
-      progress->files.store(1, std::memory_order_relaxed);
-      progress->bytes.store(r.bytes, std::memory_order_relaxed);
+      progress->files.fetch_add(1, std::memory_order_relaxed);
+      progress->bytes.fetch_add(r.bytes, std::memory_order_relaxed);
     }
     return s;
   }
-  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!src) throwErrno(errno, "open", srcPath, dstPath);
-  if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
-  fillIdentity(identity, st);
-  checkSameFs(st, dstDirFd, options, srcPath, dstPath);
+  UniqueFd src = openSourceDir(srcPath, dstDirFd, dstPath, options, identity, &st);
 
   // The tree is built under a private temp name (0700 until its own metadata is applied, last).
   std::string tmp = ".vmspace-tmp-" + randomHex(8);
