@@ -32,10 +32,6 @@ struct Frame {
 // than any fd limit; removal must not depend on depth.
 constexpr size_t kMaxOpenFrames = 64;
 
-struct InodeHashKey {
-  size_t operator()(const std::pair<dev_t, ino_t>& k) const { return std::hash<uint64_t>()(k.second * 31 + k.first); }
-};
-
 class Remover {
  public:
   Remover(uint64_t mount, uint64_t* bytes) : mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
@@ -113,7 +109,7 @@ class Remover {
         Frame& parent = stack_.back();
         if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
           record(errno, "rmdir", done.path);
-          stuck_.insert({done.dev, done.ino});  // not entered again when its parent is read again
+          stuck_.insert(InodeKey{done.dev, done.ino});  // not entered again when its parent is read again
         }
       }
       return;
@@ -155,7 +151,7 @@ class Remover {
       return true;
     }
     dev_t dev = makedev(stx.stx_dev_major, stx.stx_dev_minor);
-    if (stuck_.count({dev, static_cast<ino_t>(stx.stx_ino)})) {
+    if (stuck_.count(InodeKey{dev, static_cast<ino_t>(stx.stx_ino)})) {
       ::close(fd);
       return true;
     }
@@ -198,7 +194,7 @@ class Remover {
   uint64_t* bytes_;
   std::vector<Frame> stack_;
   std::optional<Error> first_;
-  std::unordered_set<std::pair<dev_t, ino_t>, InodeHashKey> stuck_;  // directories that could not be removed
+  std::unordered_set<InodeKey, InodeHash> stuck_;  // directories that could not be removed
 };
 
 }  // namespace

@@ -24,21 +24,13 @@
 #include "names.h"
 #include "process.h"
 #include "remove.h"
+#include "statx.h"
 #include "rename.h"
 
 namespace vmspace {
 namespace {
 
 constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
-
-struct InodeKey {
-  dev_t dev;
-  ino_t ino;
-  bool operator==(const InodeKey& o) const { return dev == o.dev && ino == o.ino; }
-};
-struct InodeHash {
-  size_t operator()(const InodeKey& k) const { return std::hash<uint64_t>()(k.ino * 31 + k.dev); }
-};
 
 // Opens the directory `rel` (normalised, relative) beneath `rootFd` without following any symlink on the way:
 // openat2(2) RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS (Linux 5.6), or an O_NOFOLLOW walk where openat2 is missing.
