@@ -10,7 +10,7 @@ import * as path from 'node:path'
 import { Worker } from 'node:worker_threads'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { Barrier, emptyPoolState, fixtures, freshDir, openFdTargets, poolState, workspaceChild } from './helpers.js'
+import { allocateIn, Barrier, emptyPoolState, fixtures, freshDir, openFdTargets, poolState, workspaceChild } from './helpers.js'
 
 function distinct<T>(values: T[]): number {
   return new Set(values).size
@@ -54,14 +54,7 @@ describe('8 processes released together by a barrier', () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const children = Array.from({ length: 8 }, () => workspaceChild(pool.root))
     // Each child has opened the pool and now blocks reading stdin: the barrier. One write each releases them.
-    await Promise.all(children.map((c) => c.expect('ready')))
-    for (const c of children) c.send('allocate')
-    const allocated = (await Promise.all(children.map((c) => c.expect('allocated')))) as unknown as {
-      id: string
-      name: string
-      path: string
-      content: string
-    }[]
+    const allocated = await allocateIn(children)
 
     expect(distinct(allocated.map((a) => a.id))).toBe(8)
     expect(distinct(allocated.map((a) => a.path))).toBe(8)

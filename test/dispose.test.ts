@@ -6,21 +6,24 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { openPool, VmspaceError } from '../lib/index.js'
-import { emptyPoolState, freshDir, mounts, mountsBeneath, needs, poolState, runCommand, snapshotTree, writeRandomFile } from './helpers.js'
+import {
+  bindInto,
+  emptyPoolState,
+  freshDir,
+  mounts,
+  mountsBeneath,
+  needs,
+  outsideTree,
+  poolState,
+  runCommand,
+  snapshotTree,
+  writeRandomFile,
+} from './helpers.js'
 
 async function setup() {
   const dir = freshDir()
   const pool = await openPool(path.join(dir, 'pool'))
   return { dir, pool }
-}
-
-/** An outside directory with a file and a subdirectory, as something dispose must never touch. */
-function outsideTree(dir: string): string {
-  const outside = path.join(dir, 'outside')
-  fs.mkdirSync(path.join(outside, 'sub'), { recursive: true })
-  fs.writeFileSync(path.join(outside, 'keep.txt'), 'keep me')
-  fs.writeFileSync(path.join(outside, 'sub', 'deep.txt'), 'keep me too')
-  return outside
 }
 
 describe('dispose', () => {
@@ -86,13 +89,8 @@ describe('dispose', () => {
   describe.skipIf(!mounts.root)(`with a bind mount inside ${needs('root for mount --bind', !mounts.root && 'not root')}`, () => {
     test('rejects with EBUSY, never crosses the mount, and leaves the workspace unrecoverable in trash', async () => {
       const { dir, pool } = await setup()
-      const outside = outsideTree(dir)
-      const before = snapshotTree(outside)
       const ws = await pool.allocate()
-      fs.writeFileSync(path.join(ws.path, 'sibling.txt'), 'x')
-      fs.mkdirSync(path.join(ws.path, 'mnt'))
-      const bind = runCommand('mount', ['--bind', outside, path.join(ws.path, 'mnt')])
-      expect(bind.status, bind.stderr).toBe(0)
+      const { outside, before } = bindInto(dir, ws.path)
       const trashed = path.join(pool.root, '.vmspace', 'trash', ws.name)
       try {
         const err = await ws.dispose().catch((e: unknown) => e)

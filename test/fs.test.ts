@@ -7,7 +7,18 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { clone, exchange, openPool, removeTree, renameNoReplace, VmspaceError } from '../lib/index.js'
-import { Child, fixtures, freshDir, mounts, mountsBeneath, needs, repoRoot, runCommand, snapshotTree } from './helpers.js'
+import {
+  Child,
+  fixtures,
+  freshDir,
+  mounts,
+  mountsBeneath,
+  needs,
+  outsideTree,
+  runCommand,
+  snapshotTree,
+  unprivilegedChildren,
+} from './helpers.js'
 
 /** A tree with read-only directories and files, and symlinks to an outside directory and file. */
 function awkwardTree(dir: string, outside: string): string {
@@ -26,26 +37,10 @@ function awkwardTree(dir: string, outside: string): string {
   return tree
 }
 
-function outsideDir(dir: string): string {
-  const outside = path.join(dir, 'outside')
-  fs.mkdirSync(path.join(outside, 'sub'), { recursive: true })
-  fs.writeFileSync(path.join(outside, 'keep.txt'), 'keep')
-  fs.writeFileSync(path.join(outside, 'sub', 'deep.txt'), 'deep')
-  return outside
-}
-
-/** Whether `p` and every directory above it lets others in (so a process of another uid can reach it). */
-function reachableByOthers(p: string): boolean {
-  for (let d = p; ; d = path.dirname(d)) {
-    if ((fs.statSync(d).mode & 0o005) !== 0o005) return false
-    if (d === '/') return true
-  }
-}
-
 describe('removeTree', () => {
   test('removes a tree with read-only and inaccessible directories; symlinked outside targets survive', async () => {
     const dir = freshDir()
-    const outside = outsideDir(dir)
+    const outside = outsideTree(dir)
     const before = snapshotTree(outside)
     const tree = awkwardTree(dir, outside)
     await removeTree(tree)
@@ -53,13 +48,12 @@ describe('removeTree', () => {
     expect(snapshotTree(outside)).toEqual(before)
   })
 
-  const unprivileged = mounts.root && reachableByOthers(repoRoot) && reachableByOthers(mounts.scratch)
-  test.skipIf(!unprivileged)(
-    `as an unprivileged user, makes read-only directories writable to empty them ${needs('root, and the checkout reachable by uid 65534', !unprivileged && 'not available here')}`,
+  test.skipIf(!unprivilegedChildren)(
+    `as an unprivileged user, makes read-only directories writable to empty them ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`,
     async () => {
       const dir = freshDir()
       fs.chmodSync(dir, 0o755)
-      const outside = outsideDir(dir)
+      const outside = outsideTree(dir)
       const before = snapshotTree(outside)
       const tree = awkwardTree(dir, outside)
       runCommand('chown', ['-R', '-h', '65534:65534', tree])
@@ -75,7 +69,7 @@ describe('removeTree', () => {
 
   test('of a symlink removes the link, never its target', async () => {
     const dir = freshDir()
-    const outside = outsideDir(dir)
+    const outside = outsideTree(dir)
     const before = snapshotTree(outside)
     fs.symlinkSync(outside, path.join(dir, 'link'))
     await removeTree(path.join(dir, 'link'))
@@ -92,7 +86,7 @@ describe('removeTree', () => {
     `rejects with EBUSY at a bind mount inside, never entering it; its siblings are removed ${needs('root for mount --bind', !mounts.root && 'not root')}`,
     async () => {
       const dir = freshDir()
-      const outside = outsideDir(dir)
+      const outside = outsideTree(dir)
       const before = snapshotTree(outside)
       const tree = path.join(dir, 'tree')
       fs.mkdirSync(path.join(tree, 'a', 'mnt'), { recursive: true })

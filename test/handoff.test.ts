@@ -8,16 +8,19 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { openPool, VmspaceError, type Pool, type Workspace } from '../lib/index.js'
+import { openPool, VmspaceError, type Workspace } from '../lib/index.js'
 import {
+  allocateIn,
   Child,
   emptyPoolState,
   eventually,
   fixtures,
   freshDir,
   killOnFinish,
+  loopChild,
   metaPath,
   openFdTargets,
+  orphan,
   poolState,
   randomId,
   runCommand,
@@ -57,14 +60,6 @@ async function errorOf(p: Promise<unknown>): Promise<VmspaceError> {
   )
   expect(e).toBeInstanceOf(VmspaceError)
   return e as VmspaceError
-}
-
-/** A workspace whose lease is free: allocated here, then released without a handoff. */
-async function orphan(pool: Pool, meta = {}): Promise<Workspace> {
-  const ws = await pool.allocate({ meta })
-  fs.writeFileSync(path.join(ws.path, 'own.txt'), ws.id)
-  await ws.release()
-  return ws
 }
 
 describe('a lease handed to a child process', () => {
@@ -150,9 +145,7 @@ describe('adopt', () => {
 
     // The first orphan's owner is a process that died; the others are released here.
     const owner = workspaceChild(pool.root)
-    await owner.expect('ready')
-    owner.send('allocate')
-    const first = (await owner.expect('allocated')) as unknown as { id: string; path: string; content: string }
+    const [first] = await allocateIn([owner])
     owner.send('exit')
     await owner.exited
     const orphans: { id: string; path: string; content: string; meta: Record<string, number> }[] = [
@@ -205,9 +198,7 @@ describe('adopt', () => {
   test('a live workspace is refused with ERR_LEASE_HELD, whether another process or this one holds it, and left as it is', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const other = workspaceChild(pool.root)
-    await other.expect('ready')
-    other.send('allocate')
-    const theirs = (await other.expect('allocated')) as unknown as { id: string; path: string; content: string }
+    const [theirs] = await allocateIn([other])
     const mine = await pool.allocate()
 
     for (const id of [theirs.id, mine.id]) {
@@ -228,9 +219,7 @@ describe('adopt', () => {
   test('an adopted workspace carries its metadata and its files, holds the lease, and disposes cleanly', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const owner = workspaceChild(pool.root)
-    await owner.expect('ready')
-    owner.send('allocate')
-    const theirs = (await owner.expect('allocated')) as unknown as { id: string; name: string; path: string; content: string }
+    const [theirs] = await allocateIn([owner])
     owner.send('exit')
     await owner.exited
 
@@ -282,7 +271,7 @@ describe('adopt', () => {
   test('an orphan is never refused with ERR_LEASE_HELD because another process lists the pool', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const ws = await orphan(pool)
-    const lister = new Child(path.join(fixtures, 'pool-loop-child.cjs'), [pool.root, 'list'])
+    const lister = loopChild(pool.root, 'list')
     await lister.expect('ready')
     const refused: string[] = []
     for (let i = 0; i < 2000; i++) {

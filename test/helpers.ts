@@ -9,10 +9,10 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import * as readline from 'node:readline'
 import { expect, inject, onTestFinished, test } from 'vitest'
+import type { Pool, Workspace } from '../lib/index.js'
 import { removeScratch, type Mounts } from './setup/mounts.js'
 
 export { mountsBeneath } from './setup/mounts.js'
-export type { Mounts } from './setup/mounts.js'
 
 /** The package root of this checkout (CI runs from another clone path). */
 export const repoRoot = path.resolve(__dirname, '..')
@@ -20,6 +20,17 @@ export const fixtures = path.join(repoRoot, 'test', 'fixtures')
 
 export const mounts: Mounts = inject('mounts')
 export const requireReflink = process.env.VMSPACE_REQUIRE_REFLINK === '1'
+
+/** Whether `p` and every directory above it lets others in (so a process of another uid can reach it). */
+export function reachableByOthers(p: string): boolean {
+  for (let d = p; ; d = path.dirname(d)) {
+    if ((fs.statSync(d).mode & 0o005) !== 0o005) return false
+    if (d === '/') return true
+  }
+}
+
+/** Whether tests can run a child as uid 65534: root, and the checkout and the scratch dir reachable by others. */
+export const unprivilegedChildren = mounts.root && reachableByOthers(repoRoot) && reachableByOthers(mounts.scratch)
 
 export const MiB = 1024 * 1024
 export const GiB = 1024 * MiB
@@ -147,6 +158,15 @@ export function snapshotTree(dir: string): Record<string, string> {
   return out
 }
 
+/** An outside directory with a file and a subdirectory, as something a removal must never touch. */
+export function outsideTree(dir: string): string {
+  const outside = path.join(dir, 'outside')
+  fs.mkdirSync(path.join(outside, 'sub'), { recursive: true })
+  fs.writeFileSync(path.join(outside, 'keep.txt'), 'keep me')
+  fs.writeFileSync(path.join(outside, 'sub', 'deep.txt'), 'keep me too')
+  return outside
+}
+
 /** Temp names of the clone engine (`.vmspace-tmp-*`) or metadata writer (`.*.tmp-*`) left in `dir`. */
 export function tempLeftovers(dir: string): string[] {
   return ls(dir).filter((n) => n.startsWith('.vmspace-tmp-') || /^\..*\.tmp-/.test(n))
@@ -175,6 +195,27 @@ export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], 
 
 export function metaPath(root: string, name: string): string {
   return path.join(root, '.vmspace', 'meta', `${name}.json`)
+}
+
+/** A workspace whose lease is free: allocated here with `meta`, own.txt written (its id), then released without a handoff. */
+export async function orphan(pool: Pool, meta = {}): Promise<Workspace> {
+  const ws = await pool.allocate({ meta })
+  fs.writeFileSync(path.join(ws.path, 'own.txt'), ws.id)
+  await ws.release()
+  return ws
+}
+
+/**
+ * `outsideTree(dir)` bind-mounted at `<wsPath>/mnt` (as root), with a sibling file next to the mount point; the
+ * outside directory and its snapshot before anything happens to the workspace.
+ */
+export function bindInto(dir: string, wsPath: string): { outside: string; before: Record<string, string> } {
+  const outside = outsideTree(dir)
+  fs.mkdirSync(path.join(wsPath, 'mnt'))
+  fs.writeFileSync(path.join(wsPath, 'sibling.txt'), 'x')
+  const bind = runCommand('mount', ['--bind', outside, path.join(wsPath, 'mnt')])
+  expect(bind.status, bind.stderr).toBe(0)
+  return { outside, before: snapshotTree(outside) }
 }
 
 /** A fresh 32-lowercase-hex workspace id. */
@@ -359,6 +400,29 @@ export class Child {
 /** Starts test/fixtures/workspace-child.cjs on the pool at `root` (see that file for its commands). */
 export function workspaceChild(root: string): Child {
   return new Child(path.join(fixtures, 'workspace-child.cjs'), [root])
+}
+
+/** What a workspace child reports for 'allocate': its workspace, and the content it wrote to own.txt. */
+export interface Allocated {
+  id: string
+  name: string
+  path: string
+  content: string
+}
+
+/**
+ * Waits until every workspace child is ready (each has opened the pool and blocks reading stdin: a barrier), then
+ * releases them together with one 'allocate' each; what each allocated, in the order of `children`.
+ */
+export async function allocateIn(children: Child[]): Promise<Allocated[]> {
+  await Promise.all(children.map((c) => c.expect('ready')))
+  for (const c of children) c.send('allocate')
+  return (await Promise.all(children.map((c) => c.expect('allocated')))) as unknown as Allocated[]
+}
+
+/** Starts test/fixtures/pool-loop-child.cjs: `op` ('sweep' or 'list') on the pool at `root` in a loop. */
+export function loopChild(root: string, op: 'sweep' | 'list'): Child {
+  return new Child(path.join(fixtures, 'pool-loop-child.cjs'), [root, op])
 }
 
 /** Polls `check` until it returns true (bounded only by the test timeout; no timing is asserted). */

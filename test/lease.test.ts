@@ -8,7 +8,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { eventually, freshDir, killOnFinish, openFdTargets, tryFlockFd, tryFlockPath, workspaceChild } from './helpers.js'
+import { allocateIn, eventually, freshDir, killOnFinish, openFdTargets, tryFlockFd, tryFlockPath, workspaceChild } from './helpers.js'
 
 async function setup() {
   const pool = await openPool(path.join(freshDir(), 'pool'))
@@ -74,9 +74,7 @@ describe('children', () => {
   test('a handed-off child keeps the workspace live after its owner exits without dispose; its death frees it', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const owner = workspaceChild(pool.root)
-    await owner.expect('ready')
-    owner.send('allocate')
-    const { id, path: wsPath } = (await owner.expect('allocated')) as unknown as { id: string; path: string }
+    const [{ id, path: wsPath }] = await allocateIn([owner])
     owner.send('handoff')
     const { pid } = (await owner.expect('handed')) as unknown as { pid: number }
     killOnFinish(pid)

@@ -40,6 +40,14 @@ function expectFree(file: string): void {
   expect(tryFlockPath(file)).toBe(0)
 }
 
+/** Releases `holder`, takes `file` again at once (wait: false) and releases it: then nobody holds it. */
+async function releaseAndRetake(file: string, holder: FileLock): Promise<void> {
+  await holder.release()
+  const again = await lockFile(file, { wait: false })
+  await again.release()
+  expectFree(file)
+}
+
 describe('lockFile basics', () => {
   test('creates a missing lock file with mode 0600, holds an exclusive flock on it, and never deletes it', async () => {
     const file = path.join(freshDir(), 'a.lock')
@@ -240,10 +248,7 @@ describe('wait: false, timeoutMs, AbortSignal', () => {
     await expect(lockFile(file, { timeoutMs: 0 })).rejects.toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file })
     await expect(lockFile(file, { timeoutMs: 1, shared: true })).rejects.toMatchObject({ code: 'ERR_LOCK_TIMEOUT' })
     await eventually(() => flockWaiters(file) === 0)
-    await holder.release()
-    const again = await lockFile(file, { wait: false })
-    await again.release()
-    expectFree(file)
+    await releaseAndRetake(file, holder)
   })
 
   test('timeoutMs on a lock granted before it expires gives the lock', async () => {
@@ -279,10 +284,7 @@ describe('wait: false, timeoutMs, AbortSignal', () => {
     expect(waiting.error).toBeInstanceOf(AbortError)
     expect(waiting.error).toMatchObject({ name: 'AbortError', code: 'ABORT_ERR' })
     await eventually(() => flockWaiters(file) === 0)
-    await holder.release()
-    const later = await lockFile(file, { wait: false })
-    await later.release()
-    expectFree(file)
+    await releaseAndRetake(file, holder)
   })
 
   test('an abort right after the call (before the wait has begun) rejects with an AbortError', async () => {

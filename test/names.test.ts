@@ -23,10 +23,14 @@ function plantDir(dir: string): void {
 }
 
 describe('a drawn name that exists is never adopted', () => {
-  test('an existing <root>/vm-<id> is skipped: the next id is used, the existing entry and its file are untouched', async () => {
+  /**
+   * Plants a directory at `at(root, taken)` in a fresh pool and allocates with `taken` drawn first: the next id is
+   * used, after one retry, and the planted entry is untouched.
+   */
+  async function allocatePastPlanted(at: (root: string, taken: string) => string) {
     const pool = await freshPool()
     const [taken, next] = [randomId(), randomId()]
-    const planted = path.join(pool.root, `vm-${taken}`)
+    const planted = at(pool.root, taken)
     plantDir(planted)
     const before = snapshotTree(planted)
     native.setTestIds([taken, next])
@@ -34,22 +38,18 @@ describe('a drawn name that exists is never adopted', () => {
     expect(ws.id).toBe(next)
     expect(snapshotTree(planted)).toEqual(before)
     expect(pool.stats().nameRetries).toBe(1)
+    return { pool, taken, planted, before, ws }
+  }
+
+  test('an existing <root>/vm-<id> is skipped: the next id is used, the existing entry and its file are untouched', async () => {
+    const { pool, taken, planted, before, ws } = await allocatePastPlanted((root, id) => path.join(root, `vm-${id}`))
     expect(poolState(pool.root)).toEqual({ visible: [`vm-${taken}`, ws.name].sort(), staging: [], trash: [], meta: [`${ws.name}.json`] })
     await ws.dispose()
     expect(snapshotTree(planted)).toEqual(before)
   })
 
   test('an existing .vmspace/staging/vm-<id> is skipped and left untouched', async () => {
-    const pool = await freshPool()
-    const [taken, next] = [randomId(), randomId()]
-    const planted = path.join(pool.root, '.vmspace', 'staging', `vm-${taken}`)
-    plantDir(planted)
-    const before = snapshotTree(planted)
-    native.setTestIds([taken, next])
-    const ws = await pool.allocate()
-    expect(ws.id).toBe(next)
-    expect(snapshotTree(planted)).toEqual(before)
-    expect(pool.stats().nameRetries).toBe(1)
+    const { pool, taken, ws } = await allocatePastPlanted((root, id) => path.join(root, '.vmspace', 'staging', `vm-${id}`))
     expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [`vm-${taken}`], trash: [], meta: [`${ws.name}.json`] })
     await ws.dispose()
   })

@@ -2,9 +2,9 @@
 import { execFileSync } from 'node:child_process'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
+import { fixtures, repoRoot } from './helpers.js'
 
-const repo = path.resolve(__dirname, '..')
-const run = (args: string[]) => execFileSync(process.execPath, args, { cwd: repo, encoding: 'utf8' }).trim()
+const run = (args: string[]) => execFileSync(process.execPath, args, { cwd: repoRoot, encoding: 'utf8' }).trim()
 
 describe('the package', () => {
   test('loads with require by name and exposes the API', () => {
@@ -22,13 +22,13 @@ describe('the package', () => {
   })
 
   test('types check for ES module and CommonJS consumers', () => {
-    const tsc = path.join(repo, 'node_modules', 'typescript', 'bin', 'tsc')
-    const files = ['consumer.mts', 'consumer.cts'].map((f) => path.join(__dirname, 'fixtures', 'types', f))
+    const tsc = path.join(repoRoot, 'node_modules', 'typescript', 'bin', 'tsc')
+    const files = ['consumer.mts', 'consumer.cts'].map((f) => path.join(fixtures, 'types', f))
     const out = execFileSync(
       process.execPath,
       [tsc, '--noEmit', '--strict', '--module', 'nodenext', '--moduleResolution', 'nodenext', '--target', 'es2022',
         '--lib', 'es2022,esnext.disposable', '--types', 'node', '--skipLibCheck', ...files],
-      { cwd: repo, encoding: 'utf8' },
+      { cwd: repoRoot, encoding: 'utf8' },
     )
     expect(out).toBe('')
   })

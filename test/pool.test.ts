@@ -6,6 +6,7 @@ import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { AbortError, openPool, VmspaceError } from '../lib/index.js'
 import {
+  allocateIn,
   emptyPoolState,
   freshDir,
   metaPath,
@@ -183,9 +184,7 @@ describe('list', () => {
   test('a workspace whose owner exited without dispose is listed with live: false', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const child = workspaceChild(pool.root)
-    await child.expect('ready')
-    child.send('allocate')
-    const { id } = await child.expect('allocated')
+    const [{ id }] = await allocateIn([child])
     child.send('exit')
     expect(await child.exited).toEqual({ code: 0, signal: null })
     const list = await pool.list()

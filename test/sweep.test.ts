@@ -8,53 +8,37 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { openPool, VmspaceError, type Pool } from '../lib/index.js'
+import { openPool, VmspaceError, type Pool, type Workspace } from '../lib/index.js'
 import {
-  Child,
+  allocateIn,
+  bindInto,
+  type Child,
   emptyPoolState,
   eventually,
-  fixtures,
   freshDir,
+  loopChild,
   metaPath,
   mounts,
   mountsBeneath,
   needs,
+  orphan,
   poolState,
   runCommand,
   snapshotTree,
+  tryFlockPath,
   workspaceChild,
 } from './helpers.js'
-
-interface Allocated {
-  id: string
-  name: string
-  path: string
-  content: string
-}
-
-function loopChild(root: string, op: 'sweep' | 'list'): Child {
-  return new Child(path.join(fixtures, 'pool-loop-child.cjs'), [root, op])
-}
 
 async function runsOf(c: Child): Promise<number> {
   c.send('status')
   return (await c.expect('status')).runs as number
 }
 
-/** A workspace whose lease is free: allocated here, then released without a handoff. */
-async function orphan(pool: Pool) {
-  const ws = await pool.allocate({ meta: { orphan: true } })
-  await ws.release()
-  return ws
-}
-
 describe('a live owner’s workspace is never swept', () => {
   test('8 processes hold their workspaces while another process sweeps in a loop; once they exit, one sweep reclaims exactly those 8', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const holders = Array.from({ length: 8 }, () => workspaceChild(pool.root))
-    await Promise.all(holders.map((c) => c.expect('ready')))
-    for (const c of holders) c.send('allocate')
-    const allocated = (await Promise.all(holders.map((c) => c.expect('allocated')))) as unknown as Allocated[]
+    const allocated = await allocateIn(holders)
 
     const sweeper = loopChild(pool.root, 'sweep')
     await sweeper.expect('ready')
@@ -94,7 +78,7 @@ describe('a live owner’s workspace is never swept', () => {
 
   test('a sweep with graceMs 0 reclaims the orphans around a live workspace and leaves that one alone', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
-    const dead = await Promise.all([orphan(pool), orphan(pool), orphan(pool)])
+    const dead = await Promise.all([orphan(pool, { orphan: true }), orphan(pool, { orphan: true }), orphan(pool, { orphan: true })])
     const live = await pool.allocate()
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.live).toBe(1)
@@ -115,7 +99,7 @@ describe('a live owner’s workspace is never swept', () => {
     // flock(1) holds the staging entry's lease (as a build does) until its `cat` reads end of input.
     const builder = spawn('flock', ['-o', staging, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
     onTestFinished(() => void builder.kill('SIGKILL'))
-    await eventually(() => runCommand('flock', ['-n', '-E', '99', staging, 'true']).status === 99)
+    await eventually(() => tryFlockPath(staging) === 99)
 
     expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], metadataRemoved: 0 })
     expect(fs.readFileSync(temp, 'utf8')).toBe('{"building":true}')
@@ -167,7 +151,7 @@ describe('a live owner’s workspace is never swept', () => {
     await lister.expect('ready')
     const missed: string[] = []
     for (let round = 0; round < 40; round++) {
-      const orphans = await Promise.all(Array.from({ length: 10 }, () => orphan(pool)))
+      const orphans = await Promise.all(Array.from({ length: 10 }, () => orphan(pool, { orphan: true })))
       const report = await pool.sweep()
       expect(report.failed).toEqual([])
       const reclaimed = new Set(report.reclaimed.map((e) => e.id))
@@ -191,7 +175,7 @@ describe('corrupt metadata is reported and never rewritten', () => {
   test.each(corrupt)('%s: list() reports ERR_CORRUPT_METADATA; list, sweep and adopt leave the bytes identical', async (_, text) => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const live = await pool.allocate({ meta: { a: 1 } })
-    const dead = await orphan(pool)
+    const dead = await orphan(pool, { orphan: true })
     for (const ws of [live, dead]) fs.writeFileSync(metaPath(pool.root, ws.name), text)
     const bytes = Buffer.from(text)
 
@@ -251,7 +235,7 @@ describe('unreadable metadata names its file', () => {
   // errno and syscall only, so `error.path` is missing (DESIGN.md: corrupt input is "an error naming the file").
   test('list() and adopt() set error.path for a metadata file that cannot be read (a directory in its place)', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
-    const ws = await orphan(pool)
+    const ws = await orphan(pool, { orphan: true })
     const file = metaPath(pool.root, ws.name)
     fs.unlinkSync(file)
     fs.mkdirSync(file)
@@ -263,17 +247,18 @@ describe('unreadable metadata names its file', () => {
 })
 
 describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bind', !mounts.root && 'not root')}`, () => {
-  /** A directory outside the pool with files, bind-mounted at `<ws>/mnt`. */
-  function bindInto(dir: string, wsPath: string) {
-    const outside = path.join(dir, 'outside')
-    fs.mkdirSync(path.join(outside, 'sub'), { recursive: true })
-    fs.writeFileSync(path.join(outside, 'keep.txt'), 'keep me')
-    fs.writeFileSync(path.join(outside, 'sub', 'deep.txt'), 'me too')
-    fs.mkdirSync(path.join(wsPath, 'mnt'))
-    fs.writeFileSync(path.join(wsPath, 'sibling.txt'), 'x')
-    const bind = runCommand('mount', ['--bind', outside, path.join(wsPath, 'mnt')])
-    expect(bind.status, bind.stderr).toBe(0)
-    return { outside, before: snapshotTree(outside) }
+  /**
+   * The closing steps once `ws` (bind mount inside, see bindInto) is in trash: after umount a sweep reclaims it from
+   * trash, the pool is empty, and `outside` is unchanged.
+   */
+  async function umountAndReclaim(pool: Pool, ws: Workspace, outside: string, before: Record<string, string>) {
+    const trashed = path.join(pool.root, '.vmspace', 'trash', ws.name)
+    expect(runCommand('umount', [path.join(trashed, 'mnt')]).status).toBe(0)
+    const later = await pool.sweep({ graceMs: 0 })
+    expect(later.failed).toEqual([])
+    expect(later.reclaimed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash' })])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    expect(snapshotTree(outside)).toEqual(before)
   }
 
   test('dispose rejects with EBUSY (unrecoverable); a sweep reports it failed with EBUSY and keeps it in trash; after umount a sweep finishes it', async () => {
@@ -296,20 +281,14 @@ describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bi
     expect(snapshotTree(outside)).toEqual(before)
     expect(fs.readFileSync(path.join(trashed, 'mnt', 'keep.txt'), 'utf8')).toBe('keep me')
 
-    expect(runCommand('umount', [path.join(trashed, 'mnt')]).status).toBe(0)
-    const later = await pool.sweep({ graceMs: 0 })
-    expect(later.failed).toEqual([])
-    expect(later.reclaimed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash' })])
-    expect(poolState(pool.root)).toEqual(emptyPoolState)
-    expect(snapshotTree(outside)).toEqual(before)
+    await umountAndReclaim(pool, ws, outside, before)
   })
 
   test('an orphan with a mount inside: the sweep moves it to trash and reports EBUSY; after umount a later sweep reclaims it', async () => {
     const dir = freshDir()
     const pool = await openPool(path.join(dir, 'pool'))
-    const ws = await orphan(pool)
+    const ws = await orphan(pool, { orphan: true })
     const { outside, before } = bindInto(dir, ws.path)
-    const trashed = path.join(pool.root, '.vmspace', 'trash', ws.name)
 
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.reclaimed).toEqual([])
@@ -323,12 +302,7 @@ describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bi
     expect(again.failed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash', code: 'EBUSY' })])
     expect(snapshotTree(outside)).toEqual(before)
 
-    expect(runCommand('umount', [path.join(trashed, 'mnt')]).status).toBe(0)
-    const later = await pool.sweep({ graceMs: 0 })
-    expect(later.failed).toEqual([])
-    expect(later.reclaimed).toEqual([expect.objectContaining({ id: ws.id, from: 'trash' })])
-    expect(poolState(pool.root)).toEqual(emptyPoolState)
-    expect(snapshotTree(outside)).toEqual(before)
+    await umountAndReclaim(pool, ws, outside, before)
   })
 
   // Found by this suite: Pool::sweep moves the orphan to trash and fails to remove it (reported from 'published'),
@@ -336,7 +310,7 @@ describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bi
   test('one sweep reports a workspace it could not remove once, not once per pass', async () => {
     const dir = freshDir()
     const pool = await openPool(path.join(dir, 'pool'))
-    const ws = await orphan(pool)
+    const ws = await orphan(pool, { orphan: true })
     bindInto(dir, ws.path)
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code}`)).toEqual([`${ws.name} published EBUSY`])

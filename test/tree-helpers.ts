@@ -10,7 +10,7 @@ import * as net from 'node:net'
 import * as path from 'node:path'
 import { expect, onTestFinished } from 'vitest'
 import { removeScratch } from './setup/mounts.js'
-import { makeSparseFile, MiB, runCommand, sharedExtents } from './helpers.js'
+import { makeSparseFile, MiB, sharedExtents } from './helpers.js'
 
 export const KiB = 1024
 
@@ -374,5 +374,3 @@ export function allPaths(dir: string): string[] {
   walk('')
   return out
 }
-
-export { runCommand }

@@ -21,11 +21,11 @@ import {
   mounts,
   needs,
   poolState,
-  repoRoot,
   requireMount,
   runCommand,
   snapshotTree,
   tempLeftovers,
+  unprivilegedChildren,
   writeRandomFile,
 } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
@@ -51,14 +51,6 @@ import {
 /** A directory on ext4 (no reflink): os.tmpdir()'s file system when it is ext4, else the small ext4 loop mount. */
 const ext4 = mounts.scratchFsType === 'ext4' ? mounts.scratch : mounts.small
 const ext4Missing = `os.tmpdir() is on ${mounts.scratchFsType} and the ext4 loop mount could not be made: ${mounts.missing.small}`
-
-/** Whether `p` and every directory above it lets others in (so a process of uid 65534 can reach it). */
-function reachableByOthers(p: string): boolean {
-  for (let d = p; ; d = path.dirname(d)) {
-    if ((fs.statSync(d).mode & 0o005) !== 0o005) return false
-    if (d === '/') return true
-  }
-}
 
 /** The CloneResult a tree clone of `counts` must report. */
 function treeResult(counts: TreeCounts, dest: string, method: 'reflink' | 'copy'): CloneResult {
@@ -716,12 +708,25 @@ describe.skipIf(!mounts.xfs)(`reflink: 'never' on XFS ${needs('a loop-mounted XF
 })
 
 describe('clones into awkward destinations', () => {
-  test('into a directory inside the source: the tree being built is not walked into', async () => {
-    const d = freshTreeDir(mounts.scratch)
+  /** `<d>/src`: a file f and a directory sub with a file g. */
+  function smallSrc(d: string): string {
     const src = path.join(d, 'src')
     fs.mkdirSync(path.join(src, 'sub'), { recursive: true })
     fs.writeFileSync(path.join(src, 'f'), 'f')
     fs.writeFileSync(path.join(src, 'sub', 'g'), 'g')
+    return src
+  }
+
+  /** Makes `p` a setgid directory (2775) owned by root and group 5678. */
+  function setgidDir(p: string): void {
+    fs.mkdirSync(p)
+    fs.chownSync(p, 0, 5678)
+    fs.chmodSync(p, 0o2775)
+  }
+
+  test('into a directory inside the source: the tree being built is not walked into', async () => {
+    const d = freshTreeDir(mounts.scratch)
+    const src = smallSrc(d)
     const r = await clone(src, path.join(src, 'sub', 'copy'))
     expect(r).toMatchObject({ files: 2, dirs: 1 })
     expect(allPaths(path.join(src, 'sub', 'copy'))).toEqual(['f', 'sub', 'sub/g'])
@@ -732,16 +737,11 @@ describe('clones into awkward destinations', () => {
     `into a setgid directory of another group, as root: every entry keeps its source group ${needs('root', !privileged && 'not root')}`,
     async () => {
       const d = freshTreeDir(mounts.scratch)
-      const src = path.join(d, 'src')
-      fs.mkdirSync(path.join(src, 'sub'), { recursive: true })
-      fs.writeFileSync(path.join(src, 'f'), 'f')
-      fs.writeFileSync(path.join(src, 'sub', 'g'), 'g')
+      const src = smallSrc(d)
       fs.chownSync(path.join(src, 'sub', 'g'), 0, 4242)
       stampTimes(src)
       const parent = path.join(d, 'shared')
-      fs.mkdirSync(parent)
-      fs.chownSync(parent, 0, 5678)
-      fs.chmodSync(parent, 0o2775)
+      setgidDir(parent)
       const dst = path.join(parent, 'dst')
       await clone(src, dst)
       expect(metadataListing(dst)).toEqual(metadataListing(src))
@@ -752,15 +752,10 @@ describe('clones into awkward destinations', () => {
     `allocate in a pool whose root is a setgid directory of another group, as root: template entries keep their groups ${needs('root', !privileged && 'not root')}`,
     async () => {
       const d = freshTreeDir(mounts.scratch)
-      const src = path.join(d, 'src')
-      fs.mkdirSync(path.join(src, 'sub'), { recursive: true })
-      fs.writeFileSync(path.join(src, 'f'), 'f')
-      fs.writeFileSync(path.join(src, 'sub', 'g'), 'g')
+      const src = smallSrc(d)
       stampTimes(src)
       const root = path.join(d, 'pool')
-      fs.mkdirSync(root)
-      fs.chownSync(root, 0, 5678)
-      fs.chmodSync(root, 0o2775)
+      setgidDir(root)
       const pool = await openPool(root)
       const ws = await pool.allocate({ template: src })
       expect(metadataListing(ws.path, { root: false })).toEqual(metadataListing(src, { root: false }))
@@ -771,9 +766,8 @@ describe('clones into awkward destinations', () => {
 
 // ---- as an unprivileged user ----
 
-const unprivileged = mounts.root && reachableByOthers(repoRoot) && reachableByOthers(mounts.scratch)
-describe.skipIf(!unprivileged)(
-  `as uid 65534 (a child process dropping root) ${needs('root, and the checkout reachable by uid 65534', !unprivileged && 'not available here')}`,
+describe.skipIf(!unprivilegedChildren)(
+  `as uid 65534 (a child process dropping root) ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`,
   () => {
     async function runChild(req: object): Promise<Record<string, unknown>> {
       const child = new Child(path.join(fixtures, 'clone-tree-child.cjs'), [JSON.stringify(req)])
