@@ -16,10 +16,11 @@ import * as path from 'node:path'
 import * as readline from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
+import { median } from './median.mjs'
 
 const require = createRequire(import.meta.url)
-const here = path.dirname(fileURLToPath(import.meta.url))
 const script = fileURLToPath(import.meta.url)
+const here = path.dirname(script)
 const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
 const lockfile = require('proper-lockfile')
 const writeFileAtomic = require('write-file-atomic')
@@ -105,10 +106,6 @@ const work = fs.mkdtempSync(path.join(base, 'vmspace-index-bench-'))
 process.on('exit', () => fs.rmSync(work, { recursive: true, force: true }))
 for (const sig of ['SIGINT', 'SIGTERM']) process.on(sig, () => process.exit(130))
 
-const median = (xs) => {
-  const s = [...xs].sort((a, b) => a - b)
-  return s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2
-}
 let fsType = '?'
 try {
   fsType = execFileSync('stat', ['-f', '-c', '%T', work], { encoding: 'utf8' }).trim()

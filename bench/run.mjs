@@ -9,10 +9,12 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { parseArgs } from 'node:util'
 import { createRequire } from 'node:module'
+import { fileURLToPath } from 'node:url'
 import { Bench } from 'tinybench'
+import { median } from './median.mjs'
 
 const require = createRequire(import.meta.url)
-const here = path.dirname(new URL(import.meta.url).pathname)
+const here = path.dirname(fileURLToPath(import.meta.url))
 const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
 const { native: binding } = require(path.join(here, '..', 'dist', 'binding.js'))
 
@@ -42,7 +44,6 @@ function loopMount(kind, sizeMb) {
   fs.closeSync(fs.openSync(img, 'w'))
   fs.truncateSync(img, sizeMb * 1024 * 1024)
   if (kind === 'xfs') sh('mkfs.xfs', ['-q', '-f', '-m', 'reflink=1', img])
-  else if (kind === 'btrfs') sh('mkfs.btrfs', ['-q', '-f', img])
   else sh('mkfs.ext4', ['-q', '-F', img])
   sh('mount', ['-o', 'loop', img, mnt])
   mounts.push(mnt)
@@ -70,7 +71,6 @@ if (!targets.length) targets.push({ fs: 'tmp (' + os.tmpdir() + ')', dir: work }
 const floorBin = path.join(work, 'syscalls')
 sh('g++', ['-O2', '-std=c++17', '-o', floorBin, path.join(here, 'syscalls.cc')])
 
-const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]
 const ms = (t0) => Number(process.hrtime.bigint() - t0) / 1e6
 
 // 1. allocate + lease + dispose: vmspace against the bare syscalls (C++ loop) and Node's mkdtemp + rm.
@@ -214,7 +214,7 @@ if (want('lease')) {
 }
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
-if (want('index') && fs.existsSync(path.join(here, 'index.mjs'))) {
+if (want('index')) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
   process.stdout.write(execFileSync(process.execPath, [path.join(here, 'index.mjs'), '--dir', t.dir]))
