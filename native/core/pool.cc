@@ -501,17 +501,23 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     reclaimPublished(name, fd.get());
   }
 
+  // An entry of trash or staging that no one holds locked is removed, with the lock held while it is; true when
+  // it was (or, dry run, would be) reclaimed.
+  auto reclaimUnlocked = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
+    UniqueFd fd(openat(dirFd, name.c_str(), kDirFlags));
+    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return false;
+    if (dryRun) {
+      report.reclaimed.push_back({name, from, 0, {}});
+      return true;
+    }
+    removeEntry(dirFd, dirPath, name, from);
+    return true;
+  };
+
   // Trash: everything not locked by a dispose still removing it.
   for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
     if (handled.count(name)) continue;  // reported by the pass above, removed or failed
-    UniqueFd fd(openat(trashFd_.get(), name.c_str(), kDirFlags));
-    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    if (dryRun) {
-      report.reclaimed.push_back({name, "trash", 0, {}});
-      continue;
-    }
-    removeEntry(trashFd_.get(), trashDir, name, "trash");
-    dropMetaQuietly(name);
+    if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
   }
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
@@ -520,13 +526,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
     // disturbed.
     if (ageMs(stagingFd_.get(), name) < graceMs) continue;
-    UniqueFd fd(openat(stagingFd_.get(), name.c_str(), kDirFlags));
-    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    if (dryRun) {
-      report.reclaimed.push_back({name, "staging", 0, {}});
-      continue;
-    }
-    removeEntry(stagingFd_.get(), stagingDir, name, "staging");
+    reclaimUnlocked(stagingFd_.get(), stagingDir, name, "staging");
   }
 
   // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
