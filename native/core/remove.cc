@@ -36,8 +36,9 @@ class Remover {
  public:
   Remover(uint64_t mount, uint64_t* bytes) : mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
 
-  // Empties the directory `fd` (taken over) at `path`, then, frame by frame, removes each emptied directory.
-  void emptyDirectory(int fd, const std::string& path) {
+  // Empties the directory `fd` (taken over; device `dev`, inode `ino`) at `path`, then, frame by frame, removes
+  // each emptied directory.
+  void emptyDirectory(int fd, const std::string& path, dev_t dev, ino_t ino) {
     DIR* d = fdopendir(fd);
     if (!d) {
       int err = errno;
@@ -45,9 +46,7 @@ class Remover {
       record(err, "fdopendir", path);
       return;
     }
-    struct stat st;
-    fstat(dirfd(d), &st);
-    stack_.push_back(Frame{d, path, {}, st.st_dev, st.st_ino});
+    stack_.push_back(Frame{d, path, {}, dev, ino});
     while (!stack_.empty()) step();
   }
 
@@ -221,7 +220,7 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     throwErrno(errno, "openat", displayPath);
   }
   struct statx self;
-  if (statxFd(fd, STATX_MNT_ID | STATX_BLOCKS, &self) != 0) {
+  if (statxFd(fd, STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &self) != 0) {
     int err = errno;
     ::close(fd);
     throwErrno(err, "statx", displayPath);
@@ -232,7 +231,8 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
   }
   if (bytes) *bytes += self.stx_blocks * 512;
   Remover remover(mountOf(self), bytes);
-  remover.emptyDirectory(fd, displayPath);
+  remover.emptyDirectory(fd, displayPath, makedev(self.stx_dev_major, self.stx_dev_minor),
+                         static_cast<ino_t>(self.stx_ino));
   remover.rethrowFirst();
   if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);
 }
