@@ -57,14 +57,18 @@ class Work : public Napi::AsyncWorker {
   using Exec = std::function<R()>;
   using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
 
-  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs) {
-    return Start(env, std::move(exec), std::move(toJs), nullptr);
+  // Queues the work; `drop` (optional) is called with a result that could not be delivered to JS.
+  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop = nullptr) {
+    auto* work = new Work(env, std::move(exec), std::move(toJs), std::move(drop));
+    Napi::Promise promise = work->deferred_.Promise();
+    work->Queue();
+    return promise;
   }
 
  private:
-  Work(Napi::Env env, Exec exec, ToJs toJs)
+  Work(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop)
       : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
-        toJs_(std::move(toJs)) {}
+        toJs_(std::move(toJs)), drop_(std::move(drop)) {}
 
   // No V8 here: runs on a libuv pool thread.
   void Execute() override {
@@ -96,22 +100,10 @@ class Work : public Napi::AsyncWorker {
     }
   }
 
- public:
-  // Called with the result when it could not be delivered to JS.
-  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop) {
-    auto* work = new Work(env, std::move(exec), std::move(toJs));
-    work->drop_ = std::move(drop);
-    Napi::Promise promise = work->deferred_.Promise();
-    work->Queue();
-    return promise;
-  }
-
- private:
-  std::function<void(R&)> drop_;
-
   Napi::Promise::Deferred deferred_;
   Exec exec_;
   ToJs toJs_;
+  std::function<void(R&)> drop_;
   R result_{};
   std::unique_ptr<Error> error_;
 };
