@@ -26,7 +26,7 @@ import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
-import { setTimeout as sleep } from 'node:timers/promises'
+import { setImmediate as immediate, setTimeout as sleep } from 'node:timers/promises'
 import { parseArgs } from 'node:util'
 import { Presets, SingleBar } from 'cli-progress'
 import { openPool, removeTree, renameNoReplace, type PoolStats, type Workspace } from './index.js'
@@ -92,6 +92,11 @@ function describe(e: unknown): string {
   return String(e)
 }
 
+/** describe() with the stack, for errors nobody expected. */
+function describeWithStack(e: unknown): string {
+  return e instanceof Error ? (e.stack ?? e.message) : String(e)
+}
+
 function markerFor(id: string): Buffer {
   const b = Buffer.alloc(MARKER_LEN, 0)
   b.write(`vmspace-demo ${id}\n`, 'latin1')
@@ -105,7 +110,7 @@ async function workerMain(): Promise<void> {
   const send = (m: FromWorker) =>
     new Promise<void>((resolve, reject) => process.send!(m, undefined, undefined, (e) => (e ? reject(e) : resolve())))
   const fatal = (e: unknown) => {
-    const text = e instanceof Error ? (e.stack ?? e.message) : String(e)
+    const text = describeWithStack(e)
     const die = () => process.exit(1)
     try {
       if (process.connected) process.send!({ t: 'fatal', error: text } satisfies FromWorker, undefined, undefined, die)
@@ -195,95 +200,68 @@ interface Checks {
   problems: string[]
 }
 
-/** What a VM would do with its workspace, reduced to the checks: write our marker, read it back. */
-async function useImage(ws: Workspace, config: WorkerConfig): Promise<Checks> {
-  const problems: string[] = []
-  let marker = false
-  let markerFile = false
-  let contents = false
-  const image = path.join(ws.path, ROOTFS)
+/**
+ * What a VM would do with its workspace, reduced to the checks: our marker into `target` (at its offset) and our id
+ * into the marker file `markerName`, both read back; then `checkContents`, which returns a problem or undefined.
+ */
+async function useWorkspace(
+  ws: Workspace,
+  target: { file: string; offset: number; where: string } | undefined,
+  markerName: string,
+  checkContents: () => Promise<string | undefined>,
+): Promise<Checks> {
+  const checks: Checks = { marker: target === undefined, markerFile: false, contents: false, problems: [] }
   const expected = markerFor(ws.id)
   try {
-    const fh = await fsp.open(image, 'r+')
-    try {
-      await fh.write(expected, 0, MARKER_LEN, MARKER_OFFSET)
-    } finally {
-      await fh.close()
-    }
-    await fsp.writeFile(path.join(ws.path, MARKER_FILE), `${ws.id}\n`, { flag: 'wx' })
+    if (target) await writeAt(target.file, expected, target.offset)
+    await fsp.writeFile(path.join(ws.path, markerName), `${ws.id}\n`, { flag: 'wx' })
     // Yield, so that the other workspaces this worker holds get on with their own writes before ours is read back.
-    await new Promise((r) => setImmediate(r))
+    await immediate()
 
-    const got = Buffer.alloc(MARKER_LEN)
-    const rh = await fsp.open(image, 'r')
-    try {
-      await rh.read(got, 0, MARKER_LEN, MARKER_OFFSET)
-    } finally {
-      await rh.close()
+    if (target) {
+      const got = await readAt(target.file, MARKER_LEN, target.offset)
+      checks.marker = got.equals(expected)
+      if (!checks.marker) checks.problems.push(`marker ${target.where} is ${JSON.stringify(got.toString('latin1').replace(/\0+$/, ''))}`)
     }
-    marker = got.equals(expected)
-    if (!marker) problems.push(`marker at offset ${MARKER_OFFSET} of ${image} is ${JSON.stringify(got.toString('latin1').replace(/\0+$/, ''))}`)
-    const text = await fsp.readFile(path.join(ws.path, MARKER_FILE), 'utf8')
-    markerFile = text === `${ws.id}\n`
-    if (!markerFile) problems.push(`${MARKER_FILE} holds ${JSON.stringify(text)}`)
+    const text = await fsp.readFile(path.join(ws.path, markerName), 'utf8')
+    checks.markerFile = text === `${ws.id}\n`
+    if (!checks.markerFile) checks.problems.push(`${markerName} holds ${JSON.stringify(text)}`)
+    const problem = await checkContents()
+    checks.contents = problem === undefined
+    if (problem !== undefined) checks.problems.push(problem)
+  } catch (e) {
+    checks.problems.push(describe(e))
+  }
+  return checks
+}
+
+/** A workspace made from the base image: our marker at MARKER_OFFSET of its ROOTFS; it holds that and MARKER_FILE. */
+async function useImage(ws: Workspace, config: WorkerConfig): Promise<Checks> {
+  const image = path.join(ws.path, ROOTFS)
+  const target = { file: image, offset: MARKER_OFFSET, where: `at offset ${MARKER_OFFSET} of ${image}` }
+  return useWorkspace(ws, target, MARKER_FILE, async () => {
     const entries = (await fsp.readdir(ws.path)).sort()
     const size = (await fsp.stat(image)).size
-    contents = entries.join('/') === `${MARKER_FILE}/${ROOTFS}` && size === config.baseSize
-    if (!contents) problems.push(`workspace holds [${entries.join(', ')}], ${ROOTFS} of ${size} bytes (base: ${config.baseSize})`)
-  } catch (e) {
-    problems.push(describe(e))
-  }
-  return { marker, markerFile, contents, problems }
+    if (entries.join('/') === `${MARKER_FILE}/${ROOTFS}` && size === config.baseSize) return undefined
+    return `workspace holds [${entries.join(', ')}], ${ROOTFS} of ${size} bytes (base: ${config.baseSize})`
+  })
 }
 
 /**
- * The same for a workspace made from a template tree: our id into our clone of the probe file (copy-on-write must
- * keep the template's file as it was) and into a marker file, read back; the tree must be the template's.
+ * A workspace made from a template tree: our id into our clone of the probe file (copy-on-write must keep the
+ * template's file as it was) and into TREE_MARKER; the tree must be the template's.
  */
 async function useTree(ws: Workspace, tree: TreeSpec): Promise<Checks> {
-  const problems: string[] = []
-  let marker = tree.probe === undefined
-  let markerFile = false
-  let contents = false
-  const expected = markerFor(ws.id)
-  try {
-    const probe = tree.probe === undefined ? undefined : path.join(ws.path, tree.probe)
-    if (probe) {
-      const fh = await fsp.open(probe, 'r+')
-      try {
-        await fh.write(expected, 0, MARKER_LEN, 0)
-      } finally {
-        await fh.close()
-      }
-    }
-    await fsp.writeFile(path.join(ws.path, TREE_MARKER), `${ws.id}\n`, { flag: 'wx' })
-    await new Promise((r) => setImmediate(r))
-
-    if (probe) {
-      const got = Buffer.alloc(MARKER_LEN)
-      const rh = await fsp.open(probe, 'r')
-      try {
-        await rh.read(got, 0, MARKER_LEN, 0)
-      } finally {
-        await rh.close()
-      }
-      marker = got.equals(expected)
-      if (!marker) problems.push(`marker at the start of ${probe} is ${JSON.stringify(got.toString('latin1').replace(/\0+$/, ''))}`)
-    }
-    const text = await fsp.readFile(path.join(ws.path, TREE_MARKER), 'utf8')
-    markerFile = text === `${ws.id}\n`
-    if (!markerFile) problems.push(`${TREE_MARKER} holds ${JSON.stringify(text)}`)
+  const probe = tree.probe === undefined ? undefined : path.join(ws.path, tree.probe)
+  const target = probe === undefined ? undefined : { file: probe, offset: 0, where: `at the start of ${probe}` }
+  return useWorkspace(ws, target, TREE_MARKER, async () => {
     const m = await treeManifest(ws.path, { contents: false, skip: TREE_MARKER })
-    contents = m.digest === tree.shape
-    if (!contents)
-      problems.push(
-        `the workspace holds ${m.entries} entries (${m.files} files, ${m.bytes} bytes) that differ from the template's ` +
-          `${tree.entries} (${tree.files} files, ${tree.bytes} bytes)`,
-      )
-  } catch (e) {
-    problems.push(describe(e))
-  }
-  return { marker, markerFile, contents, problems }
+    if (m.digest === tree.shape) return undefined
+    return (
+      `the workspace holds ${m.entries} entries (${m.files} files, ${m.bytes} bytes) that differ from the template's ` +
+      `${tree.entries} (${tree.files} files, ${tree.bytes} bytes)`
+    )
+  })
 }
 
 async function dispose(ws: Workspace, checks: Checks): Promise<FromWorker> {
@@ -488,6 +466,11 @@ function percentile(sorted: number[], p: number): number {
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1))]
 }
 
+/** "1 entry", "2 entries". */
+function entriesText(n: number): string {
+  return `${n} entr${n === 1 ? 'y' : 'ies'}`
+}
+
 function ms(n: number): string {
   if (!Number.isFinite(n)) return '-'
   return n < 1 ? n.toFixed(3) : n < 100 ? n.toFixed(2) : n.toFixed(0)
@@ -578,6 +561,28 @@ async function fsType(p: string): Promise<string> {
 
 function status(line: string): void {
   process.stderr.write(`demo: ${line}\n`)
+}
+
+/** Writes `buf` into the existing `file` at `offset`. */
+async function writeAt(file: string, buf: Buffer, offset: number): Promise<void> {
+  const fh = await fsp.open(file, 'r+')
+  try {
+    await fh.write(buf, 0, buf.length, offset)
+  } finally {
+    await fh.close()
+  }
+}
+
+/** `length` bytes of `file` from `offset` (zeros past its end). */
+async function readAt(file: string, length: number, offset: number): Promise<Buffer> {
+  const buf = Buffer.alloc(length)
+  const fh = await fsp.open(file, 'r')
+  try {
+    await fh.read(buf, 0, length, offset)
+  } finally {
+    await fh.close()
+  }
+  return buf
 }
 
 async function fsyncPath(p: string, flags = 'r'): Promise<void> {
@@ -891,6 +896,12 @@ async function main(): Promise<number> {
   let interrupted = false
   let interruptCode = 130
   let workers: WorkerState[] = []
+  const sendAll = (m: ToWorker) => {
+    for (const w of workers) if (!w.exited && w.child.connected) w.child.send(m, () => {})
+  }
+  const killAll = () => {
+    for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
+  }
   let progress: Progress | undefined
   const onSignal = (sig: NodeJS.Signals) => {
     const code = 128 + (os.constants.signals[sig] ?? 2)
@@ -899,7 +910,7 @@ async function main(): Promise<number> {
       interruptCode = code
       progress?.stop()
       status(`${sig}: stopping the workers (they dispose what they hold); again to kill them`)
-      for (const w of workers) if (!w.exited && w.child.connected) w.child.send({ t: 'stop' } satisfies ToWorker, () => {})
+      sendAll({ t: 'stop' })
       return
     }
     if (phase === 'report' && !interrupted) {
@@ -908,7 +919,7 @@ async function main(): Promise<number> {
       return
     }
     progress?.stop()
-    for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
+    killAll()
     status(`${sig}: cleaning up`)
     void cleanup.run().finally(() => process.exit(code))
   }
@@ -933,22 +944,30 @@ async function main(): Promise<number> {
 
     // Reflink shares extents within one file system only: a base (or template tree) on another file system than
     // the pool is first cloned into the pool (a workspace of its own, live for the whole run), and the workers
-    // clone that.
+    // clone that. `details` adds to the note what was copied and how long it took.
+    const copyIntoPool = async (
+      role: 'base' | 'template',
+      source: string,
+      entry: string,
+      details: (ws: Workspace, seconds: string) => string,
+    ) => {
+      const t0 = performance.now()
+      status(`the ${role} is on another file system than the pool: cloning it into the pool once (${rootFs})`)
+      const ws = await pool.allocate({ template: { [entry]: source }, meta: { demo: 'vmspace', role, source } })
+      cleanup.add(() => ws.dispose())
+      notes.push(
+        `the ${role} (${source}) is on another file system than the pool, so it was copied once into the pool's ` +
+          `${rootFs} (workspace ${ws.name}${details(ws, ((performance.now() - t0) / 1000).toFixed(1))}) and the ` +
+          `workspaces were cloned from that copy.`,
+      )
+      return ws
+    }
     let base = base0
     let baseWs: Workspace | undefined
     if (base0 && fs.statSync(base0.path).dev !== fs.statSync(root).dev) {
-      const t0 = performance.now()
-      status(`the base is on another file system than the pool: cloning it into the pool once (${rootFs})`)
-      baseWs = await pool.allocate({ template: { 'base.img': base0.path }, meta: { demo: 'vmspace', role: 'base', source: base0.path } })
-      const ws = baseWs
-      cleanup.add(() => ws.dispose())
+      baseWs = await copyIntoPool('base', base0.path, 'base.img', (_, seconds) => `, ${seconds} s, fsynced`)
       // Data is counted on the original: XFS keeps speculative preallocation (unwritten extents) in st_blocks.
       base = { ...(await baseInfo(path.join(baseWs.path, 'base.img'), base0.what)), allocated: base0.allocated }
-      notes.push(
-        `the base (${base0.path}) is on another file system than the pool, so it was copied once into the pool's ` +
-          `${rootFs} (workspace ${baseWs.name}, ${((performance.now() - t0) / 1000).toFixed(1)} s, fsynced) and the ` +
-          `workspaces were cloned from that copy.`,
-      )
     }
     let hashBefore = ''
     if (base) {
@@ -961,18 +980,11 @@ async function main(): Promise<number> {
     if (o.templateDir) {
       let dir = o.templateDir
       if (fs.statSync(dir).dev !== fs.statSync(root).dev) {
-        const t0 = performance.now()
-        status(`the template is on another file system than the pool: cloning it into the pool once (${rootFs})`)
-        baseWs = await pool.allocate({ template: { template: dir }, meta: { demo: 'vmspace', role: 'template', source: dir } })
-        const ws = baseWs
-        cleanup.add(() => ws.dispose())
+        baseWs = await copyIntoPool('template', dir, 'template', (ws, seconds) => {
+          const c = ws.template[0]
+          return `: ${c.files} files, ${humanBytes(c.bytes)}, ${seconds} s`
+        })
         dir = path.join(baseWs.path, 'template')
-        const c = baseWs.template[0]
-        notes.push(
-          `the template (${o.templateDir}) is on another file system than the pool, so it was copied once into the ` +
-            `pool's ${rootFs} (workspace ${baseWs.name}: ${c.files} files, ${humanBytes(c.bytes)}, ` +
-            `${((performance.now() - t0) / 1000).toFixed(1)} s) and the workspaces were cloned from that copy.`,
-        )
       }
       status(`hashing the template tree ${dir} (listing, modes, sizes, times, contents)`)
       const full = await treeManifest(dir, { contents: true })
@@ -1150,7 +1162,7 @@ async function main(): Promise<number> {
     const broken = () => workers.find((w) => (!w.chaosKilled && w.exited && (!w.finished || w.exitText)) || w.fatal)
     const stopAll = () => {
       stopping = true
-      for (const w of workers) if (!w.exited && w.child.connected) w.child.send({ t: 'stop' } satisfies ToWorker, () => {})
+      sendAll({ t: 'stop' })
     }
     let crashSeen = false
     const waitFor = async (cond: () => boolean) => {
@@ -1164,7 +1176,7 @@ async function main(): Promise<number> {
           failures.push(`no worker reported anything for ${STALL_MS / 1000} s: killed them`)
           crashSeen = true
           stopping = true
-          for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
+          killAll()
           await waitForExit()
           return
         }
@@ -1177,7 +1189,7 @@ async function main(): Promise<number> {
     const waitForExit = async () => {
       const deadline = Date.now() + 10_000
       while (workers.some((w) => !w.exited) && Date.now() < deadline) await sleep(50)
-      for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
+      killAll()
       while (workers.some((w) => !w.exited)) await sleep(50)
     }
 
@@ -1187,7 +1199,7 @@ async function main(): Promise<number> {
     const t0 = performance.now()
     lastHeard = t0
     started = true
-    for (const w of workers) if (!w.exited && w.child.connected) w.child.send({ t: 'go' } satisfies ToWorker, () => {})
+    sendAll({ t: 'go' })
     await waitFor(() => workers.every((w) => w.exited))
     const wall = (performance.now() - t0) / 1000
     progress.update(done)
@@ -1212,16 +1224,15 @@ async function main(): Promise<number> {
     if (interrupted) failures.push('interrupted')
 
     // ---- checks
-    const all = records
     // What the killed workers never finished is theirs to leave behind: it is checked by the sweep, below.
     const killedIndexes = new Set(killed.map((w) => w.index))
-    const orphaned = all.filter((r) => killedIndexes.has(r.worker) && !r.checked)
-    const lived = all.filter((r) => !orphaned.includes(r))
+    const orphaned = records.filter((r) => killedIndexes.has(r.worker) && !r.checked)
+    const lived = records.filter((r) => !orphaned.includes(r))
     const checked = lived.filter((r) => r.checked)
     const isolated = checked.filter((r) => r.checked!.marker && r.checked!.markerFile && r.checked!.contents)
     const disposed = checked.filter((r) => r.checked!.disposed)
-    const distinctPaths = new Set(all.map((r) => r.path)).size
-    const distinctIds = new Set(all.map((r) => r.id)).size
+    const distinctPaths = new Set(records.map((r) => r.path)).size
+    const distinctIds = new Set(records.map((r) => r.id)).size
     if (failed.length) {
       const shown = [...new Set(failed.map((f) => `${f.stage}: ${f.error}`))].slice(0, 3)
       failures.push(`${failed.length} allocate(s) failed, e.g.:\n    ${shown.join('\n    ')}`)
@@ -1236,8 +1247,8 @@ async function main(): Promise<number> {
       )
     }
     if (disposed.length < lived.length) failures.push(`${lived.length - disposed.length} workspace(s) were not disposed cleanly`)
-    if (distinctPaths < all.length || distinctIds < all.length)
-      failures.push(`workspaces shared paths or ids: ${distinctPaths} distinct paths, ${distinctIds} distinct ids for ${all.length} workspaces`)
+    if (distinctPaths < records.length || distinctIds < records.length)
+      failures.push(`workspaces shared paths or ids: ${distinctPaths} distinct paths, ${distinctIds} distinct ids for ${records.length} workspaces`)
 
     let hashAfter = ''
     if (base) {
@@ -1306,7 +1317,7 @@ async function main(): Promise<number> {
       for (const f of report.failed) failures.push(`sweep could not remove ${f.name} (${f.from}): ${f.code}`)
       if (report.live !== (baseWs ? 1 : 0) && ownRoot) problems.push(`sweep counted ${report.live} live workspace(s)`)
       for (const p of problems) failures.push(`chaos: ${p}`)
-      if (preexisting.length) notes.push(`the sweep also reclaimed ${preexisting.length} entr${preexisting.length === 1 ? 'y' : 'ies'} from before the run.`)
+      if (preexisting.length) notes.push(`the sweep also reclaimed ${entriesText(preexisting.length)} from before the run.`)
 
       const kinds = (k: string) => [...expected.values()].filter((v) => v === k).length
       const from = (k: string) => report.reclaimed.filter((e) => e.from === k && reclaimed.has(e.name)).length
@@ -1340,7 +1351,7 @@ async function main(): Promise<number> {
     const left = (await poolEntries(root)).filter((e) => !before.has(e))
     if (left.length) {
       let text =
-        `${left.length} entr${left.length === 1 ? 'y' : 'ies'} left in the pool after dispose: ` +
+        `${entriesText(left.length)} left in the pool after dispose: ` +
         `${left.slice(0, 5).join(', ')}${left.length > 5 ? ', ...' : ''}` +
         (leftovers.length ? ` (${leftovers.filter((l) => !l.live).length} workspace(s) without a live lease)` : '')
       // What a dead process left has its leases free: a sweep reclaims it (and never touches a live one). In a
@@ -1358,7 +1369,7 @@ async function main(): Promise<number> {
       failures.push(text)
     }
     await pool.close()
-    if (before.size) notes.push(`${before.size} entr${before.size === 1 ? 'y' : 'ies'} that were in ${root} before the run are not counted.`)
+    if (before.size) notes.push(`${entriesText(before.size)} that were in ${root} before the run are not counted.`)
 
     // ---- notes
     const reflinks = methodCount.reflink ?? 0
@@ -1393,12 +1404,12 @@ async function main(): Promise<number> {
     ]
     if (tree) {
       rows.push(
-        ['files / bytes per workspace', `${spread(all.map((r) => r.files), String)} files / ${spread(all.map((r) => r.bytes), humanBytes)}`],
+        ['files / bytes per workspace', `${spread(records.map((r) => r.files), String)} files / ${spread(records.map((r) => r.bytes), humanBytes)}`],
         [
           'file clones (reflink / copy)',
           `${fileClones.reflink} / ${fileClones.copy} (the workers' pool.stats()${killed.length ? `, the ${killed.length} killed not counted` : ''})`,
         ],
-        ['bytes cloned', `${humanBytes(bytes)} in ${all.reduce((n, r) => n + r.files, 0)} files`],
+        ['bytes cloned', `${humanBytes(bytes)} in ${records.reduce((n, r) => n + r.files, 0)} files`],
         [
           'isolation checks passed',
           `${isolated.length}/${lived.length} (own ${TREE_MARKER} only${tree.spec.probe ? `, own marker in its clone of ${tree.spec.probe}` : ''}, tree = template)`,
@@ -1410,7 +1421,7 @@ async function main(): Promise<number> {
         ['isolation checks passed', `${isolated.length}/${lived.length} (own marker only, at offset ${MARKER_OFFSET} and in ${MARKER_FILE})`],
       )
     }
-    rows.push(['distinct paths / ids', `${distinctPaths}/${all.length} / ${distinctIds}/${all.length}`])
+    rows.push(['distinct paths / ids', `${distinctPaths}/${records.length} / ${distinctIds}/${records.length}`])
     if (tree)
       rows.push([
         'template unchanged',
@@ -1450,10 +1461,10 @@ async function main(): Promise<number> {
     return failures.length || errors.length ? 1 : 0
   } catch (e) {
     progress?.stop()
-    for (const w of workers) if (!w.exited) w.child.kill('SIGKILL')
+    killAll()
     const errors = await cleanup.run()
     if (interrupted) return interruptCode
-    process.stderr.write(`vmspace demo: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`)
+    process.stderr.write(`vmspace demo: ${describeWithStack(e)}\n`)
     for (const c of errors) process.stderr.write(`vmspace demo: cleanup: ${c}\n`)
     return 1
   }
@@ -1469,7 +1480,7 @@ if (process.env[ROLE_ENV] === 'worker' && process.send) {
       process.exitCode = code
     },
     (e) => {
-      process.stderr.write(`vmspace demo: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`)
+      process.stderr.write(`vmspace demo: ${describeWithStack(e)}\n`)
       process.exitCode = 1
     },
   )
