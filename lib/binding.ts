@@ -92,7 +92,8 @@ export interface Native {
   exchange(a: string, b: string): Promise<void>
   releaseLease(fd: number): Promise<void>
   lockOpen(path: string, shared: boolean): Promise<{ fd: number; acquired: boolean }>
-  lockWait(fd: number, shared: boolean, done: (errno: number) => void): WaitHandle
+  /** done gets the fd the wait ends with (a new one when the file at `path` was replaced meanwhile): the caller's to release. */
+  lockWait(fd: number, path: string, shared: boolean, done: (errno: number, fd: number, syscall: string) => void): WaitHandle
   lockCancel(handle: WaitHandle): void
   lockRelease(fd: number): Promise<void>
   readIndex(path: string): Promise<Buffer | undefined>

@@ -55,9 +55,13 @@ function timeoutOption(value: unknown): number | undefined {
 /**
  * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open).
  * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
- * releases a lock when its holder exits or is killed. Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`,
- * an AbortError, the errno of open/flock, or `EAGAIN` (syscall `pthread_create`) when no thread can be started
- * for a wait (RLIMIT_NPROC).
+ * releases a lock when its holder exits or is killed. The lock is on the file at `path` when granted: a lock file
+ * deleted or replaced while this call waited is dropped and the new file is locked (waiting again if need be), so
+ * a waiter never ends up holding a dead inode beside whoever locked the new file. Deleting a lock file that is
+ * held still lets the next caller in beside its holder: keep tmp cleaners away from lock files.
+ * Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`, an AbortError, the errno of open/flock (`ESTALE` when
+ * the file was replaced 64 times in a row as it was locked), of fstat/stat, or `EAGAIN` (syscall
+ * `pthread_create`) when no thread can be started for a wait (RLIMIT_NPROC).
  */
 export async function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
   const p = absolutePath('path', path)
@@ -98,26 +102,27 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
     }
     const onAbort = () => cancel('abort')
     // Closes the fd (which drops any lock it got), then rejects.
-    const releaseAndReject = (error: () => Error) => call(native.lockRelease(fd)).then(() => reject(error()), reject)
-    const onDone = (errno: number) => {
+    const releaseAndReject = (fd: number, error: () => Error) => call(native.lockRelease(fd)).then(() => reject(error()), reject)
+    // `held`: the wait's fd, a new one when the lock file was replaced while it waited.
+    const onDone = (errno: number, held: number, syscall: string) => {
       clearTimeout(timer)
       clearInterval(repeat)
       signal?.removeEventListener('abort', onAbort)
-      if (errno === 0 && !cancelledBy) return resolve(new FileLock(p, shared, fd))
+      if (errno === 0 && !cancelledBy) return resolve(new FileLock(p, shared, held))
       // Granted just as it was cancelled, or failed.
-      void releaseAndReject(() =>
+      void releaseAndReject(held, () =>
         cancelledBy === 'abort'
           ? new AbortError(signal?.reason)
           : cancelledBy === 'timeout'
             ? vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' })
-            : errnoError(errno, 'flock', p),
+            : errnoError(errno, syscall, p),
       )
     }
     try {
-      handle = native.lockWait(fd, shared, onDone)
+      handle = native.lockWait(fd, p, shared, onDone)
     } catch (e) {
       // No thread could be started for the wait (EAGAIN: RLIMIT_NPROC or the kernel's limit); nothing waits.
-      void releaseAndReject(() => errnoError((e as { errno?: number }).errno ?? 11 /* EAGAIN */, 'pthread_create', p))
+      void releaseAndReject(fd, () => errnoError((e as { errno?: number }).errno ?? 11 /* EAGAIN */, 'pthread_create', p))
       return
     }
     if (timeoutMs !== undefined) timer = setTimeout(() => cancel('timeout'), timeoutMs)
@@ -149,6 +154,8 @@ const utf8 = new TextDecoder('utf-8', { fatal: true })
  * rename over → fsync of the directory when `durable` → release. Returns what was written; when `mutate` returns
  * undefined nothing is written and the current value is returned (undefined for a missing file).
  * The replacement keeps the old file's mode and owner (where permitted); a new file gets 0666 less the umask.
+ * Each write first removes the temps (`.<name>.tmp-<12 hex>`, regular files) that writers killed before their
+ * rename left next to `path`: temps are made only under the lock, so no live writer owns one.
  * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is
  * replaced by a file: give the real path.
  * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`

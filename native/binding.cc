@@ -450,7 +450,8 @@ void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter* waiter, LockWa
 using LockWaitTsfn = Napi::TypedThreadSafeFunction<LockWaiter, LockWaitDone, lockWaitCallJs>;
 
 struct LockWaiter {
-  int fd;
+  int fd;  // the wait's own until its callback: replaced when the file at `path` was (lockFollowPath)
+  std::string path;
   bool shared;
   pthread_t thread{};
   std::mutex mu;
@@ -464,6 +465,7 @@ using WaiterRef = std::shared_ptr<LockWaiter>;
 struct LockWaitDone {
   WaiterRef waiter;
   int err;
+  const char* syscall;  // of err: "flock", or the fstat/stat/open of lockFollowPath
 };
 
 // On the JS thread, or with a null env while the env is torn down (the wait's result is then dropped, and so is
@@ -478,7 +480,8 @@ void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter*, LockWaitDone*
   Instance& inst = instance(env);
   inst.waiters.erase(done->waiter);
   inst.locks.insert(done->waiter->fd);
-  cb.Call({Napi::Number::New(env, done->err)});
+  cb.Call({Napi::Number::New(env, done->err), Napi::Number::New(env, done->waiter->fd),
+           Napi::String::New(env, done->syscall)});
 }
 
 // Interrupts a waiting thread (see LockCancel); a no-op once the thread is done.
@@ -496,18 +499,20 @@ Instance::~Instance() {
   for (auto& w : waiters) cancelWaiter(*w);
 }
 
-// lockWait(fd, shared, callback(errno)): callback gets 0 once the lock is held, ECANCELED after lockCancel, or
-// the errno of flock. Returns the handle for lockCancel.
+// lockWait(fd, path, shared, callback(errno, fd, syscall)): callback gets 0 once the lock is held on the file at
+// `path`, ECANCELED after lockCancel, or the errno of `syscall`; with the fd it ends with, which the caller
+// releases (a new one when the file was replaced during the wait). Returns the handle for lockCancel.
 Napi::Value LockWait(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   auto waiter = std::make_shared<LockWaiter>();
   waiter->fd = static_cast<int>(intArg(info, 0));
-  waiter->shared = boolArg(info, 1);
-  if (!info[2].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: callback must be a function");
+  waiter->path = stringArg(info, 1);
+  waiter->shared = boolArg(info, 2);
+  if (!info[3].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: callback must be a function");
   // Node frees a thread-safe function when its env is torn down, even while a thread still holds it; the
   // finalizer tells the thread (under mu) not to touch it any more.
   waiter->tsfn = LockWaitTsfn::New(
-      env, info[2].As<Napi::Function>(), "vmspace lock wait", 0, 1, waiter.get(),
+      env, info[3].As<Napi::Function>(), "vmspace lock wait", 0, 1, waiter.get(),
       [](Napi::Env, WaiterRef* ref, LockWaiter*) {
         {
           std::lock_guard<std::mutex> lock((*ref)->mu);
@@ -522,6 +527,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   auto wait = [waiter, sig] {
     // No V8 here: runs on the wait's own thread.
     int err;
+    const char* syscall = "flock";
     for (;;) {
       if (waiter->cancelled.load()) {
         err = ECANCELED;
@@ -530,12 +536,19 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
       if (sig) {
         err = vmspace::lockWaitBlocking(waiter->fd, waiter->shared);
         if (err == EINTR) continue;  // a cancel (or another signal): check the flag again
-        break;
+      } else {
+        // No signal to interrupt a blocking wait with: poll without blocking instead.
+        err = vmspace::lockTry(waiter->fd, waiter->shared);
+        if (err == EWOULDBLOCK) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          continue;
+        }
       }
-      // No signal to interrupt a blocking wait with: poll without blocking instead.
-      err = vmspace::lockTry(waiter->fd, waiter->shared);
-      if (err != EWOULDBLOCK) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      if (err != 0) break;
+      // Granted: on the file at the path, or on one deleted meanwhile (then wait again on the new one).
+      err = vmspace::lockFollowPath(waiter->path, &waiter->fd, &syscall);
+      if (err != EAGAIN) break;
+      syscall = "flock";
     }
     std::lock_guard<std::mutex> lock(waiter->mu);
     waiter->done = true;
@@ -543,7 +556,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
       ::close(waiter->fd);  // the env is gone: drop the lock (if we got it) here
       return;
     }
-    auto* done = new LockWaitDone{waiter, err};
+    auto* done = new LockWaitDone{waiter, err, syscall};
     if (waiter->tsfn.BlockingCall(done) != napi_ok) {
       ::close(waiter->fd);
       delete done;

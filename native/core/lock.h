@@ -8,9 +8,25 @@
 namespace vmspace {
 
 // Opens (creating, mode 0600) the lock file `path` and tries flock without blocking. Returns the fd (O_CLOEXEC)
-// and sets *acquired; when not acquired the fd is still returned, for a wait (lockWaitBlocking). The lock file is
-// never deleted: a waiter may hold it open.
+// and sets *acquired; when not acquired the fd is still returned, for a wait (lockWaitBlocking, then
+// lockFollowPath). A lock granted on a file that is no longer at `path` is dropped and the new file is locked
+// (lockFollowPath). The lock file is never deleted: a waiter may hold it open (see lockFollowPath).
 int lockOpen(const std::string& path, bool shared, bool* acquired);
+
+// Opens the lock file `path` for flock (creating it, mode 0600; read-only where it cannot be created or written):
+// the fd, or -1 with *err set to the errno of open(2).
+int lockOpenFile(const std::string& path, int* err);
+
+// Called once flock was granted on *fd, which was opened from `path`. A lock file deleted (or renamed over) while
+// others wait on it splits the lock: waiters hold the dead inode open, while a newcomer opens and locks the new
+// file at `path`, so the old holder's release would grant a waiter alongside the newcomer. Returns 0 when the
+// locked inode is still the file at `path` (same device and inode, link count above 0): the lock is good. Returns
+// EAGAIN when it is not: *fd is then closed and replaced by a fresh open of `path`, not locked yet, for the caller
+// to lock again. Else the errno of fstat/stat/open, with *syscall naming it (*fd is left as it was).
+// This is why vmspace never deletes a lock file, on release or anywhere else: a release that unlinked it would
+// make exactly this race for every waiter, and the check here cannot help a holder whose file is deleted after it
+// was granted (a newcomer then locks the new file alongside it).
+int lockFollowPath(const std::string& path, int* fd, const char** syscall);
 
 // One flock(2) try without blocking: 0 when granted, else the errno (EWOULDBLOCK while another holds it).
 int lockTry(int fd, bool shared);
@@ -26,8 +42,14 @@ int lockCancelSignal();
 // Reads the whole file; false when it does not exist (ENOENT). Other errors are thrown (EISDIR for a directory).
 bool readWholeFile(const std::string& path, std::string* out);
 
-// Replaces `path` atomically with `data`: temp file (O_EXCL, same directory) -> write -> fsync -> rename(2)
-// over -> fsync of the directory when `durable`. The temp file never survives a failure.
+// Replaces `path` atomically with `data`: temp file `.<name>.tmp-<12 hex>` (O_EXCL, same directory) -> write ->
+// fsync -> rename(2) over -> fsync of the directory when `durable`. The temp file never survives a failure; the
+// temps of writers killed before their rename are removed first (removeIndexTemps). Only under the index's lock.
 void replaceFile(const std::string& path, const std::string& data, bool durable);
+
+// Removes the temp files replaceFile names for the index `leaf` in dirFd (`.<leaf>.tmp-` and exactly 12 lowercase
+// hex characters, regular files only; the temps of other names are left alone). Only for the holder of the
+// index's lock: writers create temps only while holding it, so no live writer owns one. Returns how many it removed.
+int removeIndexTemps(int dirFd, const std::string& dirPath, const std::string& leaf);
 
 }  // namespace vmspace
