@@ -48,7 +48,7 @@ export type WaitHandle = { readonly __brand: 'WaitHandle' }
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
-  openPool(root: string, create: boolean): Promise<{ handle: PoolHandle; bootId: string }>
+  openPool(root: string, create: boolean, sharedGid: number): Promise<{ handle: PoolHandle; bootId: string }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(
     handle: PoolHandle,

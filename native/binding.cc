@@ -45,6 +45,9 @@ Napi::Object errorObject(Napi::Env env, const Error& e) {
   if (!e.path.empty()) o.Set("path", e.path);
   if (!e.dest.empty()) o.Set("dest", e.dest);
   if (!e.detail.empty()) o.Set("detail", e.detail);
+  if (e.uid >= 0) o.Set("uid", static_cast<double>(e.uid));
+  if (e.gid >= 0) o.Set("gid", static_cast<double>(e.gid));
+  if (e.mode >= 0) o.Set("mode", e.mode);
   return o;
 }
 
@@ -204,10 +207,11 @@ Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspac
 Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   std::string root = stringArg(info, 0);
   bool create = boolArg(info, 1);
+  int64_t sharedGid = intArg(info, 2);  // -1: none
   return Work<std::shared_ptr<vmspace::Pool>>::Start(
       info.Env(),
-      [root, create] {
-        auto pool = vmspace::Pool::open(root, create);
+      [root, create, sharedGid] {
+        auto pool = vmspace::Pool::open(root, create, sharedGid);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
       },
