@@ -79,7 +79,11 @@ bool makeDirExact(int at, const char* name, mode_t mode, long long gid, const st
   }
   UniqueFd fd(openat(at, name, kDirFlags));
   if (!fd) throwErrno(errno, "open", shown);
-  if (gid >= 0 && fchown(fd.get(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", shown);
+  // A setgid bit the kernel gave it (inherited from a setgid parent, mkdir(2)) is kept: entries keep that group.
+  if (gid < 0) mode |= st.st_mode & S_ISGID;
+  else if (fchown(fd.get(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
     throwErrno(errno, "fchown", shown);
   if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
   return true;
