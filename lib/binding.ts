@@ -98,6 +98,8 @@ export interface Native {
   readIndex(path: string): Promise<Buffer | undefined>
   writeIndex(path: string, text: string, durable: boolean): Promise<void>
   setTestIds(ids: string[]): void
+  /** Test seam: the next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
+  setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
 }
 
 // lib/ and dist/ are both one level below the package root, where binding.gyp and build/ live.

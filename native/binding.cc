@@ -639,6 +639,23 @@ Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
+// Test seam (see core/pool.h): [name, flockErrno] pairs, the faults of the next sweep entries of those names.
+Napi::Value SetSweepFaultsForTest(const Napi::CallbackInfo& info) {
+  std::vector<vmspace::SweepFault> faults;
+  if (info[0].IsArray()) {
+    Napi::Array a = info[0].As<Napi::Array>();
+    for (uint32_t i = 0; i < a.Length(); i++) {
+      Napi::Value v = a.Get(i);
+      if (!v.IsArray()) continue;
+      Napi::Array pair = v.As<Napi::Array>();
+      if (pair.Length() != 2 || !pair.Get(0u).IsString() || !pair.Get(1u).IsNumber()) continue;
+      faults.push_back({pair.Get(0u).As<Napi::String>().Utf8Value(), pair.Get(1u).As<Napi::Number>().Int32Value()});
+    }
+  }
+  vmspace::setSweepFaultsForTest(std::move(faults));
+  return info.Env().Undefined();
+}
+
 // Context-aware (NAPI_MODULE_INIT via NODE_API_MODULE): no process-wide JS state; loads in every worker thread.
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
   env.SetInstanceData(new Instance());  // deleted (its leases closed) when the env is torn down
@@ -665,6 +682,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("readIndex", Napi::Function::New(env, ReadIndex, "readIndex"));
   exports.Set("writeIndex", Napi::Function::New(env, WriteIndex, "writeIndex"));
   exports.Set("setTestIds", Napi::Function::New(env, SetTestIds, "setTestIds"));
+  exports.Set("setSweepFaultsForTest", Napi::Function::New(env, SetSweepFaultsForTest, "setSweepFaultsForTest"));
   return exports;
 }
 

@@ -7,7 +7,8 @@
 import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { describe, expect, test } from 'vitest'
+import { afterEach, describe, expect, test } from 'vitest'
+import { native } from '../lib/binding.js'
 import { openPool, VmspaceError } from '../lib/index.js'
 import {
   bindInto,
@@ -20,6 +21,7 @@ import {
   needs,
   orphan,
   poolState,
+  tryFlockPath,
   repoRoot,
   snapshotTree,
 } from './helpers.js'
@@ -301,5 +303,60 @@ describe('sweep reports real failures only, each in its entry', () => {
       expect(poolState(pool.root)).toEqual({ ...emptyPoolState, trash: [stuck.name] })
       expect(snapshotTree(outside)).toEqual(outsideBefore)
     })
+  })
+})
+
+// Faults no real file system gives on demand come from the native test seam setSweepFaultsForTest: the next sweep
+// entry of a name fails as if handling it threw std::bad_alloc, or as if its flock probe failed with an errno.
+describe('sweep: one entry fault stays in that entry', () => {
+  afterEach(() => native.setSweepFaultsForTest([]))
+  const ENOLCK = 37
+
+  test('std::bad_alloc while handling one orphan: that entry is failed with ENOMEM, untouched; the others are reclaimed; the next sweep reclaims it', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const [a, b, c] = [await orphan(pool), await orphan(pool), await orphan(pool)]
+    native.setSweepFaultsForTest([[b.name, 0]])
+    const report = await pool.sweep()
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall} ${e.error.errno}`)).toEqual([
+      `${b.name} published ENOMEM malloc -12`,
+    ])
+    expect(report.failed[0].error).toMatchObject({ path: b.path })
+    expect(report.reclaimed.map((e) => e.name).sort()).toEqual([a.name, c.name].sort())
+    expect(fs.readFileSync(path.join(b.path, 'own.txt'), 'utf8')).toBe(b.id)
+    const again = await pool.sweep()
+    expect(again).toMatchObject({ failed: [], reclaimed: [expect.objectContaining({ name: b.name, from: 'published' })] })
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('std::bad_alloc while handling a trash entry: failed with ENOMEM from trash, the other trash entry reclaimed', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const trash = path.join(pool.root, '.vmspace', 'trash')
+    for (const n of ['vm-x', 'vm-y']) fs.mkdirSync(path.join(trash, n, 'sub'), { recursive: true })
+    native.setSweepFaultsForTest([['vm-x', 0]])
+    const report = await pool.sweep()
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code}`)).toEqual(['vm-x trash ENOMEM'])
+    expect(report.reclaimed.map((e) => `${e.name} ${e.from}`)).toEqual(['vm-y trash'])
+    expect(fs.readdirSync(trash)).toEqual(['vm-x'])
+  })
+
+  test('a lease probe that cannot decide (flock fails with ENOLCK) is reported failed with syscall flock, neither live nor touched', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const dead = await orphan(pool)
+    const other = await orphan(pool)
+    const held = await pool.allocate()
+    native.setSweepFaultsForTest([
+      [dead.name, ENOLCK],
+      [held.name, ENOLCK],
+    ])
+    const report = await pool.sweep()
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall}`).sort()).toEqual(
+      [`${dead.name} published ENOLCK flock`, `${held.name} published ENOLCK flock`].sort(),
+    )
+    expect(report.live).toBe(0)
+    expect(report.reclaimed.map((e) => e.name)).toEqual([other.name])
+    expect(fs.readFileSync(path.join(dead.path, 'own.txt'), 'utf8')).toBe(dead.id)
+    expect(tryFlockPath(held.path)).toBe(99) // the lease is still its owner's
+    expect(await pool.sweep()).toMatchObject({ failed: [], live: 1, reclaimed: [expect.objectContaining({ name: dead.name })] })
+    await held.dispose()
   })
 })

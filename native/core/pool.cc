@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
 #include <new>
 #include <unordered_set>
 
@@ -274,7 +275,31 @@ bool isWorkspaceName(const char* name) {
   return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
 }
 
+std::mutex g_faultMutex;
+std::vector<SweepFault> g_faults;  // guarded by g_faultMutex
+bool g_faultsActive = false;       // read without the mutex: a stale false only delays a fault set meanwhile
+
+// Whether setSweepFaultsForTest set a fault for `name` of that kind (a flock errno, or bad_alloc when
+// `flockErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
+int takeSweepFault(const std::string& name, bool flockErrno) {
+  if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
+  std::lock_guard<std::mutex> hold(g_faultMutex);
+  for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
+    if (it->name != name || (it->flockErrno != 0) != flockErrno) continue;
+    int err = flockErrno ? it->flockErrno : 1;
+    g_faults.erase(it);
+    return err;
+  }
+  return 0;
+}
+
 }  // namespace
+
+void setSweepFaultsForTest(std::vector<SweepFault> faults) {
+  std::lock_guard<std::mutex> hold(g_faultMutex);
+  g_faults = std::move(faults);
+  __atomic_store_n(&g_faultsActive, !g_faults.empty(), __ATOMIC_RELEASE);
+}
 
 const std::string& bootId() {
   static const std::string id = [] {
@@ -614,6 +639,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   // is no failure: a dispose, publish or sweep elsewhere finished it meanwhile.
   auto guarded = [&](const std::string& name, const char* from, const std::string& shown, auto&& handle) {
     try {
+      if (takeSweepFault(name, false)) throw std::bad_alloc();  // test seam
       handle();
     } catch (...) {
       Error err = entryError(shown);
@@ -661,7 +687,12 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
         if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;
         throwErrno(errno, "open", path(name));
       }
-      if (!tryLease(fd.get(), probeDeadline)) {
+      bool leased = tryLease(fd.get(), probeDeadline);
+      if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
+        leased = false;
+        errno = fault;
+      }
+      if (!leased) {
         if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(name));  // a probe that cannot decide
         report.live++;
         return;

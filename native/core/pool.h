@@ -135,4 +135,13 @@ class Pool {
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).
 const std::string& bootId();
 
+// Test seam: faults no real file system gives on demand. The next sweep entry named `name` fails as if handling it
+// threw std::bad_alloc (flockErrno 0), or as if its lease probe failed with `flockErrno`; each applies once.
+// Process-wide; an empty list clears it.
+struct SweepFault {
+  std::string name;
+  int flockErrno = 0;
+};
+void setSweepFaultsForTest(std::vector<SweepFault> faults);
+
 }  // namespace vmspace
