@@ -65,7 +65,7 @@ function timeoutOption(value: unknown): number | undefined {
  */
 export async function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
   const p = absolutePath('path', path)
-  const o = optionsObject<LockOptions>('options', options)
+  const o = optionsObject<LockOptions>('options', options, { shared: true, wait: true, timeoutMs: true, signal: true })
   const shared = boolean('options.shared', o.shared, false)
   const wait = boolean('options.wait', o.wait, true)
   const timeoutMs = timeoutOption(o.timeoutMs)
@@ -170,7 +170,7 @@ export async function updateJsonFile<T>(
   const p = absolutePath('path', path)
   const fn = func<(current: T | undefined) => T | Promise<T>>('mutate', mutate)
   if (!fn) throw invalidType('mutate', 'a function', mutate)
-  const o = optionsObject<UpdateJsonOptions>('options', options)
+  const o = optionsObject<UpdateJsonOptions>('options', options, { durable: true, timeoutMs: true, create: true })
   const durable = boolean('options.durable', o.durable, false)
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')

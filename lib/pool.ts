@@ -171,7 +171,9 @@ class InFlight {
  */
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
-  const o = optionsObject<PoolOptions>('options', options)
+  const o = optionsObject<PoolOptions>('options', options, {
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true,
+  })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
   if (typeof prefix !== 'string') throw invalidType('options.prefix', 'a string', prefix)
@@ -216,7 +218,7 @@ export class Pool {
    * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, or an AbortError.
    */
   async allocate(options?: AllocateOptions): Promise<Workspace> {
-    const o = optionsObject<AllocateOptions>('options', options)
+    const o = optionsObject<AllocateOptions>('options', options, { template: true, meta: true, mode: true, signal: true })
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
@@ -327,7 +329,7 @@ export class Pool {
    * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
    */
   async sweep(options?: SweepOptions): Promise<SweepReport> {
-    const o = optionsObject<SweepOptions>('options', options)
+    const o = optionsObject<SweepOptions>('options', options, { dryRun: true, graceMs: true })
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
     this.#assertOpen()
