@@ -6,7 +6,7 @@ import { parseArgs } from 'node:util'
 import { CRASH_ENV, describe, MARKER_LEN, MARKER_OFFSET, ROOTFS, TREE_MARKER } from './protocol.js'
 import { statOrUndefined } from './util.js'
 
-export const HELP = `Usage: npm run demo -- [options]      (node dist/demo.js [options])
+export const HELP = `Usage: vmspace demo [options]      (npm run demo -- [options])
 
 Shows what vmspace is for: worker processes share one pool and together make many
 workspaces at once, each with a private copy-on-write clone of a real base image as
