@@ -20,6 +20,7 @@ export interface CloneCliOptions {
 class CloneProgress {
   #bar: SingleBar | undefined
   #lastTenth = 0
+  #stopped = false
   constructor(readonly total: number) {
     if (process.stderr.isTTY && total > 0) {
       this.#bar = new SingleBar(
@@ -36,6 +37,7 @@ class CloneProgress {
     }
   }
   update(p: CloneProgressEvent): void {
+    if (this.#stopped) return
     if (this.#bar) {
       this.#bar.update(Math.min(p.bytes, this.total), { done: humanBytes(p.bytes), all: humanBytes(this.total), files: p.files })
       return
@@ -47,6 +49,7 @@ class CloneProgress {
     }
   }
   stop(): void {
+    this.#stopped = true
     this.#bar?.stop()
     this.#bar = undefined
   }
@@ -79,6 +82,7 @@ export async function clone(srcArg: string, dstArg: string, opts: CloneCliOption
   let r: CloneResult
   try {
     r = await cloneTree(src, dst, { reflink: opts.reflink, overwrite: opts.overwrite, signal: abort.signal, onProgress: (p) => progress.update(p) })
+    progress.update({ files: r.files, bytes: r.bytes })
   } catch (e) {
     // An interrupt removed whatever was built; the status says which signal.
     if (interrupted) {
@@ -91,7 +95,6 @@ export async function clone(srcArg: string, dstArg: string, opts: CloneCliOption
     progress.stop()
     for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.off(sig, onSignal)
   }
-  progress.update({ files: r.files, bytes: r.bytes })
   const skipped = (r.skipped?.sockets ?? 0) + (r.skipped?.devices ?? 0)
   if (opts.json) printJson({ source: src, ...r })
   else

@@ -13,6 +13,7 @@ import {
   bindInto,
   emptyPoolState,
   freshDir,
+  killOnFinish,
   ls,
   metaPath,
   mounts,
@@ -293,6 +294,26 @@ describe('vmspace run', () => {
     expect(await child.line(1)).toBe('ready')
     child.proc.kill('SIGINT')
     expect(await child.exited).toEqual({ code: 130, signal: null })
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('CMD holds the lease itself: with vmspace SIGKILLed, the workspace stays live until CMD exits, then a sweep reclaims it', async () => {
+    const root = path.join(freshDir(), 'pool')
+    // Not `read`: once vmspace is gone, Node closes the pipe to its stdin. The sleep runs without the lease.
+    const script = 'trap \'kill $!; exit 0\' TERM; sleep 1000 3<&- & echo $$; echo "$VMSPACE_ID"; wait'
+    const child = runChild(['--pool', root, '--', 'sh', '-c', script])
+    const pid = Number(await child.line(1))
+    killOnFinish(pid)
+    const id = await child.line(2)
+    const vmspaceExit = new Promise((r) => child.proc.once('exit', r))
+    child.proc.kill('SIGKILL')
+    await vmspaceExit
+    expect(json(['sweep', root, '--grace', '0'])).toMatchObject({ reclaimed: [], live: 1, failed: [] })
+    expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true })])
+
+    process.kill(pid, 'SIGTERM')
+    await child.exited // the pipes close when sh, their last holder, exits
+    expect(json(['sweep', root, '--grace', '0'])).toMatchObject({ reclaimed: [{ id, from: 'published' }], live: 0, failed: [] })
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
