@@ -127,6 +127,17 @@ function ownerRunning(info: WorkspaceInfo, bootId: string | null): boolean | nul
   }
 }
 
+interface Inspected extends WorkspaceJson {
+  metadataPath: string
+  /** The lease is free: a sweep would reclaim it, `adopt` would take it over. */
+  reclaimable: boolean
+  /** The workspace was made in this boot (null: not recorded). */
+  sameBoot: boolean | null
+  ownerRunning: boolean | null
+  directory: { mode: string; uid: number; gid: number; dev: string; ino: string } | null
+  usage: TreeUsage | null
+}
+
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
   if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
@@ -138,49 +149,51 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
   }
   const { json, usage } = await describeWorkspace(info, Date.now())
   const bootId = currentBootId()
-  let dir: { mode: string; uid: number; gid: number; dev: string; ino: string } | null = null
+  let directory: Inspected['directory'] = null
   try {
     const st = fs.lstatSync(info.path, { bigint: true })
-    dir = { mode: (st.mode & 0o7777n).toString(8).padStart(4, '0'), uid: Number(st.uid), gid: Number(st.gid), dev: String(st.dev), ino: String(st.ino) }
+    directory = { mode: (st.mode & 0o7777n).toString(8).padStart(4, '0'), uid: Number(st.uid), gid: Number(st.gid), dev: String(st.dev), ino: String(st.ino) }
   } catch (e) {
     json.error ??= errorJson(e)
   }
-  const full = {
+  const full: Inspected = {
     ...json,
     metadataPath: path.join(root, '.vmspace', 'meta', `${info.name}.json`),
-    /** The lease is free: a sweep would reclaim it, `adopt` would take it over. */
     reclaimable: !info.live,
     sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,
     ownerRunning: ownerRunning(info, bootId),
-    directory: dir,
+    directory,
     usage: usage ?? null,
   }
   if (opts.json) printJson(full)
-  else {
-    const lines: [string, string][] = [
-      ['id', full.id],
-      ['name', full.name],
-      ['path', full.path],
-      ['state', `${full.live ? 'live (a process holds the lease)' : 'free (no process holds the lease: a sweep reclaims it)'}`],
-      ['created', full.createdAt === null ? '-' : `${new Date(full.createdAt).toISOString()} (${humanAge(full.ageMs!)} ago)`],
-      ['owner', `${full.pid ?? '-'} on ${full.hostname ?? '-'}${full.ownerRunning === null ? '' : full.ownerRunning ? ' (running)' : ' (gone)'}`],
-      ['boot', `${full.bootId ?? '-'}${full.sameBoot === null ? '' : full.sameBoot ? ' (this boot)' : ' (an earlier boot)'}`],
-      ['meta', full.meta === null ? '-' : JSON.stringify(full.meta)],
-      ['metadata', full.metadataPath],
-      ['directory', dir ? `mode ${dir.mode}, uid ${dir.uid}, gid ${dir.gid}, dev ${dir.dev}, ino ${dir.ino}` : '-'],
-      [
-        'usage',
-        usage
-          ? `${humanBytes(usage.allocatedBytes)} allocated, ${humanBytes(usage.logicalBytes)} in ${usage.files} files, ${usage.dirs} dirs, ${usage.others} others` +
-            (usage.skipped ? `, ${usage.skipped} dirs not entered (mounts)` : '')
-          : '-',
-      ],
-    ]
-    for (const t of full.template)
-      lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}, ${humanBytes(t.size)})`])
-    if (full.error) lines.push(['error', full.error.message])
-    const w = Math.max(...lines.map((l) => l[0].length))
-    process.stdout.write(lines.map(([k, v]) => `${k.padEnd(w)}  ${v}`).join('\n') + '\n')
-  }
+  else process.stdout.write(inspectText(full))
   return full.error ? EXIT_FAILED : EXIT_OK
+}
+
+/** `key  value` lines for people. */
+function inspectText(w: Inspected): string {
+  const { directory: dir, usage } = w
+  const lines: [string, string][] = [
+    ['id', w.id],
+    ['name', w.name],
+    ['path', w.path],
+    ['state', w.live ? 'live (a process holds the lease)' : 'free (no process holds the lease: a sweep reclaims it)'],
+    ['created', w.createdAt === null ? '-' : `${new Date(w.createdAt).toISOString()} (${humanAge(w.ageMs!)} ago)`],
+    ['owner', `${w.pid ?? '-'} on ${w.hostname ?? '-'}${w.ownerRunning === null ? '' : w.ownerRunning ? ' (running)' : ' (gone)'}`],
+    ['boot', `${w.bootId ?? '-'}${w.sameBoot === null ? '' : w.sameBoot ? ' (this boot)' : ' (an earlier boot)'}`],
+    ['meta', w.meta === null ? '-' : JSON.stringify(w.meta)],
+    ['metadata', w.metadataPath],
+    ['directory', dir ? `mode ${dir.mode}, uid ${dir.uid}, gid ${dir.gid}, dev ${dir.dev}, ino ${dir.ino}` : '-'],
+    [
+      'usage',
+      usage
+        ? `${humanBytes(usage.allocatedBytes)} allocated, ${humanBytes(usage.logicalBytes)} in ${usage.files} files, ${usage.dirs} dirs, ${usage.others} others` +
+          (usage.skipped ? `, ${usage.skipped} dirs not entered (mounts)` : '')
+        : '-',
+    ],
+  ]
+  for (const t of w.template) lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}, ${humanBytes(t.size)})`])
+  if (w.error) lines.push(['error', w.error.message])
+  const width = Math.max(...lines.map((l) => l[0].length))
+  return lines.map(([k, v]) => `${k.padEnd(width)}  ${v}`).join('\n') + '\n'
 }
