@@ -81,6 +81,8 @@ class Pool {
  public:
   // Opens (with `create`, makes) the pool at `root`, an absolute path. Errors: the errno of the failing syscall;
   // ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV when .vmspace is on another file system.
+  // A file system without RENAME_NOREPLACE (FUSE, some network file systems) opens, and its allocate fails with
+  // ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
   static std::shared_ptr<Pool> open(const std::string& root, bool create);
 
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
@@ -121,6 +123,9 @@ class Pool {
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
+  // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
+  // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
+  int noReplaceErr_ = 0;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).
