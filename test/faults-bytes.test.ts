@@ -104,6 +104,19 @@ describe.skipIf(ext4 === null)(`pseudo-files whose st_size is 0 (procfs) ${needs
     expect(r.bytes).toBe(size)
   })
 
+  const sysfsAttr = '/sys/devices/system/cpu/online'
+  test.skipIf(!fs.existsSync(sysfsAttr))(
+    `a sysfs attribute (st_size 4096, a few bytes of text) is published with the bytes read, not 4096 ${needs('sysfs', !fs.existsSync(sysfsAttr) && `no ${sysfsAttr}`)}`,
+    async () => {
+      const d = freshDir(ext4!)
+      const r = await clone(sysfsAttr, path.join(d, 'online'))
+      const expected = fs.readFileSync(sysfsAttr)
+      expect(fs.statSync(sysfsAttr).size).toBe(4096)
+      expect(r).toMatchObject({ method: 'copy', bytes: expected.length })
+      expect(fs.readFileSync(path.join(d, 'online')).equals(expected)).toBe(true)
+    },
+  )
+
   test("reflink: 'never' copies a procfs file to its end too", async () => {
     const d = freshDir(ext4!)
     const r = await clone('/proc/version', path.join(d, 'version'), { reflink: 'never' })

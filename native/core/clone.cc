@@ -6,8 +6,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <time.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -29,17 +27,11 @@ bool reflinkRefused(int err) {
 
 // EAGAIN and EINTR say "not now" rather than "never": OpenZFS answers EAGAIN to FICLONE and copy_file_range for
 // blocks written in the transaction group still open, and a signal may interrupt any of these calls. Each call
-// is tried this many times in all before the data path falls back (or, for reflink 'always', gives up).
+// is tried this many times in all, at once, before the data path falls back (or, for reflink 'always', gives up).
+// No pause: a transaction group syncs in seconds, and a tree of fresh files would wait that long per file.
 constexpr int kTransientTries = 4;
 
 bool transient(int err) { return err == EAGAIN || err == EINTR; }
-
-// Before the next try of a call answered EAGAIN: 1, 2, 4 ms (EINTR is tried again at once).
-void pauseBeforeRetry(int err, int attempt) {
-  if (err != EAGAIN) return;
-  struct timespec pause = {0, (1L << attempt) * 1000 * 1000};
-  nanosleep(&pause, nullptr);
-}
 
 // pwrite(2) until all of `len` is written. A write that writes nothing (or keeps answering EAGAIN/EINTR) is
 // retried kTransientTries times, then fails (EIO for the zero writes): it never loops for ever.
@@ -49,10 +41,7 @@ void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string&
     ssize_t n = pwrite(fd, buf, len, off);
     if (n <= 0) {
       int err = n < 0 ? errno : EIO;
-      if ((n == 0 || transient(err)) && ++stalls < kTransientTries) {
-        pauseBeforeRetry(err, stalls - 1);
-        continue;
-      }
+      if ((n == 0 || transient(err)) && ++stalls < kTransientTries) continue;
       throwErrno(err, "write", dstPath);
     }
     stalls = 0;
@@ -69,7 +58,6 @@ size_t readSome(int fd, char* buf, size_t len, off_t off, const std::string& src
     if (n >= 0) return static_cast<size_t>(n);
     int err = errno;
     if (!transient(err) || attempt + 1 == kTransientTries) throwErrno(err, "read", srcPath);
-    pauseBeforeRetry(err, attempt);
   }
 }
 
@@ -113,10 +101,7 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
       continue;
     }
     int err = n < 0 ? errno : 0;
-    if (transient(err) && ++attempt < kTransientTries) {
-      pauseBeforeRetry(err, attempt - 1);
-      continue;
-    }
+    if (transient(err) && ++attempt < kTransientTries) continue;
     // 0 before the end, EAGAIN/EINTR past the tries, or refused (old kernel, cross-file-system, special
     // files): read/write for this and every later range of the file.
     if (n == 0 || transient(err) || err == EXDEV || err == EINVAL || err == EOPNOTSUPP || err == ENOSYS ||
@@ -147,7 +132,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     }
     if (data >= end) break;
     off_t hole = lseek(src, data, SEEK_HOLE);
-    if (hole < 0 || hole > end) hole = end;
+    if (hole < 0 || hole > end) hole = end;  // no hole known: data to the end, which read(2) then finds
     uint64_t want = static_cast<uint64_t>(hole - data);
     uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, cancel);
     if (got < want) {
@@ -187,7 +172,6 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
       if (ioctl(dst, FICLONE, src) == 0) return {CloneMethod::Reflink, size};
       err = errno;
       if (!transient(err) || attempt + 1 == kTransientTries) break;
-      pauseBeforeRetry(err, attempt);
     }
     if (!reflinkRefused(err) && !transient(err)) throwErrno(err, "ioctl(FICLONE)", srcPath, dstPath);
     if (reflink == Reflink::Always)

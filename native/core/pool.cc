@@ -74,11 +74,11 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
 }
 
 // Whether the pool's file system takes renameat2(RENAME_NOREPLACE): 0, or the errno with which it refuses the flag
-// (EINVAL, ENOSYS: FUSE without rename2, some network file systems). Asked once, by renaming a probe file in
-// `dirFd` (meta/; a probe left by a crash is swept there as a stale temp file). Where no probe can be made
-// (read-only, no permission) it counts as supported: nothing can be published there anyway.
+// (EINVAL, ENOSYS: FUSE without rename2, some network file systems). Asked once, by renaming an empty probe file
+// in `dirFd` (.vmspace/, which no sweep reads: a sweep of meta/ or staging/ would count a probe it removed).
+// Where no probe can be made (read-only, no permission) it counts as supported: nothing can be published there.
 int probeNoReplace(int dirFd) {
-  std::string probe = ".noreplace-probe.json.tmp-" + randomHex(6), moved = probe + "-b";
+  std::string probe = ".noreplace-probe-" + randomHex(6), moved = probe + "-b";
   UniqueFd fd(openat(dirFd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!fd) return 0;
   fd.reset();
@@ -219,7 +219,7 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create) {
     if (create) mkdirExisting(pool->stateFd_.get(), sub.name, 0700, shown);
     *sub.fd = openDirAt(pool->stateFd_.get(), sub.name, shown);
   }
-  pool->noReplaceErr_ = probeNoReplace(pool->metaFd_.get());
+  pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   return pool;
 }
 
