@@ -204,6 +204,32 @@ describe.skipIf(noInject !== undefined || mounts.xfs === null)(
   },
 )
 
+describe.skipIf(noInject !== undefined || ext4 === null)(
+  `read(2) and write(2) answers on the read/write copy (reflink: 'never') ${needs('cc and ext4', noInject ?? (ext4 === null && 'no ext4'))}`,
+  () => {
+    // Only the copy's own 1 MiB reads and writes are answered (count == 1 MiB): the dynamic loader and node read
+    // with pread64 too, in smaller pieces.
+    const oneMiB = { index: 2, mask: 0xffffffff, value: MiB }
+    const cases = [
+      { syscall: 'pread64', answer: '0', code: 'EIO', step: 'read', why: 'a read that ends before the size the file still reports' },
+      { syscall: 'pread64', answer: 'EAGAIN', code: 'EAGAIN', step: 'read', why: 'a read answering EAGAIN past the retries' },
+      { syscall: 'pwrite64', answer: '0', code: 'EIO', step: 'write', why: 'a write that writes nothing' },
+      { syscall: 'pwrite64', answer: 'EINTR', code: 'EINTR', step: 'write', why: 'a write interrupted past the retries' },
+    ] as const
+    for (const c of cases) {
+      test(`${c.why} fails with ${c.code} (never loops, never publishes a short file); no destination, no temp`, () => {
+        const d = freshDir(ext4!)
+        writeRandomFile(path.join(d, 'base.img'), 3 * MiB)
+        const [r] = runInjected({ syscall: c.syscall, answer: c.answer, arg: oneMiB }, [
+          { op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'out.img'), options: { reflink: 'never' } },
+        ])
+        expect(r).toMatchObject({ ok: false, code: c.code, syscall: c.step })
+        expect(fs.readdirSync(d)).toEqual(['base.img'])
+      })
+    }
+  },
+)
+
 // ---- set-id bits follow the owner ----
 
 /** A 4755 file (and a 2755 one) owned by uid/gid 1000, as root makes them. */

@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -115,10 +117,39 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
   return done;
 }
 
+// File systems whose st_size says nothing about the bytes read(2) returns (<linux/magic.h>): procfs reports 0,
+// sysfs 4096 for every attribute, and the others are alike.
+bool sizeUnknown(int fd) {
+  struct statfs fs;
+  if (fstatfs(fd, &fs) != 0) return false;
+  switch (static_cast<unsigned long>(fs.f_type)) {
+    case PROC_SUPER_MAGIC:
+    case SYSFS_MAGIC:
+    case DEBUGFS_MAGIC:
+    case TRACEFS_MAGIC:
+    case SECURITYFS_MAGIC:
+    case CGROUP_SUPER_MAGIC:
+    case CGROUP2_SUPER_MAGIC:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// read(2) found end of file at `at`, before the size the copy started from. Believed where the file now reports
+// no more (it shrank while copied) or where its size means nothing (sizeUnknown); anywhere else a read that stops
+// short of the size the file still reports is an error (EIO), never a short clone.
+void checkEndOfFile(int src, off_t at, const std::string& srcPath) {
+  struct stat now;
+  if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
+  if (now.st_size > at && !sizeUnknown(src)) throwErrno(EIO, "read", srcPath);
+}
+
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
-// ends earlier (it shrank while copied; a sysfs attribute reports 4096) is published with the bytes read, and
-// one that goes on (procfs reports 0; it grew) is copied on to its end. The size is then checked on `dst`.
+// ends earlier (it shrank while copied; a sysfs attribute reports 4096) is published with the bytes read
+// (checkEndOfFile), and one that goes on (procfs reports 0; it grew) is copied on to its end. The size is then
+// checked on `dst`.
 uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
                     const std::string& dstPath, const std::atomic<bool>* cancel) {
   off_t pos = 0, end = static_cast<off_t>(size);
@@ -137,6 +168,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, cancel);
     if (got < want) {
       end = data + static_cast<off_t>(got);
+      checkEndOfFile(src, end, srcPath);
       ended = true;
       break;
     }
