@@ -70,6 +70,20 @@ describe.skipIf(noInject !== undefined || ext4 === null)(
       expect(poolState(root)).toEqual(emptyPoolState)
     })
 
+    test('a tree clone copies every file of the tree by read/write', () => {
+      const d = freshDir(ext4!)
+      const src = path.join(d, 'src')
+      fs.mkdirSync(path.join(src, 'sub'), { recursive: true })
+      const big = writeRandomFile(path.join(src, 'sub', 'big.img'), 3 * MiB + 5)
+      const small = writeRandomFile(path.join(src, 'small'), 100)
+      const [r] = runInjected({ syscall: 'copy_file_range', answer: '0' }, [
+        { op: 'clone', source: src, dest: path.join(d, 'dst') },
+      ])
+      expect(r).toMatchObject({ ok: true, result: { kind: 'tree', method: 'copy', files: 2, bytes: 3 * MiB + 105 } })
+      expect(fs.readFileSync(path.join(d, 'dst', 'sub', 'big.img')).equals(big)).toBe(true)
+      expect(fs.readFileSync(path.join(d, 'dst', 'small')).equals(small)).toBe(true)
+    })
+
     test("clone('/proc/self/mountinfo') publishes the bytes read to end of file, never an empty file", () => {
       const d = freshDir(ext4!)
       const [r] = runInjected({ syscall: 'copy_file_range', answer: '0' }, [
