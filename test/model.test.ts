@@ -19,7 +19,7 @@ import { createRequire } from 'node:module'
 import * as path from 'node:path'
 import { describe, expect, onTestFailed, test } from 'vitest'
 import * as vmspace from '../lib/index.js'
-import { Child, fixtures, ls, mounts, needs, poolState, requireMount } from './helpers.js'
+import { Child, eventually, fixtures, ls, mounts, needs, poolState, requireMount } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
 type ActorName = 'parent' | 'child'
@@ -44,7 +44,7 @@ interface WsModel {
   meta: { seq: number }
   /** Workspace-relative file path -> content. */
   files: Record<string, string>
-  /** Tag of the handle holding the lease, or null: an orphan. */
+  /** Tag of the handle holding the lease, `vm:<pid>` for a process it was handed to, or null: an orphan. */
   holder: string | null
 }
 interface HandleModel {
@@ -75,7 +75,8 @@ interface Model {
 
 // ---- the real system ----
 
-const FILE_DESTS = ['t.bin', 'f1']
+// 'd/f' lies in the tree destination: ENOENT while no tree is there (a destination's parent must exist).
+const FILE_DESTS = ['t.bin', 'f1', 'd/f']
 const TREE_DEST = 'd'
 const LOCK_NAMES = ['index.json.lock', 'other.lock']
 const CORRUPTIONS = ['', 'not json', '[1,2]', '"a string"', '{"a":', '\xff\xfe{}', 'null']
@@ -124,6 +125,8 @@ interface Real {
   method: 'reflink' | 'copy'
   parent: LocalActor
   child: Remote
+  /** Pids of the processes leases were handed to (killed at the end of the run). */
+  vms: Set<number>
 }
 
 function actor(r: Real, name: ActorName): { run(cmd: object): Promise<Result> } {
@@ -161,10 +164,24 @@ async function makeReal(base: string): Promise<Real> {
   await parent.open() // makes the pool before the child opens it
   const child = new Remote(root)
   await child.ready()
-  return { dir, root, idx, sources, method, parent, child }
+  return { dir, root, idx, sources, method, parent, child, vms: new Set() }
+}
+
+/** SIGKILLs process `pid` and waits until it has exited (gone or a zombie: either way its files are closed). */
+async function killVm(pid: number): Promise<void> {
+  process.kill(pid, 'SIGKILL')
+  await eventually(() => {
+    try {
+      const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8')
+      return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) === 'Z'
+    } catch {
+      return true
+    }
+  })
 }
 
 async function closeReal(r: Real): Promise<void> {
+  for (const pid of r.vms) await killVm(pid)
   await r.child.kill()
   await r.parent.close()
   removeScratch(r.dir)
@@ -284,8 +301,9 @@ abstract class Cmd implements fc.AsyncCommand<Model, Real> {
   }
 }
 
+/** Allocate without a template, with a file map (`t.bin`), or from a directory (its contents become the workspace's). */
 class Allocate extends Cmd {
-  constructor(readonly by: ActorName, readonly template: boolean) {
+  constructor(readonly by: ActorName, readonly template: 'none' | 'file' | 'dir') {
     super()
   }
   check(m: Readonly<Model>) {
@@ -294,18 +312,19 @@ class Allocate extends Cmd {
   async act(m: Model, r: Real) {
     const tag = `h${++m.seq}`
     const meta = { seq: m.seq }
-    const template = this.template ? { 't.bin': r.sources.A } : undefined
+    const template = { none: undefined, file: { 't.bin': r.sources.A }, dir: r.sources.T1 }[this.template]
     const res = await actor(r, this.by).run({ op: 'allocate', tag, template, meta })
     expectOk(res, String(this))
     expect(res.id).toMatch(/^[0-9a-f]{32}$/)
     expect(res.name).toBe(`vm-${res.id}`)
     expect(m.workspaces.has(res.id) || m.gone.includes(res.id), 'a fresh name').toBe(false)
-    expect(res.methods).toEqual(this.template ? [r.method] : [])
-    m.workspaces.set(res.id, { id: res.id, name: res.name, meta, files: this.template ? { 't.bin': SOURCES.A } : {}, holder: tag })
+    expect(res.methods).toEqual(this.template === 'none' ? [] : [r.method])
+    const files: Record<string, string> = { none: {}, file: { 't.bin': SOURCES.A }, dir: { ...SOURCES.T1 } }[this.template]
+    m.workspaces.set(res.id, { id: res.id, name: res.name, meta, files, holder: tag })
     m.handles.set(tag, { tag, actor: this.by, id: res.id, state: 'held' })
   }
   toString() {
-    return `allocate(${this.by}${this.template ? ', template' : ''})`
+    return `allocate(${this.by}, template: ${this.template})`
   }
 }
 
@@ -331,7 +350,9 @@ class Clone extends Cmd {
     const dest = tree ? TREE_DEST : pick(FILE_DESTS, this.dest)
     const exists = tree ? Object.keys(w.files).some((f) => f.startsWith(`${dest}/`)) : dest in w.files
     const codes: string[] = []
-    if (exists && !this.overwrite) codes.push('EEXIST')
+    const parent = path.posix.dirname(dest)
+    if (parent !== '.' && !Object.keys(w.files).some((f) => f.startsWith(`${parent}/`))) codes.push('ENOENT')
+    else if (exists && !this.overwrite) codes.push('EEXIST')
     if (this.reflink === 'always' && r.method !== 'reflink') codes.push('ERR_REFLINK_UNSUPPORTED')
     const res = await actor(r, this.by).run({
       op: 'clone',
@@ -342,7 +363,7 @@ class Clone extends Cmd {
       reflink: this.reflink,
     })
     const what = `${this} into ${w.name}/${dest}`
-    // Both conditions at once: which one is found first is not documented; either leaves the workspace as it was.
+    // Two conditions at once: which one is found first is not documented; either leaves the workspace as it was.
     if (codes.length) return expectFailure(res, codes, what)
     expectOk(res, what)
     expect(res.kind).toBe(tree ? 'tree' : 'file')
@@ -418,6 +439,48 @@ class Release extends Cmd {
   }
   toString() {
     return `release(${this.by}, handle#${this.handle})`
+  }
+}
+
+/** The lease handed to a VM process (spawn stdio), the handle released: live until that process dies. */
+class Handoff extends Cmd {
+  constructor(readonly by: ActorName, readonly handle: number) {
+    super()
+  }
+  check(m: Readonly<Model>) {
+    return handlesOf(m, this.by, true).length > 0
+  }
+  async act(m: Model, r: Real) {
+    const h = pick(handlesOf(m, this.by, true), this.handle)
+    const res = await actor(r, this.by).run({ op: 'handoff', tag: h.tag })
+    expectOk(res, String(this))
+    r.vms.add(res.pid)
+    expect(res.status).toBe('released')
+    h.state = 'released'
+    m.workspaces.get(h.id)!.holder = `vm:${res.pid}`
+  }
+  toString() {
+    return `handoff(${this.by}, handle#${this.handle}) to a VM process; release`
+  }
+}
+
+/** SIGKILL of a VM process: its workspace becomes an orphan. */
+class KillVm extends Cmd {
+  constructor(readonly i: number) {
+    super()
+  }
+  check(m: Readonly<Model>) {
+    return [...m.workspaces.values()].some((w) => w.holder?.startsWith('vm:'))
+  }
+  async act(m: Model, r: Real) {
+    const w = pick([...m.workspaces.values()].filter((w) => w.holder?.startsWith('vm:')), this.i)
+    const pid = Number(w.holder!.slice(3))
+    await killVm(pid)
+    r.vms.delete(pid)
+    w.holder = null
+  }
+  toString() {
+    return `kill -9 VM process#${this.i}`
   }
 }
 
@@ -622,7 +685,7 @@ class RemoveIndex extends Cmd {
 const by = fc.constantFrom<ActorName>('parent', 'child')
 const i = fc.nat(31)
 const commandArb: fc.Arbitrary<Cmd> = fc.oneof(
-  { weight: 5, arbitrary: fc.tuple(by, fc.boolean()).map(([a, t]) => new Allocate(a, t)) },
+  { weight: 5, arbitrary: fc.tuple(by, fc.constantFrom('none', 'none', 'file', 'dir') as fc.Arbitrary<Allocate['template']>).map(([a, t]) => new Allocate(a, t)) },
   {
     weight: 4,
     arbitrary: fc
@@ -632,6 +695,8 @@ const commandArb: fc.Arbitrary<Cmd> = fc.oneof(
   { weight: 1, arbitrary: fc.tuple(by, i, fc.constantFrom('clone', 'dispose', 'release') as fc.Arbitrary<Stale['call']>).map(([a, h, c]) => new Stale(a, h, c)) },
   { weight: 2, arbitrary: fc.tuple(by, i).map(([a, h]) => new Dispose(a, h)) },
   { weight: 3, arbitrary: fc.tuple(by, i).map(([a, h]) => new Release(a, h)) },
+  { weight: 1, arbitrary: fc.tuple(by, i).map(([a, h]) => new Handoff(a, h)) },
+  { weight: 1, arbitrary: i.map((n) => new KillVm(n)) },
   {
     weight: 4,
     arbitrary: fc
