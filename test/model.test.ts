@@ -651,6 +651,143 @@ class Update extends Cmd {
   }
 }
 
+// ---- two commands at once, one in each process: the model accepts every outcome the documentation allows ----
+
+/** Both processes adopt one orphan at once: exactly one takes it, the other gets ERR_LEASE_HELD. */
+class RaceAdopt extends Cmd {
+  constructor(readonly i: number) {
+    super()
+  }
+  check(m: Readonly<Model>) {
+    return [...m.workspaces.values()].some((w) => w.holder === null)
+  }
+  async act(m: Model, r: Real) {
+    const w = pick([...m.workspaces.values()].filter((w) => w.holder === null), this.i)
+    const tags = { parent: `h${++m.seq}`, child: `h${++m.seq}` }
+    const [p, c] = await Promise.all((['parent', 'child'] as const).map((a) => actor(r, a).run({ op: 'adopt', tag: tags[a], id: w.id })))
+    const what = `${this} of ${w.name}`
+    expect([p.ok, c.ok].filter(Boolean), `${what}: exactly one wins (${JSON.stringify([p, c])})`).toHaveLength(1)
+    const winner: ActorName = p.ok ? 'parent' : 'child'
+    expectFailure(p.ok ? c : p, ['ERR_LEASE_HELD'], `${what}: the loser`)
+    expect(p.ok ? p : c).toMatchObject({ id: w.id, meta: w.meta })
+    w.holder = tags[winner]
+    m.handles.set(tags[winner], { tag: tags[winner], actor: winner, id: w.id, state: 'held' })
+  }
+  toString() {
+    return `adopt(parent) || adopt(child) of orphan#${this.i}`
+  }
+}
+
+/** Both processes sweep at once: every orphan is reclaimed exactly once, nothing else, no failure. */
+class RaceSweeps extends Cmd {
+  constructor(readonly graceMs: number) {
+    super()
+  }
+  check() {
+    return true
+  }
+  async act(m: Model, r: Real) {
+    const res = await Promise.all((['parent', 'child'] as const).map((a) => actor(r, a).run({ op: 'sweep', graceMs: this.graceMs, dryRun: false })))
+    const all = [...m.workspaces.values()]
+    const orphans = all.filter((w) => w.holder === null)
+    const reclaimed: { id: string; from: string }[] = []
+    for (const x of res) {
+      expectOk(x, String(this))
+      expect(x).toMatchObject({ failed: [], metadataRemoved: 0 })
+      // A sweep counts what it finds leased: the other sweep's lease on an orphan it is taking counts too.
+      expect(x.live).toBeGreaterThanOrEqual(all.length - orphans.length)
+      reclaimed.push(...(x.reclaimed as { id: string; from: string }[]))
+    }
+    expect(reclaimed.map((e) => e.id).sort(), `${this}: each orphan once (${JSON.stringify(res)})`).toEqual(orphans.map((w) => w.id).sort())
+    // Taken from the root by one sweep, or found in trash by the other after that one stopped removing it.
+    for (const e of reclaimed) expect(['published', 'trash']).toContain(e.from)
+    for (const w of orphans) {
+      m.workspaces.delete(w.id)
+      m.gone.push(w.id)
+    }
+  }
+  toString() {
+    return `sweep(parent) || sweep(child), graceMs: ${this.graceMs}`
+  }
+}
+
+/**
+ * One process sweeps while the other allocates: the new workspace is never taken. With graceMs 0 the sweep may
+ * reclaim the build's staging entry before its lease (documented): the build then draws a fresh name.
+ */
+class SweepDuringAllocate extends Cmd {
+  constructor(readonly sweeper: ActorName, readonly graceMs: number) {
+    super()
+  }
+  check(m: Readonly<Model>) {
+    return m.workspaces.size < 12
+  }
+  async act(m: Model, r: Real) {
+    const allocator: ActorName = this.sweeper === 'parent' ? 'child' : 'parent'
+    const tag = `h${++m.seq}`
+    const meta = { seq: m.seq }
+    const all = [...m.workspaces.values()]
+    const orphans = all.filter((w) => w.holder === null)
+    const [s, a] = await Promise.all([
+      actor(r, this.sweeper).run({ op: 'sweep', graceMs: this.graceMs, dryRun: false }),
+      actor(r, allocator).run({ op: 'allocate', tag, meta }),
+    ])
+    expectOk(a, `${this}: allocate`)
+    expectOk(s, `${this}: sweep`)
+    const reclaimed = s.reclaimed as { id: string; name: string; from: string }[]
+    expect(reclaimed.filter((e) => e.from !== 'staging').map((e) => ({ id: e.id, from: e.from })).sort((x, y) => x.id.localeCompare(y.id)), `${this}: ${JSON.stringify(s)}`).toEqual(
+      orphans.map((w) => ({ id: w.id, from: 'published' })).sort((x, y) => x.id.localeCompare(y.id)),
+    )
+    if (this.graceMs > 0) expect(reclaimed.filter((e) => e.from === 'staging')).toEqual([])
+    expect(reclaimed.map((e) => e.id)).not.toContain(a.id)
+    expect(s.failed).toEqual([])
+    expect([all.length - orphans.length, all.length - orphans.length + 1]).toContain(s.live)
+    for (const w of orphans) {
+      m.workspaces.delete(w.id)
+      m.gone.push(w.id)
+    }
+    m.workspaces.set(a.id, { id: a.id, name: a.name, meta, files: {}, holder: tag })
+    m.handles.set(tag, { tag, actor: allocator, id: a.id, state: 'held' })
+  }
+  toString() {
+    return `sweep(${this.sweeper}, graceMs: ${this.graceMs}) || allocate(${this.sweeper === 'parent' ? 'child' : 'parent'})`
+  }
+}
+
+/** Both processes update the index at once, waiting for each other's lock: neither update is lost. */
+class RaceUpdates extends Cmd {
+  check(m: Readonly<Model>) {
+    return ![...m.locks.values()].some((l) => l.target === 0) // a held lock would make both wait forever
+  }
+  async act(m: Model, r: Real) {
+    const values = { parent: ++m.seq, child: ++m.seq }
+    const keys = { parent: 'p', child: 'q' }
+    const file = path.join(r.idx, 'index.json')
+    const [p, c] = await Promise.all(
+      (['parent', 'child'] as const).map((a) => actor(r, a).run({ op: 'update', file, key: keys[a], value: values[a], mode: 'set', wait: true })),
+    )
+    m.lockFiles.add('index.json.lock')
+    if (m.index.kind === 'corrupt') {
+      expectFailure(p, ['ERR_CORRUPT_INDEX'], `${this}: parent`)
+      return expectFailure(c, ['ERR_CORRUPT_INDEX'], `${this}: child`)
+    }
+    expectOk(p, `${this}: parent`)
+    expectOk(c, `${this}: child`)
+    const current = m.index.kind === 'json' ? m.index.value : {}
+    // Whichever ran second saw the first one's key.
+    const parentFirst = { ...current, p: values.parent }
+    const childFirst = { ...current, q: values.child }
+    const order = c.result.p === values.parent ? 'parent first' : 'child first'
+    const [first, second] = order === 'parent first' ? [p, c] : [c, p]
+    expect(first.result, `${this}: ${order}`).toEqual(order === 'parent first' ? parentFirst : childFirst)
+    expect(second.result, `${this}: ${order}`).toEqual({ ...first.result, ...(order === 'parent first' ? { q: values.child } : { p: values.parent }) })
+    m.index = { kind: 'json', value: second.result }
+  }
+  toString() {
+    return 'updateJsonFile(parent) || updateJsonFile(child)'
+  }
+}
+
 /** Written by the test itself, as a crashed or foreign writer would leave it: not an object, or not JSON. */
 class CorruptIndex extends Cmd {
   constructor(readonly i: number) {
@@ -716,6 +853,10 @@ const commandArb: fc.Arbitrary<Cmd> = fc.oneof(
   },
   { weight: 1, arbitrary: i.map((n) => new CorruptIndex(n)) },
   { weight: 1, arbitrary: fc.constant(null).map(() => new RemoveIndex()) },
+  { weight: 1, arbitrary: i.map((n) => new RaceAdopt(n)) },
+  { weight: 1, arbitrary: fc.constantFrom(0, 60_000).map((g) => new RaceSweeps(g)) },
+  { weight: 1, arbitrary: fc.tuple(by, fc.constantFrom(0, 60_000)).map(([a, g]) => new SweepDuringAllocate(a, g)) },
+  { weight: 1, arbitrary: fc.constant(null).map(() => new RaceUpdates()) },
 )
 
 /** The property on a pool below `base`; `seed` offsets SEED so that each file system gets its own sequences. */
