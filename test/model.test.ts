@@ -1,17 +1,21 @@
 /**
  * Model-based property test (fast-check, fc.commands + fc.asyncModelRun) of a pool across two processes: random
- * sequences of allocate, clone, dispose, release, adopt, sweep, list, lockFile, updateJsonFile, calls on disposed or
- * released handles, corruption of the index, and SIGKILL + restart of the second process (whose workspaces then
- * become orphans), each run by this process or by test/fixtures/model-actor.cjs (its own leases and locks).
+ * sequences of allocate (no template, a file map, a directory), Workspace.clone (files and trees, overwrite, every
+ * reflink mode), dispose, release, lease handoff to a VM process, adopt, sweep, list, lockFile, updateJsonFile,
+ * calls on disposed or released handles, corruption of the index, SIGKILL of a VM process, and SIGKILL + restart
+ * of the second process (whose workspaces then become orphans). Each command runs in this process or in
+ * test/fixtures/model-actor.cjs (its own leases and locks), or in both at once.
  * A plain model says what the pool must hold; after every command the pool must match it exactly: list() (ids,
  * names, live flags, meta), every workspace's files and bytes, nothing in `.vmspace/staging` or `trash`, one
- * metadata file per workspace, the index file's bytes and the lock files next to it. A call fails exactly when the
- * model says it must, with the documented `code` the model names, and changes nothing then.
+ * metadata file per workspace, the index file's bytes, the lock files next to it and who holds them. A call fails
+ * exactly when the model says it must, with the documented `code` the model names, and then changes nothing.
  *
- * Commands run one at a time (never two at once), so the model is deterministic: no build is in flight during a
- * sweep, so any `graceMs` must give the same report (both 0 and the default are drawn).
- * VMSPACE_MODEL_SEED=<n> replays a run (the seed is printed on failure), VMSPACE_MODEL_RUNS=<n> sets the number of
- * runs per file system.
+ * Single commands run one at a time, so no build is in flight during a sweep and the model is deterministic: any
+ * `graceMs` must give the same report (0 and the default are both drawn). The commands that run one operation in
+ * each process at once accept exactly the outcomes the README allows (one adopt wins; each orphan is reclaimed
+ * once; a sweep never takes a new workspace; no index update is lost), whichever process comes first.
+ * VMSPACE_MODEL_SEED=<n> replays the command sequences (the seed is printed on failure, with fast-check's shrunk
+ * counterexample), VMSPACE_MODEL_RUNS=<n> sets the number of runs per file system (default 8).
  */
 import * as fc from 'fast-check'
 import * as fs from 'node:fs'
@@ -105,12 +109,13 @@ class Remote {
     this.child.send(JSON.stringify(cmd))
     return (await this.child.next()) as unknown as Result
   }
-  async kill(): Promise<void> {
+  /** SIGKILLs the second process; its exit (code, signal), e.g. to tell whether it had died by itself before. */
+  async kill(): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
     this.child.proc.kill('SIGKILL')
-    expect((await this.child.exited).signal).toBe('SIGKILL')
+    return this.child.exited
   }
   async restart(): Promise<void> {
-    await this.kill()
+    expect(await this.kill(), `the second process was running; stderr: ${this.child.stderr}`).toEqual({ code: null, signal: 'SIGKILL' })
     this.child = this.#spawn()
     await this.ready()
   }
@@ -691,9 +696,11 @@ class RaceSweeps extends Cmd {
     const all = [...m.workspaces.values()]
     const orphans = all.filter((w) => w.holder === null)
     const reclaimed: { id: string; from: string }[] = []
+    let metadataRemoved = 0
     for (const x of res) {
       expectOk(x, String(this))
-      expect(x).toMatchObject({ failed: [], metadataRemoved: 0 })
+      expect(x.failed).toEqual([])
+      metadataRemoved += x.metadataRemoved
       // A sweep counts what it finds leased: the other sweep's lease on an orphan it is taking counts too.
       expect(x.live).toBeGreaterThanOrEqual(all.length - orphans.length)
       reclaimed.push(...(x.reclaimed as { id: string; from: string }[]))
@@ -701,6 +708,11 @@ class RaceSweeps extends Cmd {
     expect(reclaimed.map((e) => e.id).sort(), `${this}: each orphan once (${JSON.stringify(res)})`).toEqual(orphans.map((w) => w.id).sort())
     // Taken from the root by one sweep, or found in trash by the other after that one stopped removing it.
     for (const e of reclaimed) expect(['published', 'trash']).toContain(e.from)
+    // The metadata pass looks for a workspace in staging and the root, not in trash: with graceMs 0, one sweep
+    // may remove (and count) the metadata of an orphan the other is removing from trash at that moment. The files
+    // end up as the model says (checked after the command); only the count is the other sweep's.
+    if (this.graceMs === 0) expect(metadataRemoved).toBeLessThanOrEqual(orphans.length)
+    else expect(metadataRemoved).toBe(0)
     for (const w of orphans) {
       m.workspaces.delete(w.id)
       m.gone.push(w.id)
