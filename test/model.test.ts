@@ -933,7 +933,7 @@ const commandArb: fc.Arbitrary<Cmd> = fc.oneof(
   { weight: 1, arbitrary: fc.constant(null).map(() => new RaceUpdates()) },
 )
 
-/** The property on a pool below `base`; `seed` offsets SEED so that each file system gets its own sequences. */
+/** The property on a pool below `base`, seeded with SEED + `offset` so that each file system gets its own sequences. */
 async function property(base: string, offset: number): Promise<void> {
   const seed = SEED + offset
   onTestFailed(() => console.error(`model.test.ts: replay with VMSPACE_MODEL_SEED=${SEED} (this test's seed: ${seed}; fast-check prints the shrunk sequence)`))
