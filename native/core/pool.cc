@@ -396,6 +396,17 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
               "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
               "a workspace needs",
               noReplaceErr_, "renameat2", root_);
+  // Quota and free-space floor (issue 13, quota.h): refused before anything is made.
+  QuotaSupport quotaSupport;
+  if (req.quota.any()) {
+    quotaSupport = probeQuota(rootFd_.get());
+    if (quotaSupport.err) throwCode("ERR_QUOTA_UNSUPPORTED", quotaSupport.detail, quotaSupport.err, "quotactl", root_);
+    if (req.quota.inodes && !quotaSupport.inodes)
+      throwCode("ERR_QUOTA_UNSUPPORTED", "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here",
+                EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", root_);
+  }
+  if (minFreeBytes_ && fsSpace(rootFd_.get(), root_).available < minFreeBytes_) throwErrno(ENOSPC, "statvfs", root_);
+  const bool subvolume = req.quota.any() && quotaSupport.backend == QuotaBackend::Btrfs;
   AllocateResult res;
   int tries = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
   int reclaimed = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
@@ -415,8 +426,8 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   for (;; res.retries++) {
     draw();
     std::string shown = root_ + "/.vmspace/staging/" + res.name;
-    if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) != 0) {
-      if (errno != EEXIST) throwErrno(errno, "mkdir", shown);
+    if (int err = makeWorkspaceDir(stagingFd_.get(), res.name, req.mode, subvolume)) {  // quota: a subvolume
+      if (err != EEXIST) throwErrno(err, subvolume ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", shown);
       continue;
     }
     // Until the lease is ours, a sweep with a grace period shorter than this build's age may reclaim the entry:
@@ -447,7 +458,11 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
   std::string metaPublished;
   bool published = false;
+  QuotaRef quotaRef;
   try {
+    // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
+    if (req.quota.any())
+      quotaRef = applyQuota(lease.get(), stagingPath, quotaSupport, req.quota, projectsFd(true), projectIds_, res.name);
 
     CloneOptions opts = req.clone;
     opts.overwrite = false;
@@ -515,6 +530,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
       }
       stagingName = res.name;
       stagingPath = root_ + "/.vmspace/staging/" + stagingName;
+      if (quotaRef.projectId) renameProjectClaim(projectsFd(false), quotaRef.projectId, res.name);  // quota
     }
     if (req.clone.durable) {
       if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
@@ -524,9 +540,9 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     if (!metaPublished.empty()) unlinkat(metaFd_.get(), (metaPublished + ".json").c_str(), 0);
     try {
       if (published)  // only when the final fsync failed
-        removeTreeNoFollow(rootFd_.get(), res.name, path(res.name));
+        removeWorkspace(rootFd_.get(), res.name, path(res.name));
       else
-        removeTreeNoFollow(stagingFd_.get(), stagingName, stagingPath);
+        removeWorkspace(stagingFd_.get(), stagingName, stagingPath);
     } catch (const Error&) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report.
     }
@@ -574,7 +590,7 @@ void Pool::dispose(const std::string& name, int leaseFd) {
     struct stat own;
     inTrash = fstat(lease.get(), &own) == 0 && sameEntry(trashFd_.get(), name, own);
   }
-  if (inTrash) removeTreeNoFollow(trashFd_.get(), name, trashPath);
+  if (inTrash) removeWorkspace(trashFd_.get(), name, trashPath);
   dropMeta(name);
 }
 
@@ -687,7 +703,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     std::string shown = dirPath + "/" + name;
     guarded(name, from, shown, [&] {
       SweepEntry e{name, from, 0, {}};
-      removeTreeNoFollow(dirFd, name, shown, &e.bytes);
+      removeWorkspace(dirFd, name, shown, &e.bytes);
       report.reclaimed.push_back(std::move(e));
     });
   };
@@ -804,6 +820,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     }
     report.metaRemoved++;
   }
+  sweepProjectClaims(dryRun, graceMs);  // quota: project ids of workspaces gone without releasing them
   return report;
 }
 

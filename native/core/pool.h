@@ -8,13 +8,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "clone.h"
 #include "error.h"
 #include "fd.h"
+#include "quota.h"
 #include "tree.h"
+#include "usage.h"
 
 namespace vmspace {
 
@@ -34,6 +37,7 @@ struct AllocateRequest {
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
   std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
+  QuotaLimits quota;     // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
 };
 
 struct ClonedEntry {
@@ -113,6 +117,18 @@ class Pool {
   // Published workspaces (every <prefix>-<32 hex> directory of the root) with liveness and metadata text.
   std::vector<ListEntry> list();
 
+  // ---- quotas and space (quota.h, usage.h; issue 13) ----
+  // Set once, right after open and before any operation: allocate refuses (ENOSPC, nothing made) while the file
+  // system has less than `minFreeBytes` available; project ids are claimed from `projectIds`.
+  void setSpaceConfig(uint64_t minFreeBytes, ProjectIdRange projectIds) {
+    minFreeBytes_ = minFreeBytes;
+    projectIds_ = projectIds;
+  }
+  // Space accounting of the published workspace `name` (ENOENT when there is none); `cancel` stops it.
+  UsageReport usage(const std::string& name, const std::atomic<bool>* cancel);
+  FsSpace space() { return fsSpace(rootFd_.get(), root_); }
+  QuotaSupport quotaSupport() { return probeQuota(rootFd_.get()); }
+
   void close();
   const std::string& root() const { return root_; }
   // The metadata file of workspace `name`, as errors show it.
@@ -126,6 +142,12 @@ class Pool {
   bool moveToTrash(const std::string& name, int fd);
   // Removes meta/<name>.json (ENOENT is fine; a directory in its place is removed safely).
   void dropMeta(const std::string& name);
+  // removeTreeNoFollow of a workspace, and then its quota released (a btrfs subvolume's qgroup, a project id).
+  void removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
+  // .vmspace/projects/ (project id claims), made on first use; -1 when it does not exist and !create.
+  int projectsFd(bool create);
+  // Releases claims whose workspace is nowhere (staging, root, trash) and older than graceMs (sweep).
+  void sweepProjectClaims(bool dryRun, int64_t graceMs);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
   bool publishMeta(const std::string& name, const std::string& json, bool durable);
 
@@ -134,6 +156,10 @@ class Pool {
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
+  uint64_t minFreeBytes_ = 0;
+  ProjectIdRange projectIds_;
+  std::mutex projectsMu_;  // guards projectsFd_, opened lazily
+  UniqueFd projectsFd_;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).
