@@ -13,7 +13,11 @@ export type {
   TemplateSource,
   JsonObject,
   JsonValue,
+  ListOptions,
+  PoolUsage,
 } from './pool.js'
+export { probeQuota } from './quota.js'
+export type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './quota.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
 export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'

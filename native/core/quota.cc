@@ -80,7 +80,8 @@ std::string btrfsSysfsDir(int fd) {
 
 uint64_t readSysfsNumber(const std::string& file, bool* ok) {
   std::string text;
-  if (readRegularFileAt(AT_FDCWD, file.c_str(), O_NOFOLLOW, 64, &text) != 0 || text.empty()) {
+  // sysfs files report st_size 4096 whatever they hold.
+  if (readRegularFileAt(AT_FDCWD, file.c_str(), O_NOFOLLOW, 8192, &text) != 0 || text.empty()) {
     *ok = false;
     return 0;
   }
