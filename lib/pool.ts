@@ -134,7 +134,7 @@ export interface WorkspaceInfo {
   error?: VmspaceError
   /** The quota asked for at allocate. */
   quota?: QuotaOptions
-  /** list({ usage: true }) only (absent for a workspace disposed during the walk). */
+  /** list({ usage: true }) only (absent for a workspace disposed during the walk; `error` set where the walk failed). */
   usage?: WorkspaceUsage
 }
 
@@ -329,7 +329,10 @@ export class Pool {
         try {
           info.usage = await this._usage(info.name, signal)
         } catch (e) {
-          if ((e as { code?: string }).code !== 'ENOENT') throw e // disposed meanwhile: no usage
+          // Disposed meanwhile: no usage. One guest's tree that cannot be walked is that entry's error, not the list's.
+          const code = (e as { code?: string }).code
+          if (code === 'ABORT_ERR' || code === 'ERR_POOL_CLOSED') throw e
+          if (code !== 'ENOENT') info.error ??= e as VmspaceError
         }
       }
     }
