@@ -78,11 +78,12 @@ class Remover {
   // what was removed is gone, and what could not be removed is in stuck_.
   bool reopenParent(Frame& parent, DIR* child) {
     size_t depth = stack_.size() - 1;  // the parent is the top of the stack
-    int fd = openat(dirfd(child), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
-    struct stat st;
+    int fd = openDir(dirfd(child), "..");
+    struct stat st{};
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino) {
+      int err = fd < 0 ? errno : ESTALE;  // ESTALE: another directory is there now
       if (fd >= 0) ::close(fd);
-      record(ESTALE, "openat", depth);
+      record(err, "openat", depth);
       return false;
     }
     parent.dir = fdopendir(fd);
@@ -92,6 +93,33 @@ class Remover {
       return false;
     }
     return true;
+  }
+
+  // Opens the directory `name` in `dfd`. Under a low RLIMIT_NOFILE (EMFILE, ENFILE) it closes the walk's
+  // shallowest open directory but the top one and tries again: removal needs two fds, not kMaxOpenFrames.
+  int openDir(int dfd, const char* name) {
+    for (;;) {
+      int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+      int err = errno;
+      if (!closeShallowest()) {
+        errno = err;
+        return -1;
+      }
+    }
+  }
+
+  // Only the kMaxOpenFrames + 1 deepest frames can be open (descend closes the one above them).
+  bool closeShallowest() {
+    size_t n = stack_.size();
+    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
+      if (stack_[i].dir) {
+        closedir(stack_[i].dir);
+        stack_[i].dir = nullptr;
+        return true;
+      }
+    }
+    return false;
   }
 
   void step() {
@@ -133,13 +161,13 @@ class Remover {
   bool descend(Frame& top, int dfd, const char* name) {
     size_t depth = stack_.size() - 1;
     (void)top;
-    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    int fd = openDir(dfd, name);
     int err = fd < 0 ? errno : 0;
     if (fd < 0 && err == EACCES && !root_) {
       // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
       // Should that fail too (not our directory: EPERM), the openat's EACCES is what went wrong.
       if (fchmodat(dfd, name, S_IRWXU, AT_SYMLINK_NOFOLLOW) == 0) {
-        fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+        fd = openDir(dfd, name);
         err = fd < 0 ? errno : 0;
       }
     }

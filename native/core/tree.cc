@@ -317,13 +317,7 @@ class TreeCloner {
     src.release();
     if (stack.frames.size() > kMaxOpenFrames) {
       Frame& old = stack.frames[stack.frames.size() - kMaxOpenFrames - 1];
-      if (old.src) {
-        old.pos = telldir(old.src);
-        closedir(old.src);
-        old.src = nullptr;
-        ::close(old.dst);
-        old.dst = -1;
-      }
+      if (old.src) closeFrame(old);
     }
   }
 
@@ -333,15 +327,50 @@ class TreeCloner {
     Frame& top = stack.frames.back();
     if (stack.frames.size() > 1) {
       Frame& parent = stack.frames[stack.frames.size() - 2];
-      if (!parent.src) reopen(parent, top);
+      if (!parent.src) reopen(stack, parent, top);
     }
     if (top.dir.applyMeta) setModeTimes(top.dst, top.dir.meta, self(top));
     stack.pop();
   }
 
-  void reopen(Frame& parent, const Frame& child) {
-    UniqueFd src(openat(dirfd(child.src), "..", kDirFlags));
-    UniqueFd dst(openat(child.dst, "..", kDirFlags));
+  // openat(2) that, under a low RLIMIT_NOFILE (EMFILE, ENFILE), closes the shallowest open directory of the
+  // thread's stack but the top one and tries again: the walk needs six fds (a directory and its child on both
+  // sides, and a file), not kMaxOpenFrames.
+  int openIn(Stack& stack, int dirFd, const char* name, int flags, mode_t mode = 0) {
+    for (;;) {
+      int fd = openat(dirFd, name, flags, mode);
+      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+      int err = errno;
+      if (!closeShallowest(stack)) {
+        errno = err;
+        return -1;
+      }
+    }
+  }
+
+  // Only the kMaxOpenFrames + 1 deepest frames can be open (push closes the one above them).
+  static bool closeShallowest(Stack& stack) {
+    size_t n = stack.frames.size();
+    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
+      if (stack.frames[i].src) {
+        closeFrame(stack.frames[i]);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  static void closeFrame(Frame& f) {
+    f.pos = telldir(f.src);
+    closedir(f.src);
+    f.src = nullptr;
+    ::close(f.dst);
+    f.dst = -1;
+  }
+
+  void reopen(Stack& stack, Frame& parent, const Frame& child) {
+    UniqueFd src(openIn(stack, dirfd(child.src), "..", kDirFlags));
+    UniqueFd dst(openIn(stack, child.dst, "..", kDirFlags));
     struct stat s, d;
     if (!src || fstat(src.get(), &s) != 0 || !(InodeKey{s.st_dev, s.st_ino} == parent.dir.srcId))
       throwErrno(src ? ESTALE : errno, "open", srcPath(self(parent)));
@@ -373,7 +402,7 @@ class TreeCloner {
         return;
       }
       case S_IFREG:
-        regular(sdir, ddir, name, top.dir.name, rel, st, created, local);
+        regular(stack, sdir, ddir, name, top.dir.name, rel, st, created, local);
         return;
       case S_IFLNK: {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
@@ -417,9 +446,9 @@ class TreeCloner {
     auto task = std::make_unique<Task>();
     NameRef node = std::make_shared<Name>(top.dir.name, name);
     Rel rel{node.get(), nullptr};
-    task->src.reset(openat(dirfd(top.src), name, kDirFlags));
+    task->src.reset(openIn(stack, dirfd(top.src), name, kDirFlags));
     if (!task->src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    task->dst.reset(openat(top.dst, name, kDirFlags));
+    task->dst.reset(openIn(stack, top.dst, name, kDirFlags));
     if (!task->dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     // The metadata of the directory opened (not of the name as fstatat saw it: it may have been replaced).
     struct stat st, dst;
@@ -449,7 +478,7 @@ class TreeCloner {
       throwErrno(errno, "link", srcPath(rel), dstPath(rel));
   }
 
-  void regular(int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel, const struct stat& st,
+  void regular(Stack& stack, int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel, const struct stat& st,
                Owner created, CloneSummary& local) {
     std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
     if (st.st_nlink > 1) {
@@ -467,14 +496,14 @@ class TreeCloner {
     // clone of it then fails: FICLONE and lseek refuse a fifo).
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
-    UniqueFd src(openat(sdir, name, flags));
-    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openat(sdir, name, flags & ~O_NOATIME));
+    UniqueFd src(openIn(stack, sdir, name, flags));
+    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openIn(stack, sdir, name, flags & ~O_NOATIME));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     // Created with its final permission bits where the umask keeps them, saving an fchmod per file; the
     // tree is private until published (its root is 0700).
     mode_t perm = st.st_mode & 0777;
     bool exact = (perm & umask_) == 0 && (st.st_mode & 07000) == 0;
-    UniqueFd dst(openat(ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
+    UniqueFd dst(openIn(stack, ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     CloneMethod m;
     try {
