@@ -25,9 +25,9 @@ const DEPTH = 100_000
 const AS_LIMIT = 3 * GiB
 const RSS_BUDGET_KIB = (64 * MiB) / 1024
 
-/** Depth and size of every regular file below `dir`, by find(1) (fts: fd-relative, so it copes with any depth). */
+/** Depth, link count and size of every regular file below `dir`, by find(1) (fts: fd-relative, any depth). */
 function filesBelow(dir: string): string[] {
-  return runCommand('find', [dir, '-type', 'f', '-printf', '%d %s\n']).stdout.toString().trim().split('\n')
+  return runCommand('find', [dir, '-type', 'f', '-printf', '%d %n %s\n']).stdout.toString().trim().split('\n')
 }
 
 /** freshDir for trees deeper than fs.rmSync can recurse: removed by rm(1) (fts: fd-relative, any depth). */
@@ -41,19 +41,19 @@ function deepDir(): string {
 
 describe.skipIf(!mounts.xfs)(`a chain of directories ${DEPTH} deep ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
   test(
-    `clone() under a 3 GiB address-space limit recreates it with under 64 MiB of RSS growth, and removing both leaves nothing`,
+    `clone() under a 3 GiB address-space limit recreates it (a hard-link pair at the bottom, far past PATH_MAX, stays a pair) with under 64 MiB of RSS growth, and removing both leaves nothing`,
     { timeout: 240_000 },
     async () => {
       const dir = deepDir()
       const src = path.join(dir, 'chain')
       const dst = path.join(dir, 'copy')
-      expect((await run({ op: 'build', dir, depth: DEPTH })).event).toBe('result')
+      expect((await run({ op: 'build', dir, depth: DEPTH, links: true })).event).toBe('result')
 
       const cloned = await run({ op: 'clone', src, dst, limits: { as: AS_LIMIT } })
       console.log(`clone of a chain ${DEPTH} deep: ru_maxrss grew ${cloned.maxrssGrowthKiB} KiB`)
-      expect(cloned).toMatchObject({ event: 'result', dirs: DEPTH, files: 1 })
+      expect(cloned).toMatchObject({ event: 'result', dirs: DEPTH, files: 1, hardlinks: 1 })
       expect(cloned.maxrssGrowthKiB).toBeLessThan(RSS_BUDGET_KIB)
-      expect(filesBelow(dst)).toEqual([`${DEPTH + 1} 6`])
+      expect(filesBelow(dst)).toEqual([`${DEPTH + 1} 2 6`, `${DEPTH + 1} 2 6`])
 
       for (const target of [dst, src]) {
         const removed = await run({ op: 'remove', target, limits: { as: AS_LIMIT } })
