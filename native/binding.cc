@@ -364,6 +364,13 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
           setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
+          if (entries[i].probeErrno) {
+            vmspace::Error e;
+            e.err = entries[i].probeErrno;
+            e.syscall = "flock";
+            e.path = pool->root() + "/" + entries[i].name;
+            o.Set("probeError", errorObject(env, e));
+          }
           out.Set(static_cast<uint32_t>(i), o);
         }
         return out;
@@ -538,7 +545,10 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
   instance(env).waiters.insert(waiter);
   int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
-  auto wait = [waiter, sig] {
+  // The result's allocation is made here, on the JS thread, where a bad_alloc becomes a JS exception: on the
+  // detached wait thread it would end the process (std::terminate).
+  auto* done = new LockWaitDone{waiter, 0, "flock"};
+  auto wait = [waiter, sig, done] {
     // No V8 here: runs on the wait's own thread.
     int err;
     const char* syscall = "flock";
@@ -568,9 +578,11 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
     waiter->done = true;
     if (waiter->tsfnGone) {
       ::close(waiter->fd);  // the env is gone: drop the lock (if we got it) here
+      delete done;
       return;
     }
-    auto* done = new LockWaitDone{waiter, err, syscall};
+    done->err = err;
+    done->syscall = syscall;
     if (waiter->tsfn.BlockingCall(done) != napi_ok) {
       ::close(waiter->fd);
       delete done;
@@ -582,6 +594,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
     t = std::thread(wait);
   } catch (const std::system_error& e) {
     // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the fd goes back to the caller, who closes it.
+    delete done;
     instance(env).waiters.erase(waiter);
     instance(env).locks.insert(waiter->fd);
     waiter->tsfn.Release();
