@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/xattr.h>
@@ -20,12 +19,22 @@
 #include <vector>
 
 #include "error.h"
+#include "fallback.h"
 #include "fd.h"
 #include "names.h"
 #include "process.h"
 #include "remove.h"
 #include "statx.h"
 #include "rename.h"
+
+// openat2(2) needs <linux/openat2.h> (kernel headers 5.6) and SYS_openat2; without them (RHEL 8, glibc 2.28) only
+// the O_NOFOLLOW walk is built.
+#if __has_include(<linux/openat2.h>) && !defined(VMSPACE_TEST_OLD_HEADERS)
+#include <linux/openat2.h>
+#if defined(SYS_openat2) && defined(RESOLVE_BENEATH)
+#define VMSPACE_HAVE_OPENAT2 1
+#endif
+#endif
 
 namespace vmspace {
 namespace {
@@ -36,7 +45,8 @@ constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NO
 // openat2(2) RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS (Linux 5.6), or an O_NOFOLLOW walk where openat2 is missing.
 int openDirBeneath(int rootFd, const std::string& rel) {
   if (rel.empty()) return fcntl(rootFd, F_DUPFD_CLOEXEC, 0);
-  static std::atomic<bool> noOpenat2{false};
+#ifdef VMSPACE_HAVE_OPENAT2
+  static std::atomic<bool> noOpenat2{kTestFallback.noOpenat2};
   if (!noOpenat2.load(std::memory_order_relaxed)) {
     struct open_how how = {};
     how.flags = kDirFlags;
@@ -45,6 +55,7 @@ int openDirBeneath(int rootFd, const std::string& rel) {
     if (fd >= 0 || errno != ENOSYS) return fd;
     noOpenat2.store(true, std::memory_order_relaxed);
   }
+#endif
   UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
   size_t start = 0;
   while (cur) {
