@@ -3,6 +3,8 @@
 # on PATH — by npm (install script runs), by npm --ignore-scripts, and by pnpm 10 (whose default skips dependencies'
 # build scripts) — and in each, allocate/clone/dispose through require, import and a worker thread, each of which
 # must have loaded the prebuild (never a source build). Needs prebuilds/ (npm run prebuild).
+# As root, the npm project then runs on glibc 2.31 (x64, the Debian 11 root of scripts/sysroot.sh) and on arm64
+# (qemu-user with Debian's arm64 nodejs, scripts/arm64-root.sh).
 # Usage: scripts/smoke.sh   (prints "smoke: N passed, N failed")
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,13 +20,15 @@ bad() { echo "smoke: FAILED: $1"; failed=$((failed + 1)); }
 tgz=$(npm pack --pack-destination "$work" --silent 2>/dev/null | tail -1)
 tgz=$work/$tgz
 if [ -f "$tgz" ]; then ok "npm pack: $(basename "$tgz")"; else bad "npm pack"; echo "smoke: 0 passed, 1 failed"; exit 1; fi
+listing=$(tar -tzf "$tgz")
 for f in prebuilds/linux-x64/vmspace.glibc.node prebuilds/linux-arm64/vmspace.glibc.node; do
-  if tar -tzf "$tgz" | grep -qx "package/$f"; then ok "tarball holds $f"; else bad "tarball lacks $f"; fi
+  if grep -qx "package/$f" <<<"$listing"; then ok "tarball holds $f"; else bad "tarball lacks $f"; fi
 done
 
-# A PATH with node, npm and npx only: no cc, c++, make or python3 for a source build to find.
+# A PATH with node, npm, npx and sh (npm runs install scripts with it) only: no cc, c++, make or python3 for a
+# source build to find, as in a node:*-slim image.
 mkdir -p "$work/bin"
-for t in node npm npx; do ln -s "$(command -v $t)" "$work/bin/$t"; done
+for t in node npm npx sh; do ln -s "$(command -v $t)" "$work/bin/$t"; done
 nocc=$work/bin
 if PATH=$nocc command -v cc c++ gcc g++ make >/dev/null 2>&1; then bad "PATH without a compiler"; else ok "PATH without a compiler"; fi
 # pnpm fetched once (with the full PATH), then run from its own install.
@@ -59,7 +63,45 @@ consumer npm npm install --no-audit --no-fund "$tgz"
 consumer npm-ignore-scripts npm install --no-audit --no-fund --ignore-scripts "$tgz"
 consumer pnpm pnpm add "$tgz"
 
-# Keep the npm project for scripts/arm64-proof.sh, when asked.
-if [ -n "${VMSPACE_SMOKE_KEEP:-}" ]; then rm -rf "$VMSPACE_SMOKE_KEEP"; cp -a "$work/npm" "$VMSPACE_SMOKE_KEEP"; fi
+# The npm project on other hosts (root: chroot, bind mounts). Each runs the same three consumers.
+# $1: label; the rest: the command prefix that runs node there.
+elsewhere() {
+  local label=$1 how out
+  shift
+  for how in consumer.cjs consumer.mjs worker.cjs; do
+    if out=$("$@" "$how" 2>&1) && [[ "$out" == "ok "*" prebuilds/linux-$arch/vmspace.glibc.node" ]]; then
+      ok "$label: $out"
+    else
+      bad "$label: $how: $out"
+    fi
+  done
+}
+if [ "$(id -u)" != 0 ]; then
+  echo "smoke: skipped (not root): the glibc 2.31 and arm64 runs"
+elif [ -d "$work/npm/node_modules/vmspace" ]; then
+  # x64 on glibc 2.31: this node (NodeSource's needs glibc 2.28) in the Debian 11 root the prebuilds are built in.
+  root=$(scripts/sysroot.sh)
+  proj=$work/npm
+  mounted=()
+  mkdir -p "$root$proj" "$root/proc"
+  touch "$root/usr/local/bin/node"
+  mount --bind "$(readlink -f "$(command -v node)")" "$root/usr/local/bin/node" && mounted+=("$root/usr/local/bin/node")
+  mount --bind "$proj" "$root$proj" && mounted+=("$root$proj")
+  mount -t proc proc "$root/proc" && mounted+=("$root/proc")
+  arch=x64
+  elsewhere "x64 on glibc $(chroot "$root" ldd --version | head -1 | awk '{print $NF}')" \
+    env -u NODE_EXTRA_CA_CERTS chroot "$root" /bin/sh -c 'cd "$0" && exec /usr/local/bin/node "$1"' "$proj"
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[i]}"; done
+  rmdir "$root$proj" 2>/dev/null; rm -f "$root/usr/local/bin/node"
+  # arm64: Debian 12's arm64 nodejs (18.x) under qemu-user, loading the cross-built prebuild.
+  if arm=$(scripts/arm64-root.sh); then
+    arch=arm64
+    elsewhere "arm64 (qemu, node $(qemu-aarch64-static -L "$arm" "$arm/usr/bin/node" -v))" \
+      env -u NODE_EXTRA_CA_CERTS -C "$proj" qemu-aarch64-static -L "$arm" "$arm/usr/bin/node"
+  else
+    bad "arm64 root (scripts/arm64-root.sh)"
+  fi
+fi
+
 echo "smoke: $passed passed, $failed failed"
 [ "$failed" = 0 ]
