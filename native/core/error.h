@@ -9,6 +9,8 @@
 
 #include <string.h>
 
+#include "compat.h"
+
 #include <cerrno>
 #include <exception>
 #include <string>

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "compat.h"
 #include "fallback.h"
 
 #if defined(STATX_MNT_ID) && !defined(VMSPACE_TEST_OLD_HEADERS)
