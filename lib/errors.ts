@@ -69,6 +69,16 @@ const errnoNames = new Map<number, string>()
 for (const [name, n] of Object.entries(os.constants.errno)) {
   if (!errnoNames.has(n) || name === 'EAGAIN' || name === 'EOPNOTSUPP' || name === 'EDEADLK') errnoNames.set(n, name)
 }
+// Linux errnos a file system can return that Node's POSIX table lacks, numbered as in asm-generic/errno.h (which
+// these architectures use; MIPS, SPARC and Alpha number them otherwise).
+if (['x64', 'arm64', 'arm', 'ia32', 'riscv64', 's390x', 'ppc64', 'loong64'].includes(process.arch)) {
+  const linux: [number, string][] = [
+    [15, 'ENOTBLK'], [52, 'EBADE'], [53, 'EBADR'], [54, 'EXFULL'], [66, 'EREMOTE'], [77, 'EBADFD'],
+    [117, 'EUCLEAN'], [121, 'EREMOTEIO'], [123, 'ENOMEDIUM'], [124, 'EMEDIUMTYPE'], [126, 'ENOKEY'],
+    [127, 'EKEYEXPIRED'], [128, 'EKEYREVOKED'], [129, 'EKEYREJECTED'], [130, 'EOWNERDEAD'], [131, 'ENOTRECOVERABLE'],
+  ]
+  for (const [n, name] of linux) if (!errnoNames.has(n)) errnoNames.set(n, name)
+}
 
 /** The name of a positive errno (`'ENOENT'`), or `'EUNKNOWN'` for a number Node does not name. */
 export function errnoName(errno: number): string {

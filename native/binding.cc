@@ -36,7 +36,8 @@ using vmspace::Error;
 // a VmspaceError where the caller's async stack is at hand.
 Napi::Object errorObject(Napi::Env env, const Error& e) {
   Napi::Object o = Napi::Object::New(env);
-  // An errno's name (code, causeCode) is added by lib/errors.ts: glibc's strerrorname_np is not portable.
+  // An errno's name (a system error's code, a vmspace condition's cause) is added by lib/errors.ts from Node's
+  // table: glibc's strerrorname_np is 2.32+ only and musl has none.
   if (!e.code.empty() || !e.err) o.Set("code", e.code.empty() ? "EUNKNOWN" : e.code);
   if (e.err) o.Set("errno", -e.err);
   if (e.err) o.Set("description", vmspace::errnoDescription(e.err));
