@@ -46,6 +46,11 @@ consumer() {
     bad "$label: install"; tail -20 "$dir.log"; return
   fi
   ok "$label: install"
+  # pnpm 10 must have skipped vmspace's install script (the case this run is for), not run it.
+  if [ "$label" = pnpm ]; then
+    if grep -q "Ignored build scripts: vmspace" "$dir.log"; then ok "pnpm: skipped the install script"; else
+      bad "pnpm: did not report skipping vmspace's install script"; fi
+  fi
   local pkg
   pkg=$(cd "$dir" && PATH=$nocc node -p "require('path').dirname(require.resolve('vmspace/package.json'))")
   if [ -e "$pkg/build" ]; then bad "$label: a source build was made ($pkg/build)"; fi
