@@ -36,11 +36,11 @@ using vmspace::Error;
 // a VmspaceError where the caller's async stack is at hand.
 Napi::Object errorObject(Napi::Env env, const Error& e) {
   Napi::Object o = Napi::Object::New(env);
-  const char* name = e.err ? strerrorname_np(e.err) : nullptr;
-  o.Set("code", e.code.empty() ? (name ? name : "EUNKNOWN") : e.code);
+  // An errno's name (a system error's code, a vmspace condition's cause) is added by lib/errors.ts from Node's
+  // table: glibc's strerrorname_np is 2.32+ only and musl has none.
+  if (!e.code.empty() || !e.err) o.Set("code", e.code.empty() ? "EUNKNOWN" : e.code);
   if (e.err) o.Set("errno", -e.err);
-  if (e.err) o.Set("description", strerrordesc_np(e.err) ? strerrordesc_np(e.err) : "unknown error");
-  if (e.err && !e.code.empty() && name) o.Set("causeCode", name);
+  if (e.err) o.Set("description", vmspace::errnoDescription(e.err));
   if (!e.syscall.empty()) o.Set("syscall", e.syscall);
   if (!e.path.empty()) o.Set("path", e.path);
   if (!e.dest.empty()) o.Set("dest", e.dest);
