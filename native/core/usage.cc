@@ -105,17 +105,27 @@ class Walker {
     std::string path = top.path + "/" + name;
     struct statx stx;
     if (statx(dfd, name, AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_MODE | STATX_INO | STATX_NLINK |
-              STATX_SIZE | STATX_BLOCKS | STATX_MNT_ID, &stx) != 0) {
+              STATX_SIZE | STATX_BLOCKS, &stx) != 0) {
       if (errno == ENOENT) return;  // removed meanwhile
       throwErrno(errno, "statx", path);
     }
     if (S_ISDIR(stx.stx_mode)) {
-      if (mountOf(stx) != mount_) return;  // another file system mounted here: not this workspace's space
       int fd = openat(dfd, name, kDirFlags);
       if (fd < 0) {
         if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;  // changed meanwhile
         throwErrno(errno, "open", path);
       }
+      struct statx own;
+      if (statxFd(fd, kStatxMntId | STATX_INO | STATX_BLOCKS, &own) != 0) {
+        int err = errno;
+        ::close(fd);
+        throwErrno(err, "statx", path);
+      }
+      if (mountOf(fd, own) != mount_) {  // another file system mounted here: not this workspace's space
+        ::close(fd);
+        return;
+      }
+      stx = own;
       r_->dirs++;
       r_->allocatedBytes += stx.stx_blocks * 512;
       DIR* d = fdopendir(fd);
@@ -181,11 +191,11 @@ class Walker {
 UsageReport workspaceUsage(int wsFd, const std::string& shown, const QuotaRef& ref, const std::atomic<bool>* cancel) {
   UsageReport r;
   struct statx self;
-  if (statxFd(wsFd, STATX_MNT_ID | STATX_INO | STATX_BLOCKS, &self) != 0) throwErrno(errno, "statx", shown);
+  if (statxFd(wsFd, kStatxMntId | STATX_INO | STATX_BLOCKS, &self) != 0) throwErrno(errno, "statx", shown);
   r.allocatedBytes += self.stx_blocks * 512;
   int fd = openat(wsFd, ".", kDirFlags);  // a description of our own: the lease fd's readdir offset is not ours
   if (fd < 0) throwErrno(errno, "open", shown);
-  Walker w(mountOf(self), &r, cancel);
+  Walker w(mountOf(wsFd, self), &r, cancel);
   w.run(fd, shown, makedev(self.stx_dev_major, self.stx_dev_minor), static_cast<ino_t>(self.stx_ino));
   r.quota = quotaUsageOf(wsFd, ref);
   return r;
