@@ -11,7 +11,7 @@ import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
 import { openPool, probeQuota, type Pool } from '../lib/index.js'
 import { removeScratch, unmountBeneath } from './setup/mounts.js'
-import { Child, MiB, emptyPoolState, fixtures, freshDir, mounts, needs, poolState, writeRandomFile } from './helpers.js'
+import { Child, MiB, emptyPoolState, fixtures, freshDir, mounts, needs, poolState, repoRoot, writeRandomFile } from './helpers.js'
 
 // ---- file systems of this suite ----
 
@@ -314,6 +314,32 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     expect(fs.readFileSync(path.join(outside, 'keep.txt'), 'utf8')).toBe('keep')
     expect(subvolumes(mnt).filter((p) => p.includes(path.basename(root)))).toEqual([])
     await pool.close()
+  })
+
+  test('vmspace ls shows exclusive, shared and quota columns, vmspace probe says quotas work, and the demo with --quota sees its runaway writer stopped with EDQUOT while every other workspace finishes', async () => {
+    const root = freshDir(mnt)
+    const img = ownBase()
+    const pool = await openPool(root)
+    const ws = await pool.allocate({ quota: { bytes: QUOTA }, template: { 'rootfs.img': img } })
+    const cli = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
+    const ls = spawnSync(process.execPath, [cli, 'ls', '--json', root], { encoding: 'utf8' })
+    expect(ls.status).toBe(0)
+    expect(JSON.parse(ls.stdout).workspaces).toEqual([
+      expect.objectContaining({ id: ws.id, exclusiveBytes: 0, sharedBytes: 256 * MiB, quota: expect.objectContaining({ limitBytes: QUOTA }) }),
+    ])
+    const text = spawnSync(process.execPath, [cli, 'ls', root], { encoding: 'utf8' })
+    expect(text.stdout.split('\n')[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
+    expect(text.stdout).toMatch(new RegExp(`^${ws.id}\\s.*\\s0 B\\s+256 MiB\\s+[^/]+/64 MiB\\s`, 'm'))
+    const probe = spawnSync(process.execPath, [cli, 'probe', '--json', root], { encoding: 'utf8' })
+    expect(JSON.parse(probe.stdout).features.quota).toMatchObject({ supported: true, code: null })
+    await ws.dispose()
+    await pool.close()
+    const demo = spawnSync(process.execPath, [cli, 'demo', '--vms', '12', '--workers', '2', '--quota', '64M', '--root', freshDir(mnt), '--base', img], {
+      encoding: 'utf8',
+    })
+    expect(demo.status, demo.stdout + demo.stderr).toBe(0)
+    expect(demo.stdout).toMatch(/\| quota\s+\| 64 MiB per workspace; runaway writer in [0-9a-f]{8}\.\.\.: EDQUOT after /)
+    expect(demo.stdout).toMatch(/\| workspaces\s+\| 12 of 12 /)
   })
 
   test('usage: a workspace cloned from a 256 MiB base reports ~0 exclusive and 256 MiB shared; after the guest rewrites 32 MiB, ~32 MiB exclusive; the quota shows its limit', async () => {
