@@ -462,7 +462,8 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   try {
     // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
     if (req.quota.any())
-      quotaRef = applyQuota(lease.get(), stagingPath, quotaSupport, req.quota, projectsFd(true), projectIds_, res.name);
+      quotaRef = applyQuota(lease.get(), stagingPath, quotaSupport, req.quota,
+                            quotaSupport.backend == QuotaBackend::Project ? projectsFd(true) : -1, projectIds_, res.name);
 
     CloneOptions opts = req.clone;
     opts.overwrite = false;

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -161,6 +162,11 @@ class Pool {
   ProjectIdRange projectIds_;
   std::mutex projectsMu_;  // guards projectsFd_, opened lazily
   UniqueFd projectsFd_;
+  // Claims exist only on XFS/ext4 (project quotas): elsewhere a removal never looks for them. -1: not asked yet
+  // (set once by the first caller; a race sets the same value).
+  std::atomic<int> projectFs_{-1};
+  // projectsFd(false) where this pool's file system can have claims; -1 otherwise, and where it cannot be opened.
+  int claimsIfAny();
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).

@@ -2,7 +2,9 @@
 // removal that releases a workspace's quota, the project id claims in .vmspace/projects/, per-workspace usage.
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -17,6 +19,7 @@ namespace vmspace {
 namespace {
 
 constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
 
 int64_t ageMsAt(int dirFd, const char* name) {
   struct statx stx;
@@ -46,12 +49,23 @@ int Pool::projectsFd(bool create) {
   return projectsFd_.get();
 }
 
-void Pool::removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
-  int claims = -1;
-  try {
-    claims = projectsFd(false);
-  } catch (const Error&) {
+int Pool::claimsIfAny() {
+  int kind = projectFs_.load(std::memory_order_relaxed);
+  if (kind < 0) {
+    struct statfs sfs;
+    kind = fstatfs(rootFd_.get(), &sfs) != 0 || sfs.f_type == XFS_SUPER_MAGIC_ || sfs.f_type == EXT4_SUPER_MAGIC;
+    projectFs_.store(kind, std::memory_order_relaxed);
   }
+  if (!kind) return -1;
+  try {
+    return projectsFd(false);
+  } catch (const Error&) {
+    return -1;  // unreadable: no claim can be released through it now; a later sweep retries
+  }
+}
+
+void Pool::removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
+  int claims = claimsIfAny();
   QuotaRef ref = quotaRefOf(parentFd, name, projectIds_, claims >= 0);
   try {
     removeTreeNoFollow(parentFd, name, shown, bytes);
@@ -66,7 +80,7 @@ void Pool::removeWorkspace(int parentFd, const std::string& name, const std::str
 }
 
 void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
-  int claims = projectsFd(false);
+  int claims = claimsIfAny();
   if (claims < 0 || dryRun) return;
   int fd = openat(claims, ".", kDirFlags);
   if (fd < 0) return;
@@ -100,12 +114,7 @@ void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
 UsageReport Pool::usage(const std::string& name, const std::atomic<bool>* cancel) {
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
-  int claims = -1;
-  try {
-    claims = projectsFd(false);
-  } catch (const Error&) {
-  }
-  QuotaRef ref = quotaRefOf(rootFd_.get(), name, projectIds_, claims >= 0);
+  QuotaRef ref = quotaRefOf(rootFd_.get(), name, projectIds_, claimsIfAny() >= 0);
   return workspaceUsage(fd.get(), path(name), ref, cancel);
 }
 
