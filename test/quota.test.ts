@@ -248,6 +248,20 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
+  test('a quota allocate that fails after its subvolume was made (a missing template source, an abort) leaves nothing: no entry, no subvolume', async () => {
+    const root = freshDir(mnt)
+    const pool = await openPool(root)
+    const err = await pool.allocate({ quota: { bytes: QUOTA }, template: { 'rootfs.img': path.join(root, 'missing.img') } }).catch((e) => e)
+    expect(err).toMatchObject({ code: 'ENOENT' })
+    const ac = new AbortController()
+    const p = pool.allocate({ quota: { bytes: QUOTA }, template: { 'rootfs.img': ownBase() }, signal: ac.signal })
+    ac.abort()
+    await expect(p).rejects.toMatchObject({ name: 'AbortError' })
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(subvolumes(mnt).filter((s) => s.includes(path.basename(root)))).toEqual([])
+    await pool.close()
+  })
+
   test('quota.inodes on btrfs is refused with ERR_QUOTA_UNSUPPORTED (qgroups limit bytes only), nothing made', async () => {
     const root = freshDir(mnt)
     const pool = await openPool(root)
