@@ -404,6 +404,22 @@ describe('usage', () => {
     await pool.close()
   })
 
+  test.skipIf(!mounts.xfs)(`on XFS a reflinked template is shared until rewritten ${needs('XFS', mounts.missing.xfs)}`, async () => {
+    const root = freshDir(mounts.xfs!)
+    const src = path.join(freshDir(mounts.xfs!, 'src'), 'base.img')
+    writeRandomFile(src, 16 * MiB)
+    const pool = await openPool(root)
+    const ws = await pool.allocate({ template: { 'rootfs.img': src } })
+    expect(await ws.usage()).toMatchObject({ files: 1, sharedBytes: 16 * MiB, exclusiveBytes: 0 })
+    const fd = fs.openSync(path.join(ws.path, 'rootfs.img'), 'r+')
+    fs.writeSync(fd, Buffer.alloc(4 * MiB, 1), 0, 4 * MiB, 0)
+    fs.fsyncSync(fd)
+    fs.closeSync(fd)
+    expect(await ws.usage()).toMatchObject({ sharedBytes: 12 * MiB, exclusiveBytes: 4 * MiB })
+    await ws.dispose()
+    await pool.close()
+  })
+
   test('usage is cancellable with signal (AbortError), also mid-walk of 10,000 files', async () => {
     const root = freshDir(mounts.scratch)
     const pool = await openPool(root)
