@@ -13,7 +13,7 @@ import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { clone, openPool, type Pool } from 'vmspace'
+import { clone, openPool, type Pool, type Workspace } from 'vmspace'
 import { extentBytes, fsckClean, readGuestRecord, tokensInImage } from './checks.js'
 import { guestImages, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
 import { chooseAccel, GuestVm, type Accel } from './qemu.js'
@@ -72,6 +72,8 @@ export interface BootReport {
   runChecks: Check[]
   checksPassed: number
   checksTotal: number
+  /** The sweeps after each VM's exit and the final one. */
+  sweeps: SweepStats
   /** Workspaces (published, staging, trash) left in the pool after the run. */
   left: number
   /** Every check passed and nothing was left. */
@@ -81,6 +83,12 @@ export interface BootReport {
   kept: boolean
   /** The summary table, as printed. */
   table: string
+}
+
+export interface SweepStats {
+  sweeps: number
+  reclaimed: number
+  liveSkipped: number
 }
 
 type State = 'running' | 'stopping' | 'exited' | 'reclaimed'
@@ -121,18 +129,24 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   const tokens = Array.from({ length: n }, () => randomBytes(16).toString('hex'))
   const ctx: RunContext = {
     tools, images, pool, base, baseHash, consoleDir, accel: choice.accel, timeoutMs, tokens, log,
-    states: new Map(), names: new Map(), sweepChecks: [], sweeping: Promise.resolve(),
+    states: new Map(), names: new Map(), sweepChecks: [], sweepStats: { sweeps: 0, reclaimed: 0, liveSkipped: 0 }, sweeping: Promise.resolve(),
   }
 
   const vms: VmResult[] = new Array(n)
   let next = 0
   await Promise.all(
     Array.from({ length: Math.min(parallel, n) }, async () => {
-      for (let i = next++; i < n; i = next++) vms[i] = await bootOne(ctx, i, victims.has(i))
+      for (let i = next++; i < n; i = next++)
+        vms[i] = await bootOne(ctx, i, victims.has(i)).catch((e: unknown): VmResult => {
+          const name = `vm-${i + 1}`
+          log(`${name}: failed: ${String(e)}`)
+          return { name, id: '', outcome: 'failed', allocateMs: 0, method: 'copy', consoleLog: '', checks: [{ name: 'the VM ran', ok: false, detail: String(e) }] }
+        })
     }),
   )
 
   const runChecks = [...ctx.sweepChecks, ...(await finalChecks(ctx, vms))]
+  ctx.sweepStats.sweeps++ // the final one, which must reclaim nothing
   const left = await leftovers(pool)
   await pool.close()
   const all = [...vms.flatMap((v) => v.checks), ...runChecks]
@@ -142,7 +156,7 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   if (!kept) await fsp.rm(runDir, { recursive: true, force: true })
   const report: BootReport = {
     accel: choice.accel, accelWhy: choice.why, fileSystem, vms, runChecks, checksPassed, checksTotal: all.length,
-    left, ok, runDir, kept, table: '',
+    sweeps: ctx.sweepStats, left, ok, runDir, kept, table: '',
   }
   report.table = formatTable(report)
   return report
@@ -164,6 +178,8 @@ interface RunContext {
   /** Workspace id -> VM name, for messages. */
   names: Map<string, string>
   sweepChecks: Check[]
+  /** Sweeps run, workspaces they reclaimed, and live workspaces they left alone (summed over sweeps). */
+  sweepStats: SweepStats
   /** Sweeps run one at a time, so that each one's result can be judged against the states. */
   sweeping: Promise<unknown>
 }
@@ -177,7 +193,6 @@ async function bootOne(ctx: RunContext, i: number, victim: boolean): Promise<VmR
   const disk = path.join(ws.path, 'rootfs.ext4')
   const consoleLog = path.join(ctx.consoleDir, `${name}.log`)
   const result: VmResult = { name, id: ws.id, outcome: 'failed', allocateMs, method: ws.template[0]!.method, checks: [], consoleLog }
-  const check = (checkName: string, ok: boolean, detail?: string) => result.checks.push({ name: checkName, ok, detail })
 
   ctx.states.set(ws.id, 'running')
   ctx.names.set(ws.id, name)
@@ -185,6 +200,21 @@ async function bootOne(ctx: RunContext, i: number, victim: boolean): Promise<VmR
     tools: ctx.tools, images: ctx.images, disk, accel: ctx.accel, consoleLog, leaseFd: ws.leaseFd,
     cmdline: `vmspace.id=${name} vmspace.token=${token}`,
   })
+  try {
+    return await driveVm(ctx, vm, ws, result, victim, token)
+  } catch (e) {
+    // Whatever went wrong on the host side, no QEMU outlives the run.
+    vm.kill()
+    await vm.exited
+    throw e
+  }
+}
+
+/** From QEMU's start to the sweep that reclaims the workspace; fills in `result`. */
+async function driveVm(ctx: RunContext, vm: GuestVm, ws: Workspace, result: VmResult, victim: boolean, token: string): Promise<VmResult> {
+  const { name, consoleLog } = result
+  const disk = path.join(ws.path, 'rootfs.ext4')
+  const check = (checkName: string, ok: boolean, detail?: string) => result.checks.push({ name: checkName, ok, detail })
   const tStart = performance.now()
   // QEMU has its copy of the lease (fd 3) from here on; the demo lets go of its own.
   await ws.release()
@@ -261,6 +291,9 @@ async function sweepAfterExit(ctx: RunContext, result: VmResult): Promise<void> 
     // Only QEMUs that had exited before the sweep started must be reclaimed by it; one exiting meanwhile may be.
     const exitedBefore = [...ctx.states].filter(([, s]) => s === 'exited').map(([id]) => id)
     const report = await ctx.pool.sweep()
+    ctx.sweepStats.sweeps++
+    ctx.sweepStats.reclaimed += report.reclaimed.length
+    ctx.sweepStats.liveSkipped += report.live
     const wrong: string[] = []
     for (const e of report.reclaimed) {
       const state = ctx.states.get(e.id)
@@ -345,6 +378,8 @@ export function formatTable(r: BootReport): string {
     ['allocate p50 / p99', `${msf(percentile(allocs, 50))} / ${msf(percentile(allocs, 99))}`],
     ['clone method', `${methods} (pool on ${r.fileSystem})`],
     ['bytes shared / own', `${mib(shared)} / ${mib(own)}  (booted clones' allocated extents after boot: shared with the base / copied or written)`],
+    ['reclaimed by sweep()', `${r.sweeps.reclaimed} of ${r.vms.length} workspaces` + (killed.length ? ` (${killed.length} after SIGKILL)` : '') +
+      `, 0 dispose calls; ${r.sweeps.sweeps} sweeps left ${r.sweeps.liveSkipped} live workspaces alone in all`],
     ['checks passed', `${r.checksPassed} / ${r.checksTotal}`],
     ['workspaces left', String(r.left)],
   ]
