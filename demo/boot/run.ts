@@ -96,6 +96,12 @@ type State = 'running' | 'stopping' | 'exited' | 'reclaimed'
 /** Runs the boot demo; throws BootUnavailableError (with the packages to install) when guests cannot boot here. */
 export async function runBootDemo(options: BootDemoOptions): Promise<BootReport> {
   const log = options.log ?? ((line: string) => console.log(line))
+  const known = ['boot', 'parallel', 'root', 'chaos', 'accel', 'timeoutMs', 'keep', 'cacheDir', 'log']
+  for (const key of Object.keys(options))
+    if (!known.includes(key))
+      throw Object.assign(new TypeError(`runBootDemo: unknown option ${JSON.stringify(key)} (known: ${known.join(', ')})`), { code: 'ERR_INVALID_ARG_VALUE' })
+  if (options.accel !== undefined && !['auto', 'kvm', 'tcg'].includes(options.accel))
+    throw Object.assign(new RangeError(`runBootDemo: accel must be 'auto', 'kvm' or 'tcg', got ${JSON.stringify(options.accel)}`), { code: 'ERR_INVALID_ARG_VALUE' })
   const n = options.boot
   if (!Number.isInteger(n) || n < 1) throw new RangeError(`boot must be an integer >= 1, got ${n}`)
   const parallel = options.parallel ?? Math.min(n, os.availableParallelism())
