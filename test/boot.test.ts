@@ -25,7 +25,8 @@ describe.skipIf(missing !== undefined)(`booting guests on workspaces ${needs('QE
     async () => {
       const root = freshDir(mounts.xfs ?? mounts.scratch, 'boot')
       const lines: string[] = []
-      const report = await runBootDemo({ boot: 2, parallel: 2, root, log: (l) => lines.push(l), timeoutMs: 600_000 })
+      // nice 10: two TCG guests would otherwise take both cores from the suite's other files running beside.
+      const report = await runBootDemo({ boot: 2, parallel: 2, root, nice: 10, log: (l) => lines.push(l), timeoutMs: 600_000 })
       const failed = [...report.vms.flatMap((v) => v.checks.filter((c) => !c.ok).map((c) => `${v.name}: ${c.name}: ${c.detail}`)),
         ...report.runChecks.filter((c) => !c.ok).map((c) => `${c.name}: ${c.detail}`)]
       expect(failed, `${lines.join('\n')}\n${report.table}`).toEqual([])

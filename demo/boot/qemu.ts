@@ -32,6 +32,8 @@ export interface VmOptions {
   leaseFd?: number
   /** Guest memory in MiB. Default 256. */
   memoryMiB?: number
+  /** Scheduling priority (nice, 0..19) of the QEMU process. Default 0. */
+  nice?: number
 }
 
 /** How a wait for the guest ended. */
@@ -69,7 +71,11 @@ export class GuestVm {
     const stdio: ('pipe' | number)[] = ['pipe', 'pipe', 'pipe']
     if (opts.leaseFd !== undefined) stdio.push(opts.leaseFd)
     // Not detached: if the demo dies, QEMU stays in its process group and gets the terminal's signals with it.
-    this.process = spawn(opts.tools.qemu, args, { stdio })
+    // A lower priority lets a test suite's other processes run beside TCG guests that would take every core.
+    // nice(1) execs QEMU in the same process, before QEMU starts any thread, so every thread inherits it.
+    this.process = opts.nice
+      ? spawn('nice', ['-n', String(opts.nice), opts.tools.qemu, ...args], { stdio })
+      : spawn(opts.tools.qemu, args, { stdio })
     const child = this.process
     child.stderr!.on('data', (b: Buffer) => {
       if (this.#stderr.length < 16384) this.#stderr += b.toString()

@@ -34,6 +34,8 @@ export interface BootDemoOptions {
   timeoutMs?: number
   /** Keep the run's directory even when every check passed. Default false (kept on any failure). */
   keep?: boolean
+  /** Nice value (0..19) of the QEMU processes, e.g. to keep a test suite's other processes running. Default 0. */
+  nice?: number
   /** Where the guest images are cached. Default os.tmpdir(). */
   cacheDir?: string
   /** Progress lines. Default console.log. */
@@ -96,7 +98,7 @@ type State = 'running' | 'stopping' | 'exited' | 'reclaimed'
 /** Runs the boot demo; throws BootUnavailableError (with the packages to install) when guests cannot boot here. */
 export async function runBootDemo(options: BootDemoOptions): Promise<BootReport> {
   const log = options.log ?? ((line: string) => console.log(line))
-  const known = ['boot', 'parallel', 'root', 'chaos', 'accel', 'timeoutMs', 'keep', 'cacheDir', 'log']
+  const known = ['boot', 'parallel', 'root', 'chaos', 'accel', 'timeoutMs', 'keep', 'nice', 'cacheDir', 'log']
   for (const key of Object.keys(options))
     if (!known.includes(key))
       throw Object.assign(new TypeError(`runBootDemo: unknown option ${JSON.stringify(key)} (known: ${known.join(', ')})`), { code: 'ERR_INVALID_ARG_VALUE' })
@@ -107,6 +109,8 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   const parallel = options.parallel ?? Math.min(n, os.availableParallelism())
   if (!Number.isInteger(parallel) || parallel < 1) throw new RangeError(`parallel must be an integer >= 1, got ${parallel}`)
   const timeoutMs = options.timeoutMs ?? 300_000
+  const nice = options.nice ?? 0
+  if (!Number.isInteger(nice) || nice < 0 || nice > 19) throw new RangeError(`nice must be an integer 0..19, got ${nice}`)
 
   const tools = findBootTools()
   const images = await guestImages(tools, options.cacheDir ?? os.tmpdir(), log)
@@ -134,7 +138,7 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   }
   const tokens = Array.from({ length: n }, () => randomBytes(16).toString('hex'))
   const ctx: RunContext = {
-    tools, images, pool, base, baseHash, consoleDir, accel: choice.accel, timeoutMs, tokens, log,
+    tools, images, pool, base, baseHash, consoleDir, accel: choice.accel, timeoutMs, nice, tokens, log,
     states: new Map(), names: new Map(), sweepChecks: [], sweepStats: { sweeps: 0, reclaimed: 0, liveSkipped: 0 }, sweeping: Promise.resolve(),
   }
 
@@ -177,6 +181,7 @@ interface RunContext {
   consoleDir: string
   accel: Accel
   timeoutMs: number
+  nice: number
   tokens: string[]
   log: (line: string) => void
   /** Workspace id -> where its QEMU is: sweeps are judged against this. */
@@ -203,7 +208,7 @@ async function bootOne(ctx: RunContext, i: number, victim: boolean): Promise<VmR
   ctx.states.set(ws.id, 'running')
   ctx.names.set(ws.id, name)
   const vm = new GuestVm({
-    tools: ctx.tools, images: ctx.images, disk, accel: ctx.accel, consoleLog, leaseFd: ws.leaseFd,
+    tools: ctx.tools, images: ctx.images, disk, accel: ctx.accel, consoleLog, leaseFd: ws.leaseFd, nice: ctx.nice,
     cmdline: `vmspace.id=${name} vmspace.token=${token}`,
   })
   try {
