@@ -1,5 +1,5 @@
 /**
- * `npm run demo:boot -- --boot N [--parallel P] [--root DIR] [--chaos] [--accel auto|kvm|tcg]`: boots N real
+ * `vmspace demo --boot N` / `npm run demo -- --boot N` [--parallel P] [--root DIR] [--chaos] [--accel auto|kvm|tcg]`: boots N real
  * guests under QEMU, each on its own vmspace workspace (see run.ts), and prints the summary table. Exit status 0
  * when every check passed and no workspace is left, 1 otherwise, 2 for bad arguments, 3 when this machine cannot
  * boot guests (the message names the packages to install).
@@ -13,7 +13,7 @@ export { runBootDemo, formatTable } from './run.js'
 export type { BootDemoOptions, BootReport, VmResult, Check } from './run.js'
 export { BootUnavailableError, BOOT_PACKAGES, findBootTools } from './tools.js'
 
-const USAGE = `usage: npm run demo:boot -- --boot N [options]
+const USAGE = `usage: vmspace demo --boot N [options]   (npm run demo -- --boot N [options])
 
 Boots N virtual machines (QEMU, a busybox guest), each on its own workspace whose lease QEMU holds,
 checks every clone after its guest powers off, and lets sweep() reclaim the workspaces.
