@@ -67,6 +67,18 @@ export function optionsObject<T extends object>(name: string, value: unknown): P
   return value as Partial<T>
 }
 
+/**
+ * The options object (as optionsObject) with no key outside `keys`: a misspelt option would otherwise be ignored
+ * silently. An unknown key is ERR_INVALID_ARG_VALUE naming it (`options.forse`).
+ */
+export function strictOptions<T extends object>(name: string, value: unknown, keys: readonly (keyof T & string)[]): Partial<T> {
+  const o = optionsObject<T>(name, value)
+  for (const key of Object.keys(o))
+    if (!(keys as readonly string[]).includes(key))
+      throw invalidValue(`${name}.${key}`, `no such option (known: ${keys.join(', ')})`, (o as Record<string, unknown>)[key])
+  return o
+}
+
 export function oneOf<T extends string>(name: string, value: unknown, allowed: readonly T[], fallback: T): T {
   if (value === undefined) return fallback
   if (typeof value !== 'string') throw invalidType(name, `one of ${allowed.map((a) => `'${a}'`).join(', ')}`, value)

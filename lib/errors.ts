@@ -19,6 +19,21 @@ export type VmspaceErrorCode =
   | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
 
+/**
+ * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), and `'EUNKNOWN'` for a
+ * number it does not name.
+ */
+export type SystemErrorCode =
+  | 'E2BIG' | 'EACCES' | 'EADDRINUSE' | 'EADDRNOTAVAIL' | 'EAFNOSUPPORT' | 'EAGAIN' | 'EALREADY' | 'EBADF'
+  | 'EBADMSG' | 'EBUSY' | 'ECANCELED' | 'ECHILD' | 'ECONNABORTED' | 'ECONNREFUSED' | 'ECONNRESET' | 'EDEADLK'
+  | 'EDESTADDRREQ' | 'EDOM' | 'EDQUOT' | 'EEXIST' | 'EFAULT' | 'EFBIG' | 'EHOSTUNREACH' | 'EIDRM' | 'EILSEQ'
+  | 'EINPROGRESS' | 'EINTR' | 'EINVAL' | 'EIO' | 'EISCONN' | 'EISDIR' | 'ELOOP' | 'EMFILE' | 'EMLINK' | 'EMSGSIZE'
+  | 'EMULTIHOP' | 'ENAMETOOLONG' | 'ENETDOWN' | 'ENETRESET' | 'ENETUNREACH' | 'ENFILE' | 'ENOBUFS' | 'ENODATA'
+  | 'ENODEV' | 'ENOENT' | 'ENOEXEC' | 'ENOLCK' | 'ENOLINK' | 'ENOMEM' | 'ENOMSG' | 'ENOPROTOOPT' | 'ENOSPC' | 'ENOSR'
+  | 'ENOSTR' | 'ENOSYS' | 'ENOTCONN' | 'ENOTDIR' | 'ENOTEMPTY' | 'ENOTSOCK' | 'ENOTSUP' | 'ENOTTY' | 'ENXIO'
+  | 'EOPNOTSUPP' | 'EOVERFLOW' | 'EPERM' | 'EPIPE' | 'EPROTO' | 'EPROTONOSUPPORT' | 'EPROTOTYPE' | 'ERANGE' | 'EROFS'
+  | 'ESPIPE' | 'ESRCH' | 'ESTALE' | 'ETIME' | 'ETIMEDOUT' | 'ETXTBSY' | 'EWOULDBLOCK' | 'EXDEV' | 'EUNKNOWN'
+
 /** The fields the native binding rejects with (see native/binding.cc, errorObject). */
 interface NativeError {
   code: string
@@ -31,13 +46,17 @@ interface NativeError {
   detail?: string
 }
 
+/** A failed file-system operation, shaped like Node's fs errors (see the module comment). */
 export class VmspaceError extends Error {
   /** errno name (`'ENOENT'`, …) or a vmspace code (`'ERR_…'`). */
-  declare readonly code: string
+  declare readonly code: VmspaceErrorCode | SystemErrorCode
   /** Negative errno, as in Node's fs errors; absent for conditions without one. */
   declare readonly errno?: number
+  /** The system call that failed (`'openat'`, `'renameat2'`, …). */
   declare readonly syscall?: string
+  /** The path the error is about. */
   declare readonly path?: string
+  /** The second path of a two-path operation (a clone's or rename's destination). */
   declare readonly dest?: string
 
   constructor(
@@ -46,7 +65,7 @@ export class VmspaceError extends Error {
   ) {
     super(message, fields.cause === undefined ? undefined : { cause: fields.cause })
     this.name = 'VmspaceError'
-    this.code = fields.code
+    this.code = fields.code as VmspaceError['code']
     if (fields.errno !== undefined) this.errno = fields.errno
     if (fields.syscall !== undefined) this.syscall = fields.syscall
     if (fields.path !== undefined) this.path = fields.path

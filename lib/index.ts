@@ -15,8 +15,10 @@ export type {
   JsonValue,
 } from './pool.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
+export type { RemoveTreeOptions } from './fs.js'
 export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'
-export type { VmspaceErrorCode } from './errors.js'
+export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, updateJsonFile, FileLock } from './lock.js'
 export type { LockOptions, UpdateJsonOptions } from './lock.js'
+export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'

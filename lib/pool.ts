@@ -20,6 +20,7 @@ import {
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
 import type { NativeCloneResult } from './binding.js'
+import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
 export type JsonObject = { [key: string]: JsonValue }
@@ -132,6 +133,12 @@ const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
 const NAME = /^(.+)-([0-9a-f]{32})$/
 const constructing = Symbol('vmspace.internal')
 
+// The constructors of Pool and Workspace, which their types declare private.
+const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
+const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
+type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
+type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number]
+
 /** Calls still running, so that close()/dispose() wait for them before the fds they use are closed. */
 class InFlight {
   #running = new Set<Promise<unknown>>()
@@ -161,10 +168,10 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
   const durable = boolean('options.durable', o.durable, false)
   const { handle, bootId } = await call(native.openPool(dir, create))
-  return new Pool(constructing, handle, dir, prefix, reflink, durable, bootId)
+  return newPool(constructing, handle, dir, prefix, reflink, durable, bootId)
 }
 
-export class Pool {
+export class Pool implements AsyncDisposable {
   /** Absolute path of the pool's root directory. */
   readonly root: string
   readonly prefix: string
@@ -178,8 +185,8 @@ export class Pool {
   #open = 0 // workspaces of this pool not yet disposed
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
-  /** @internal Use openPool(). */
-  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string) {
+  // Private in the published types (pools come from openPool()); lib/ makes pools through newPool.
+  private constructor(...[token, handle, root, prefix, reflink, durable, bootId]: PoolArgs) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
     this.#handle = handle
     this.root = root
@@ -196,7 +203,11 @@ export class Pool {
    * Throws the errno of the failing call (e.g. `ENOENT` for a missing template source, `ENOSPC`),
    * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, or an AbortError.
    */
-  async allocate(options?: AllocateOptions): Promise<Workspace> {
+  allocate(options?: AllocateOptions): Promise<Workspace> {
+    return traced(allocateChannel, () => ({ root: this.root, prefix: this.prefix }), (t) => this.#allocate(options, t))
+  }
+
+  async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
     const o = optionsObject<AllocateOptions>('options', options)
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
@@ -226,11 +237,12 @@ export class Pool {
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
     ws.template = r.clones.map((c) => {
       this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
     })
+    if (t) allocateResult(t, ws, r.retries)
     if (signal?.aborted) {
       await ws.dispose()
       throw new AbortError(signal.reason)
@@ -296,7 +308,7 @@ export class Pool {
       await this._forget()
       throw e
     }
-    const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
     ws.info = this.#info(name, true, r.metaText, r.metaError)
     return ws
   }
@@ -307,7 +319,11 @@ export class Pool {
    * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
    * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
    */
-  async sweep(options?: SweepOptions): Promise<SweepReport> {
+  sweep(options?: SweepOptions): Promise<SweepReport> {
+    return traced(sweepChannel, () => ({ root: this.root, options }), () => this.#sweep(options), sweepResult)
+  }
+
+  async #sweep(options: SweepOptions | undefined): Promise<SweepReport> {
     const o = optionsObject<SweepOptions>('options', options)
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
@@ -343,6 +359,11 @@ export class Pool {
     this.#closed = true
     await this.#inFlight.idle()
     await this.#releaseIfIdle()
+  }
+
+  /** close(), for `await using pool = await openPool(…)`. */
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close()
   }
 
   /** @internal */
@@ -404,8 +425,8 @@ export class Workspace implements AsyncDisposable {
   readonly #pool: Pool
   readonly #inFlight = new InFlight()
 
-  /** @internal Workspaces come from Pool.allocate(). */
-  constructor(token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number) {
+  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
+  private constructor(...[token, pool, id, name, wsPath, leaseFd]: WorkspaceArgs) {
     if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
     this.#pool = pool
     this.id = id
@@ -434,7 +455,12 @@ export class Workspace implements AsyncDisposable {
    * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
    * clone() does, and `ERR_DISPOSED` after dispose().
    */
-  async clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
+    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
+  }
+
+  async #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
     const src = absolutePath('source', source)
     const rel = relativePath('dest', dest ?? path.basename(src))
     const opts = cloneOptions(options)
@@ -459,7 +485,8 @@ export class Workspace implements AsyncDisposable {
     this.#disposing ??= (async () => {
       await this.#inFlight.idle()
       try {
-        await this.#pool._dispose(this, this.leaseFd)
+        const pool = this.#pool
+        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, this.leaseFd))
         this.#status = 'disposed'
       } catch (e) {
         this.#status = 'unrecoverable'
