@@ -138,6 +138,7 @@ export function errnoError(errno: number, syscall: string, path?: string): Vmspa
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */
 export class AbortError extends Error {
+  /** Always `'ABORT_ERR'`, as Node's own AbortError. */
   readonly code = 'ABORT_ERR'
   constructor(cause?: unknown) {
     super('The operation was aborted', cause === undefined ? undefined : { cause })

@@ -11,6 +11,7 @@ import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, isPla
 import { AbortError, call, errnoError, vmspaceError, VmspaceError } from './errors.js'
 import { lockChannel, traced, type LockTrace } from './trace.js'
 
+/** Options of {@link lockFile}. */
 export interface LockOptions {
   /** A shared (read) lock: shared locks coexist; an exclusive one excludes all others. Default false. */
   shared?: boolean
@@ -160,6 +161,7 @@ async function lockFileUntraced(path: string, options: LockOptions | undefined, 
   })
 }
 
+/** Options of {@link updateJsonFile}. */
 export interface UpdateJsonOptions {
   /** fsync the directory after the rename too (the file itself is always fsynced before it). Default false. */
   durable?: boolean

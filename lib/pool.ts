@@ -22,9 +22,12 @@ import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type 
 import type { NativeCloneResult } from './binding.js'
 import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
+/** A value JSON can hold (what `JSON.parse` returns). */
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
+/** A JSON object: workspace metadata (`meta`) and the like. */
 export type JsonObject = { [key: string]: JsonValue }
 
+/** Options of {@link openPool}. */
 export interface PoolOptions {
   /** Make the root and `.vmspace/` when missing. Default true. */
   create?: boolean
@@ -36,6 +39,7 @@ export interface PoolOptions {
   durable?: boolean
 }
 
+/** Options of {@link Pool.allocate}. */
 export interface AllocateOptions {
   /**
    * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
@@ -54,36 +58,53 @@ export interface AllocateOptions {
   signal?: AbortSignal
 }
 
+/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
 export interface TemplateSource {
   /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
   dest: string
+  /** Absolute path of the source file or directory. */
   source: string
+  /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
   dev: string
+  /** The source's inode number (decimal string). */
   ino: string
+  /** The source's size in bytes (a tree: its directory's st_size). */
   size: number
+  /** The source's modification time in ns since the epoch (decimal string). */
   mtimeNs: string
+  /** How its data arrived in the workspace. */
   method: 'reflink' | 'copy' | 'mixed'
 }
 
+/** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */
 export interface WorkspaceInfo {
+  /** 32 lowercase hex characters (the whole name when it does not have the `<prefix>-<id>` shape). */
   id: string
+  /** The directory's name in the pool root. */
   name: string
+  /** Absolute path of the workspace directory. */
   path: string
   /** True while some process holds the lease (judged by a non-blocking shared flock probe). */
   live: boolean
   /** ms since the epoch. */
   createdAt?: number
+  /** The `meta` given to allocate(). */
   meta?: JsonObject
+  /** What the template cloned into it, with each source's identity at that time. */
   template?: TemplateSource[]
+  /** Process id of the allocating process. */
   pid?: number
+  /** Host name of the allocating machine. */
   hostname?: string
+  /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
   bootId?: string
   /** Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used. */
   error?: VmspaceError
 }
 
+/** Options of {@link Pool.sweep}. */
 export interface SweepOptions {
   /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
   dryRun?: boolean
@@ -96,8 +117,11 @@ export interface SweepOptions {
   graceMs?: number
 }
 
+/** One entry a sweep reclaimed (or failed to). */
 export interface SweepEntry {
+  /** The workspace's id (the whole name for an entry without the `<prefix>-<id>` shape). */
   id: string
+  /** The entry's directory name. */
   name: string
   /** Where it was found: a published workspace whose owner is gone, a dead build, or trash. */
   from: 'published' | 'staging' | 'trash'
@@ -105,7 +129,9 @@ export interface SweepEntry {
   bytes: number
 }
 
+/** What {@link Pool.sweep} did. */
 export interface SweepReport {
+  /** Entries removed (with `dryRun`: that would be removed). */
   reclaimed: SweepEntry[]
   /** Published workspaces left alone because a process holds their lease. */
   live: number
@@ -115,15 +141,23 @@ export interface SweepReport {
   metadataRemoved: number
 }
 
+/** Counters of {@link Pool.stats}. */
 export interface PoolStats {
+  /** Workspaces allocated. */
   allocated: number
+  /** Workspaces disposed. */
   disposed: number
   /** allocate calls that failed (and rolled back). */
   failed: number
   /** Names drawn again because the one drawn existed. */
   nameRetries: number
   /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
-  clones: { reflink: number; copy: number }
+  clones: {
+    /** Files whose extents are shared with their source. */
+    reflink: number
+    /** Files whose data was copied. */
+    copy: number
+  }
   /** Their logical bytes. */
   bytesCloned: number
 }
@@ -171,9 +205,11 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   return newPool(constructing, handle, dir, prefix, reflink, durable, bootId)
 }
 
+/** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
 export class Pool implements AsyncDisposable {
   /** Absolute path of the pool's root directory. */
   readonly root: string
+  /** Workspace names are `${prefix}-${id}` ({@link PoolOptions.prefix}). */
   readonly prefix: string
   readonly #handle: PoolHandle
   readonly #reflink: Reflink
@@ -403,6 +439,7 @@ export class Pool implements AsyncDisposable {
   }
 }
 
+/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
 export class Workspace implements AsyncDisposable {
   /** 32 lowercase hex characters: 128 bits from getrandom(2). */
   readonly id: string
@@ -515,6 +552,7 @@ export class Workspace implements AsyncDisposable {
     await this.#pool._forget()
   }
 
+  /** dispose(), for `await using ws = await pool.allocate()`. */
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
