@@ -61,22 +61,25 @@ export function isPlainObject(value: unknown): value is Record<string, unknown> 
   return typeof value === 'object' && value !== null && !Array.isArray(value)
 }
 
-export function optionsObject<T extends object>(name: string, value: unknown): Partial<T> {
+/**
+ * An options object, checked strictly: a key that is not one of `known` is ERR_INVALID_ARG_VALUE naming it, so a
+ * misspelt option (`{ qouta: … }`, `{ reflnk: 'always' }`) fails instead of silently taking the default. `known`
+ * lists every key of T (the mapped type makes tsc refuse a list that misses one).
+ */
+export function optionsObject<T extends object>(
+  name: string,
+  value: unknown,
+  known: { readonly [K in keyof Required<T>]: true },
+): Partial<T> {
   if (value === undefined) return {}
   if (!isPlainObject(value)) throw invalidType(name, 'an object', value)
+  for (const key of Object.keys(value)) {
+    if (!Object.prototype.hasOwnProperty.call(known, key)) {
+      const names = Object.keys(known).map((k) => `\`${k}\``).join(', ')
+      throw invalidValue(`${name}.${key}`, `no such option (known: ${names})`, value[key])
+    }
+  }
   return value as Partial<T>
-}
-
-/**
- * The options object (as optionsObject) with no key outside `keys`: a misspelt option would otherwise be ignored
- * silently. An unknown key is ERR_INVALID_ARG_VALUE naming it (`options.forse`).
- */
-export function strictOptions<T extends object>(name: string, value: unknown, keys: readonly (keyof T & string)[]): Partial<T> {
-  const o = optionsObject<T>(name, value)
-  for (const key of Object.keys(o))
-    if (!(keys as readonly string[]).includes(key))
-      throw invalidValue(`${name}.${key}`, `no such option (known: ${keys.join(', ')})`, (o as Record<string, unknown>)[key])
-  return o
 }
 
 export function oneOf<T extends string>(name: string, value: unknown, allowed: readonly T[], fallback: T): T {

@@ -48,7 +48,7 @@ export type WaitHandle = { readonly __brand: 'WaitHandle' }
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
-  openPool(root: string, create: boolean): Promise<{ handle: PoolHandle; bootId: string }>
+  openPool(root: string, create: boolean, sharedGid: number): Promise<{ handle: PoolHandle; bootId: string }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(
     handle: PoolHandle,
@@ -99,6 +99,8 @@ export interface Native {
   readIndex(path: string): Promise<Buffer | undefined>
   writeIndex(path: string, text: string, durable: boolean): Promise<void>
   setTestIds(ids: string[]): void
+  /** Test seam: the next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
+  setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
 }
 
 // lib/ and dist/ are both one level below the package root, where binding.gyp and build/ live.

@@ -91,7 +91,9 @@ export interface CheckedCloneOptions {
 }
 
 export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): CheckedCloneOptions {
-  const o = optionsObject<CloneOptions>('options', value)
+  const o = optionsObject<CloneOptions>('options', value, {
+    reflink: true, overwrite: true, durable: true, onProgress: true, signal: true,
+  })
   return {
     reflink: reflinkCode(oneOf('options.reflink', o.reflink, reflinkValues, defaultReflink)),
     overwrite: boolean('options.overwrite', o.overwrite, false),

@@ -13,6 +13,8 @@ export type VmspaceErrorCode =
   | 'ERR_DISPOSED' // the workspace was disposed (or its dispose failed)
   | 'ERR_POOL_CLOSED' // the pool was closed
   | 'ERR_POOL_FORMAT' // .vmspace/version names a format this version does not read
+  | 'ERR_POOL_UNSAFE' // another user could write a directory of the pool or above it (see `uid`, `gid`, `mode`)
+  | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
   | 'ERR_CORRUPT_METADATA' // a workspace's metadata file does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt)
   | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
@@ -44,6 +46,9 @@ interface NativeError {
   path?: string
   dest?: string
   detail?: string
+  uid?: number
+  gid?: number
+  mode?: number
 }
 
 /** A failed file-system operation, shaped like Node's fs errors (see the module comment). */
@@ -58,10 +63,26 @@ export class VmspaceError extends Error {
   declare readonly path?: string
   /** The second path of a two-path operation (a clone's or rename's destination). */
   declare readonly dest?: string
+  /** `ERR_POOL_UNSAFE`: owner, group and permission bits (`st_mode & 0o7777`) of the entry at `path`. */
+  declare readonly uid?: number
+  /** `ERR_POOL_UNSAFE`: the group of the entry at `path`. */
+  declare readonly gid?: number
+  /** `ERR_POOL_UNSAFE`: the permission bits (`st_mode & 0o7777`) of the entry at `path`. */
+  declare readonly mode?: number
 
   constructor(
     message: string,
-    fields: { code: string; errno?: number; syscall?: string; path?: string; dest?: string; cause?: unknown },
+    fields: {
+      code: string
+      errno?: number
+      syscall?: string
+      path?: string
+      dest?: string
+      cause?: unknown
+      uid?: number
+      gid?: number
+      mode?: number
+    },
   ) {
     super(message, fields.cause === undefined ? undefined : { cause: fields.cause })
     this.name = 'VmspaceError'
@@ -70,6 +91,9 @@ export class VmspaceError extends Error {
     if (fields.syscall !== undefined) this.syscall = fields.syscall
     if (fields.path !== undefined) this.path = fields.path
     if (fields.dest !== undefined) this.dest = fields.dest
+    if (fields.uid !== undefined) this.uid = fields.uid
+    if (fields.gid !== undefined) this.gid = fields.gid
+    if (fields.mode !== undefined) this.mode = fields.mode
   }
 }
 
@@ -102,7 +126,8 @@ export function fromNative(e: unknown): unknown {
             dest,
           })
         : undefined
-    return new VmspaceError(`${code}: ${e.detail ?? code}${where(e)}`, { code, errno, syscall, path, dest, cause })
+    const { uid, gid, mode } = e
+    return new VmspaceError(`${code}: ${e.detail ?? code}${where(e)}`, { code, errno, syscall, path, dest, cause, uid, gid, mode })
   }
   return new VmspaceError(`${code}: ${(e.description ?? 'unknown error').toLowerCase()}${where(e)}`, {
     code,

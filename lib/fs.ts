@@ -1,6 +1,6 @@
 /** The primitives on their own, outside any pool: clone, safe removal, renames that never replace. */
 import { native } from './binding.js'
-import { absolutePath, boolean, invalidValue, strictOptions } from './args.js'
+import { absolutePath, boolean, invalidValue, optionsObject } from './args.js'
 import { call, VmspaceError } from './errors.js'
 import { cloneOptions, toResult, withProgress, type CloneOptions, type CloneResult } from './clone.js'
 import { cloneChannel, cloneResult, traced } from './trace.js'
@@ -43,7 +43,7 @@ export interface RemoveTreeOptions {
 export async function removeTree(path: string, options?: RemoveTreeOptions): Promise<void> {
   const p = absolutePath('path', path)
   if (p === '/') throw invalidValue('path', 'a path other than the root directory', path)
-  const force = boolean('options.force', strictOptions<RemoveTreeOptions>('options', options, ['force']).force, false)
+  const force = boolean('options.force', optionsObject<RemoveTreeOptions>('options', options, { force: true }).force, false)
   try {
     await call(native.removeTree(p))
   } catch (e) {

@@ -7,7 +7,7 @@
 import { TextDecoder } from 'node:util'
 import { native, type WaitHandle } from './binding.js'
 import { performance } from 'node:perf_hooks'
-import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, isPlainObject, oneOf, strictOptions } from './args.js'
+import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
 import { AbortError, call, errnoError, vmspaceError, VmspaceError } from './errors.js'
 import { lockChannel, traced, type LockTrace } from './trace.js'
 
@@ -90,7 +90,7 @@ async function lockFileUntraced(path: string, options: LockOptions | undefined, 
     if (t) Object.assign(t, { waited, waitMs: performance.now() - t0! })
   }
   const p = absolutePath('path', path)
-  const o = strictOptions<LockOptions>('options', options, ['shared', 'wait', 'timeoutMs', 'signal'])
+  const o = optionsObject<LockOptions>('options', options, { shared: true, wait: true, timeoutMs: true, signal: true })
   const shared = boolean('options.shared', o.shared, false)
   const wait = boolean('options.wait', o.wait, true)
   const timeoutMs = timeoutOption(o.timeoutMs)
@@ -208,7 +208,7 @@ export async function updateJsonFile<T>(
   const p = absolutePath('path', path)
   const fn = func<(current: T | undefined) => T | Promise<T>>('mutate', mutate)
   if (!fn) throw invalidType('mutate', 'a function', mutate)
-  const o = strictOptions<UpdateJsonOptions>('options', options, ['durable', 'timeoutMs', 'create', 'signal'])
+  const o = optionsObject<UpdateJsonOptions>('options', options, { durable: true, timeoutMs: true, create: true, signal: true })
   const durable = boolean('options.durable', o.durable, false)
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')

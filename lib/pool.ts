@@ -37,6 +37,14 @@ export interface PoolOptions {
   reflink?: Reflink
   /** fsync clones, metadata and directories before a workspace is published. Default false. */
   durable?: boolean
+  /**
+   * A group id whose members share the pool. By default openPool refuses (`ERR_POOL_UNSAFE`) a pool directory, or
+   * a directory or symlink on the path to it, that a user other than this process's (or root) owns or could
+   * write; a sticky directory above the pool (as /tmp) is fine. With `sharedGroup`, an entry whose group is this
+   * gid may be owned by any user and be group-writable, and the directories openPool makes get this group and
+   * mode 0o2770. Default: none.
+   */
+  sharedGroup?: number
 }
 
 /** Options of {@link Pool.allocate}. */
@@ -135,7 +143,13 @@ export interface SweepReport {
   reclaimed: SweepEntry[]
   /** Published workspaces left alone because a process holds their lease. */
   live: number
-  /** Removals that failed (e.g. `EBUSY`: a mount inside); what is left stays in trash for a later sweep. */
+  /**
+   * Entries whose handling failed, one each; the sweep goes on with the others. `EBUSY` (a mount inside) and
+   * any other errno of the removal, `ENOMEM` (also a C++ allocation failure), `ERR_INTERNAL`; `error.syscall`
+   * `'flock'` when the lease probe failed with an errno other than `EWOULDBLOCK` (the entry's liveness is then
+   * unknown: it is neither counted `live` nor touched). What is left stays for a later sweep. An entry that a
+   * concurrent dispose, allocate or sweep finished meanwhile is not a failure (it is in no list).
+   */
   failed: (SweepEntry & { code: string; error: VmspaceError })[]
   /** Metadata files removed because no workspace has them. */
   metadataRemoved: number
@@ -188,20 +202,27 @@ class InFlight {
 }
 
 /**
- * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default).
- * Throws the errno of the failing call (`ENOENT` for a missing pool with `create: false`), `ERR_POOL_FORMAT`
- * when `.vmspace/version` names another format, `EXDEV` when `.vmspace/` is on another file system than the root.
+ * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default): missing
+ * directories are made with exact modes whatever the umask, 0o755 for the root, `.vmspace/` and missing parents,
+ * 0o700 for `.vmspace/{staging,trash,meta}` (0o2770 with group `sharedGroup` for the root and `.vmspace/...`).
+ * Throws the errno of the failing call (`ENOENT` for a missing pool with `create: false`), `ERR_POOL_UNSAFE`
+ * (nothing made; `path`, `uid`, `gid`, `mode` name the entry) when another user could write a directory of the
+ * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_FORMAT` when
+ * `.vmspace/version` names another format, `EXDEV` when `.vmspace/` is on another file system than the root.
  */
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
-  const o = optionsObject<PoolOptions>('options', options)
+  const o = optionsObject<PoolOptions>('options', options, {
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true,
+  })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
   if (typeof prefix !== 'string') throw invalidType('options.prefix', 'a string', prefix)
   if (!PREFIX.test(prefix)) throw invalidValue('options.prefix', '1-64 characters of [A-Za-z0-9_-]', prefix)
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
   const durable = boolean('options.durable', o.durable, false)
-  const { handle, bootId } = await call(native.openPool(dir, create))
+  const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
+  const { handle, bootId } = await call(native.openPool(dir, create, sharedGroup))
   return newPool(constructing, handle, dir, prefix, reflink, durable, bootId)
 }
 
@@ -244,7 +265,7 @@ export class Pool implements AsyncDisposable {
   }
 
   async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
-    const o = optionsObject<AllocateOptions>('options', options)
+    const o = optionsObject<AllocateOptions>('options', options, { template: true, meta: true, mode: true, signal: true })
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
@@ -360,7 +381,7 @@ export class Pool implements AsyncDisposable {
   }
 
   async #sweep(options: SweepOptions | undefined): Promise<SweepReport> {
-    const o = optionsObject<SweepOptions>('options', options)
+    const o = optionsObject<SweepOptions>('options', options, { dryRun: true, graceMs: true })
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
     this.#assertOpen()

@@ -45,6 +45,9 @@ Napi::Object errorObject(Napi::Env env, const Error& e) {
   if (!e.path.empty()) o.Set("path", e.path);
   if (!e.dest.empty()) o.Set("dest", e.dest);
   if (!e.detail.empty()) o.Set("detail", e.detail);
+  if (e.uid >= 0) o.Set("uid", static_cast<double>(e.uid));
+  if (e.gid >= 0) o.Set("gid", static_cast<double>(e.gid));
+  if (e.mode >= 0) o.Set("mode", e.mode);
   return o;
 }
 
@@ -204,10 +207,11 @@ Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspac
 Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   std::string root = stringArg(info, 0);
   bool create = boolArg(info, 1);
+  int64_t sharedGid = intArg(info, 2);  // -1: none
   return Work<std::shared_ptr<vmspace::Pool>>::Start(
       info.Env(),
-      [root, create] {
-        auto pool = vmspace::Pool::open(root, create);
+      [root, create, sharedGid] {
+        auto pool = vmspace::Pool::open(root, create, sharedGid);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
       },
@@ -648,6 +652,23 @@ Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
+// Test seam (see core/pool.h): [name, flockErrno] pairs, the faults of the next sweep entries of those names.
+Napi::Value SetSweepFaultsForTest(const Napi::CallbackInfo& info) {
+  std::vector<vmspace::SweepFault> faults;
+  if (info[0].IsArray()) {
+    Napi::Array a = info[0].As<Napi::Array>();
+    for (uint32_t i = 0; i < a.Length(); i++) {
+      Napi::Value v = a.Get(i);
+      if (!v.IsArray()) continue;
+      Napi::Array pair = v.As<Napi::Array>();
+      if (pair.Length() != 2 || !pair.Get(0u).IsString() || !pair.Get(1u).IsNumber()) continue;
+      faults.push_back({pair.Get(0u).As<Napi::String>().Utf8Value(), pair.Get(1u).As<Napi::Number>().Int32Value()});
+    }
+  }
+  vmspace::setSweepFaultsForTest(std::move(faults));
+  return info.Env().Undefined();
+}
+
 // Context-aware (NAPI_MODULE_INIT via NODE_API_MODULE): no process-wide JS state; loads in every worker thread.
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
   env.SetInstanceData(new Instance());  // deleted (its leases closed) when the env is torn down
@@ -674,6 +695,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("readIndex", Napi::Function::New(env, ReadIndex, "readIndex"));
   exports.Set("writeIndex", Napi::Function::New(env, WriteIndex, "writeIndex"));
   exports.Set("setTestIds", Napi::Function::New(env, SetTestIds, "setTestIds"));
+  exports.Set("setSweepFaultsForTest", Napi::Function::New(env, SetSweepFaultsForTest, "setSweepFaultsForTest"));
   return exports;
 }
 

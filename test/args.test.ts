@@ -6,7 +6,7 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
-import { clone, exchange, openPool, removeTree, renameNoReplace } from '../lib/index.js'
+import { clone, exchange, lockFile, openPool, removeTree, renameNoReplace, updateJsonFile } from '../lib/index.js'
 import { emptyPoolState, freshDir, poolState, snapshotTree, writeRandomFile } from './helpers.js'
 
 type Expected = { code: 'ERR_INVALID_ARG_TYPE' | 'ERR_INVALID_ARG_VALUE'; type: typeof TypeError | typeof RangeError; arg: string }
@@ -51,6 +51,7 @@ describe('openPool', () => {
     ['reflink an unknown value', (d) => [`${d}/pool`, { reflink: 'sometimes' }], VALUE('options.reflink')],
     ['reflink not a string', (d) => [`${d}/pool`, { reflink: true }], TYPE('options.reflink')],
     ['durable not a boolean', (d) => [`${d}/pool`, { durable: 1 }], TYPE('options.durable')],
+    ['a misspelt option (reflnk)', (d) => [`${d}/pool`, { reflnk: 'always' }], VALUE('options.reflnk')],
   ]
   test.each(cases)('%s is refused and nothing is created', async (_, args, want) => {
     const dir = freshDir()
@@ -100,6 +101,8 @@ describe('Pool.allocate', () => {
     ['template source with a NUL byte', (d) => ({ template: { a: `${src(d)}\0` } }), VALUE('options.template["a"]')],
     ['template naming one dest twice', (d) => ({ template: { a: src(d), './a': src(d) } }), VALUE('options.template')],
     ['signal not an AbortSignal', () => ({ signal: {} }), TYPE('options.signal')],
+    ['a misspelt option (quota as qouta), never a silent default', () => ({ qouta: { bytes: 1 } }), VALUE('options.qouta')],
+    ['an option of another call (reflink belongs to openPool)', () => ({ reflink: 'always' }), VALUE('options.reflink')],
   ]
   test.each(cases)('%s is refused and nothing is created', async (_, options, want) => {
     const dir = freshDir()
@@ -125,6 +128,7 @@ describe('clone (standalone)', () => {
     ['durable not a boolean', (d) => [`${d}/src`, `${d}/dst`, { durable: 1 }], TYPE('options.durable')],
     ['onProgress not a function', (d) => [`${d}/src`, `${d}/dst`, { onProgress: 'log' }], TYPE('options.onProgress')],
     ['signal not an AbortSignal', (d) => [`${d}/src`, `${d}/dst`, { signal: 'abort' }], TYPE('options.signal')],
+    ['a misspelt option (overwirte)', (d) => [`${d}/src`, `${d}/dst`, { overwirte: true }], VALUE('options.overwirte')],
   ]
   test.each(cases)('%s is refused and nothing is created', async (_, args, want) => {
     const dir = freshDir()
@@ -182,5 +186,26 @@ describe('removeTree, renameNoReplace, exchange', () => {
     const before = snapshotTree(dir)
     await expectArgError(call(dir), want)
     expect(snapshotTree(dir)).toEqual(before)
+  })
+})
+
+describe('options are strict everywhere: an unknown key is ERR_INVALID_ARG_VALUE naming it', () => {
+  const cases: [string, (dir: string) => Promise<unknown>, Expected][] = [
+    ['lockFile { timeout } (timeoutMs misspelt)', (d) => lockFile(`${d}/l`, { timeout: 5 } as never), VALUE('options.timeout')],
+    ['updateJsonFile { durabel }', (d) => updateJsonFile(`${d}/i.json`, () => ({}), { durabel: true } as never), VALUE('options.durabel')],
+    ['Pool.sweep { grace }', async (d) => {
+      const pool = await openPool(`${d}/pool`)
+      try {
+        return await pool.sweep({ grace: 0 } as never)
+      } finally {
+        await pool.close()
+      }
+    }, VALUE('options.grace')],
+  ]
+  test.each(cases)('%s is refused and nothing is created or changed', async (_, call, want) => {
+    const dir = freshDir()
+    await expectArgError(call(dir), want)
+    const left = fs.readdirSync(dir).filter((n) => n !== 'pool')
+    expect(left).toEqual([])
   })
 })

@@ -756,7 +756,7 @@ describe('clones into awkward destinations', () => {
       stampTimes(src)
       const root = path.join(d, 'pool')
       setgidDir(root)
-      const pool = await openPool(root)
+      const pool = await openPool(root, { sharedGroup: 5678 }) // group-writable: a pool that group shares
       const ws = await pool.allocate({ template: src })
       expect(metadataListing(ws.path, { root: false })).toEqual(metadataListing(src, { root: false }))
       await ws.dispose()

@@ -16,6 +16,9 @@ struct Error : std::exception {
   std::string path;
   std::string dest;
   std::string detail;    // extra words for the message (vmspace conditions)
+  // ERR_POOL_UNSAFE: owner, group and mode (st_mode & 07777) of the entry at `path`; -1 where not set.
+  long long uid = -1, gid = -1;
+  int mode = -1;
 
   const char* what() const noexcept override { return detail.empty() ? "vmspace error" : detail.c_str(); }
 };

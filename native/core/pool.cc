@@ -7,9 +7,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
+#include <new>
 #include <unordered_set>
 
 #include "error.h"
@@ -23,23 +26,150 @@ namespace {
 constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxMetaBytes = 16 << 20;
 
-UniqueFd openDirAt(int at, const char* name, const std::string& shown) {
+// Who may write the pool: the rule of OpenSSH's safe_path() and systemd's CHASE_SAFE. A directory of the pool, or
+// one on the path to it, that another user could write lets that user rename, plant or rewrite workspaces and
+// metadata; a symlink another user owns on the path lets them point the pool elsewhere.
+struct Trust {
+  uid_t euid;
+  long long sharedGid;  // -1: none; else members of this group are trusted as the owner is
+};
+
+// Why `st` (of an fd opened O_NOFOLLOW, never of a path) is not safe, or nullptr. `ancestor`: a directory above
+// the pool root, where a sticky directory writable by all (/tmp) is fine: others cannot rename or remove what
+// they do not own in it (and what the walk enters next is checked in turn).
+const char* untrustedReason(const struct stat& st, const Trust& t, bool ancestor) {
+  bool shared = t.sharedGid >= 0 && static_cast<long long>(st.st_gid) == t.sharedGid;
+  bool sticky = ancestor && (st.st_mode & S_ISVTX);
+  if (st.st_uid != t.euid && st.st_uid != 0 && !shared)
+    return S_ISLNK(st.st_mode) ? "a symlink owned by another user" : "owned by another user";
+  if (S_ISLNK(st.st_mode)) return nullptr;  // a symlink's own mode means nothing
+  if ((st.st_mode & S_IWOTH) && !sticky) return "writable by others";
+  if ((st.st_mode & S_IWGRP) && !sticky && !shared) return "writable by its group";
+  return nullptr;
+}
+
+void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancestor) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) throwErrno(errno, "fstat", shown);
+  const char* reason = untrustedReason(st, t, ancestor);
+  if (!reason) return;
+  char mode[8];
+  snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));
+  std::string detail = "'" + shown + "' is " + reason + " (uid " + std::to_string(st.st_uid) + ", gid " +
+                       std::to_string(st.st_gid) + ", mode " + mode + "); a pool and the directories above it " +
+                       "must be writable only by this process's user (uid " + std::to_string(t.euid) + ") or root";
+  if (t.sharedGid >= 0) detail += ", or group " + std::to_string(t.sharedGid);
+  Error e;
+  e.code = "ERR_POOL_UNSAFE";
+  e.syscall = "open";
+  e.path = shown;
+  e.detail = std::move(detail);
+  e.uid = st.st_uid;
+  e.gid = st.st_gid;
+  e.mode = static_cast<int>(st.st_mode & 07777);
+  throw e;
+}
+
+// Makes directory `name` below `at` with exactly `mode` (and group `gid` when >= 0), whatever the umask: made
+// 0700, so it is never more open than meant, then fchown and fchmod on the fd (chown first: it clears setgid).
+// False when it existed already.
+bool makeDirExact(int at, const char* name, mode_t mode, long long gid, const std::string& shown) {
+  if (mkdirat(at, name, 0700) != 0) {
+    if (errno == EEXIST) return false;
+    throwErrno(errno, "mkdir", shown);
+  }
   UniqueFd fd(openat(at, name, kDirFlags));
   if (!fd) throwErrno(errno, "open", shown);
-  return fd;
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", shown);
+  // A setgid bit the kernel gave it (inherited from a setgid parent, mkdir(2)) is kept: entries keep that group.
+  if (gid < 0) mode |= st.st_mode & S_ISGID;
+  else if (fchown(fd.get(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
+    throwErrno(errno, "fchown", shown);
+  if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
+  return true;
 }
 
-void mkdirExisting(int at, const char* name, mode_t mode, const std::string& shown) {
-  if (mkdirat(at, name, mode) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", shown);
-}
-
-// mkdir -p for an absolute path: each component is made if missing.
-void makeDirs(const std::string& path) {
-  for (size_t i = 1; i <= path.size(); i++) {
-    if (i < path.size() && path[i] != '/') continue;
-    std::string prefix = path.substr(0, i);
-    if (mkdir(prefix.c_str(), 0777) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", prefix);
+// Opens directory `name` of the pool below `at` (never following a symlink), made with `mode` when missing and
+// `create`, and checks it. An empty fd when it is missing and not made.
+UniqueFd openPoolDir(int at, const char* name, const std::string& shown, bool create, mode_t mode, const Trust& t) {
+  for (;;) {
+    UniqueFd fd(openat(at, name, kDirFlags));
+    if (fd) {
+      checkTrusted(fd.get(), shown, t, false);
+      return fd;
+    }
+    if (errno != ENOENT) throwErrno(errno, "open", shown);
+    if (!create) return fd;
+    makeDirExact(at, name, mode, t.sharedGid, shown);  // EEXIST: made meanwhile by another process, open it
   }
+}
+
+constexpr int kMaxSymlinks = 40;  // as the kernel's path walk (MAXSYMLINKS)
+
+// Opens the directory at the absolute `path` component by component from "/", each with O_PATH|O_NOFOLLOW and
+// checked by fstat of that fd (what is checked is what the next step uses: no path is looked up twice). A
+// symlink is followed by hand after its owner is checked; `..` steps to the parent, checked again. With
+// `create`, missing directories are made, 0755 (the last one `rootMode`), after the directory holding them
+// passed. Returns an O_RDONLY fd of the pool root, itself checked as a pool directory (no sticky exception).
+UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, const Trust& t) {
+  std::vector<std::string> todo;  // components still to walk, the next one last
+  auto push = [&todo](const std::string& p) {
+    for (size_t end = p.size(); end > 0;) {
+      size_t start = p.rfind('/', end - 1);
+      start = start == std::string::npos ? 0 : start + 1;
+      if (end > start && p.compare(start, end - start, ".") != 0) todo.push_back(p.substr(start, end - start));
+      end = start == 0 ? 0 : start - 1;
+    }
+  };
+  push(path);
+  auto openRoot = [&] {
+    UniqueFd fd(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!fd) throwErrno(errno, "open", "/");
+    checkTrusted(fd.get(), "/", t, !todo.empty());
+    return fd;
+  };
+  UniqueFd cur = openRoot();
+  std::string shown = "/";
+  auto join = [](const std::string& dir, const std::string& name) { return dir == "/" ? "/" + name : dir + "/" + name; };
+  int links = 0;
+  while (!todo.empty()) {
+    std::string name = std::move(todo.back());
+    todo.pop_back();
+    std::string next = name == ".." ? (shown.rfind('/') == 0 ? "/" : shown.substr(0, shown.rfind('/'))) : join(shown, name);
+    UniqueFd fd(openat(cur.get(), name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+    if (!fd) {
+      if (errno != ENOENT || !create) throwErrno(errno, "open", path);  // as open(2) of the whole path names it
+      makeDirExact(cur.get(), name.c_str(), todo.empty() ? rootMode : 0755, todo.empty() ? t.sharedGid : -1, next);
+      todo.push_back(name);  // made or made meanwhile: open and check it as any other
+      continue;
+    }
+    struct stat st;
+    if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", next);
+    if (S_ISLNK(st.st_mode)) {
+      checkTrusted(fd.get(), next, t, true);
+      if (++links > kMaxSymlinks) throwErrno(ELOOP, "open", next);
+      char target[PATH_MAX];
+      ssize_t n = readlinkat(fd.get(), "", target, sizeof target);
+      if (n < 0) throwErrno(errno, "readlink", next);
+      if (n == 0 || static_cast<size_t>(n) == sizeof target) throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", next);
+      std::string to(target, static_cast<size_t>(n));
+      push(to);
+      if (to[0] == '/') {
+        cur = openRoot();
+        shown = "/";
+      }
+      continue;
+    }
+    if (!S_ISDIR(st.st_mode)) throwErrno(ENOTDIR, "open", next);
+    checkTrusted(fd.get(), next, t, !todo.empty());
+    cur = std::move(fd);
+    shown = std::move(next);
+  }
+  // "." of an O_PATH fd is that same directory: no path lookup that could be raced.
+  UniqueFd dir(openat(cur.get(), ".", kDirFlags));
+  if (!dir) throwErrno(errno, "open", shown);
+  return dir;
 }
 
 // Reads a whole small file below `at` (never following a symlink); returns the errno (0 on success).
@@ -145,7 +275,31 @@ bool isWorkspaceName(const char* name) {
   return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
 }
 
+std::mutex g_faultMutex;
+std::vector<SweepFault> g_faults;  // guarded by g_faultMutex
+bool g_faultsActive = false;       // read without the mutex: a stale false only delays a fault set meanwhile
+
+// Whether setSweepFaultsForTest set a fault for `name` of that kind (a flock errno, or bad_alloc when
+// `flockErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
+int takeSweepFault(const std::string& name, bool flockErrno) {
+  if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
+  std::lock_guard<std::mutex> hold(g_faultMutex);
+  for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
+    if (it->name != name || (it->flockErrno != 0) != flockErrno) continue;
+    int err = flockErrno ? it->flockErrno : 1;
+    g_faults.erase(it);
+    return err;
+  }
+  return 0;
+}
+
 }  // namespace
+
+void setSweepFaultsForTest(std::vector<SweepFault> faults) {
+  std::lock_guard<std::mutex> hold(g_faultMutex);
+  g_faults = std::move(faults);
+  __atomic_store_n(&g_faultsActive, !g_faults.empty(), __ATOMIC_RELEASE);
+}
 
 const std::string& bootId() {
   static const std::string id = [] {
@@ -157,15 +311,23 @@ const std::string& bootId() {
   return id;
 }
 
-std::shared_ptr<Pool> Pool::open(const std::string& root, bool create) {
+std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid) {
   std::shared_ptr<Pool> pool(new Pool());
   pool->root_ = root;
   std::string state = root + "/.vmspace";
-  if (create) makeDirs(root);
-  pool->rootFd_ = UniqueFd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!pool->rootFd_) throwErrno(errno, "open", root);
-  if (create) mkdirExisting(pool->rootFd_.get(), ".vmspace", 0755, state);
-  pool->stateFd_ = openDirAt(pool->rootFd_.get(), ".vmspace", state);
+  const Trust trust{geteuid(), sharedGid};
+  const mode_t dirMode = sharedGid >= 0 ? 02770 : 0755;  // setgid: entries made inside keep the shared group
+  pool->rootFd_ = openTrustedPath(root, create, dirMode, trust);
+  pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, create, dirMode, trust);
+  if (!pool->stateFd_) throwErrno(ENOENT, "open", state);
+
+  // The subdirectories that exist are checked before anything (the version file, a missing subdirectory) is
+  // made: an unsafe pool is refused unchanged.
+  struct Sub {
+    const char* name;
+    UniqueFd* fd;
+  } subs[] = {{"staging", &pool->stagingFd_}, {"trash", &pool->trashFd_}, {"meta", &pool->metaFd_}};
+  for (auto& sub : subs) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, state + "/" + sub.name, false, 0, trust);
 
   // Renames between the root and .vmspace/ must stay on one file system (rename(2) cannot cross them).
   struct stat rootSt, stateSt;
@@ -188,14 +350,10 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create) {
                   ")",
               0, "open", versionPath);
 
-  struct Sub {
-    const char* name;
-    UniqueFd* fd;
-  } subs[] = {{"staging", &pool->stagingFd_}, {"trash", &pool->trashFd_}, {"meta", &pool->metaFd_}};
   for (auto& sub : subs) {
     std::string shown = state + "/" + sub.name;
-    if (create) mkdirExisting(pool->stateFd_.get(), sub.name, 0700, shown);
-    *sub.fd = openDirAt(pool->stateFd_.get(), sub.name, shown);
+    if (!*sub.fd) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
+    if (!*sub.fd) throwErrno(ENOENT, "open", shown);
   }
   return pool;
 }
@@ -445,28 +603,63 @@ int64_t ageMs(int dirFd, const std::string& name) {
   return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
 }
 
+// What handling one sweep entry threw (call inside a catch), as that entry's error: a core Error as it is;
+// std::bad_alloc as ENOMEM, as the binding reports it for a whole call; anything else as ERR_INTERNAL naming it.
+Error entryError(const std::string& shown) {
+  Error e;
+  try {
+    throw;
+  } catch (const Error& err) {
+    return err;
+  } catch (const std::bad_alloc&) {
+    e.err = ENOMEM;
+    e.syscall = "malloc";
+  } catch (const std::exception& x) {
+    e.code = "ERR_INTERNAL";
+    e.detail = std::string("unexpected C++ exception: ") + x.what();
+  } catch (...) {
+    e.code = "ERR_INTERNAL";
+    e.detail = "unexpected C++ exception";
+  }
+  e.path = shown;
+  return e;
+}
+
+// ENOENT at the entry itself (not below it): the entry is gone, finished by someone else.
+bool vanished(const Error& e, const std::string& shown) { return e.code.empty() && e.err == ENOENT && e.path == shown; }
+
 }  // namespace
 
 SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   SweepReport report;
   std::string trashDir = root_ + "/.vmspace/trash";
   std::string stagingDir = root_ + "/.vmspace/staging";
+  // One entry's failure (any errno, or an exception such as std::bad_alloc) is reported in that entry and the
+  // sweep goes on: one guest's tree must not stop the reclamation of the whole pool. ENOENT at the entry itself
+  // is no failure: a dispose, publish or sweep elsewhere finished it meanwhile.
+  auto guarded = [&](const std::string& name, const char* from, const std::string& shown, auto&& handle) {
+    try {
+      if (takeSweepFault(name, false)) throw std::bad_alloc();  // test seam
+      handle();
+    } catch (...) {
+      Error err = entryError(shown);
+      if (!vanished(err, shown)) report.failed.push_back({name, from, 0, std::move(err)});
+    }
+  };
   // Removes dirFd/name (shown below dirPath) and reports it reclaimed (with the bytes freed) or failed.
   auto removeEntry = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
-    SweepEntry e{name, from, 0, {}};
-    try {
-      removeTreeNoFollow(dirFd, name, dirPath + "/" + name, &e.bytes);
+    std::string shown = dirPath + "/" + name;
+    guarded(name, from, shown, [&] {
+      SweepEntry e{name, from, 0, {}};
+      removeTreeNoFollow(dirFd, name, shown, &e.bytes);
       report.reclaimed.push_back(std::move(e));
-    } catch (const Error& err) {
-      e.error = err;
-      report.failed.push_back(std::move(e));
-    }
+    });
   };
   // Metadata of a workspace this sweep removed; a metadata file it cannot remove is left for a later sweep.
   auto dropMetaQuietly = [&](const std::string& name) {
     try {
       dropMeta(name);
-    } catch (const Error&) {
+    } catch (...) {
     }
   };
 
@@ -479,12 +672,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       report.reclaimed.push_back({name, "published", 0, {}});
       return;
     }
-    try {
-      if (!moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
-    } catch (const Error& err) {
-      report.failed.push_back({name, "published", 0, err});
-      return;
-    }
+    if (!moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
     removeEntry(trashFd_.get(), trashDir, name, "published");
     dropMetaQuietly(name);
   };
@@ -492,41 +680,63 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
-    UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
-    if (!fd) continue;
-    if (!tryLease(fd.get(), probeDeadline)) {
-      if (errno == EWOULDBLOCK) report.live++;
-      continue;
-    }
-    reclaimPublished(name, fd.get());
+    guarded(name, "published", path(name), [&] {
+      UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+      if (!fd) {
+        // Gone meanwhile, or not a directory (then not a workspace).
+        if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;
+        throwErrno(errno, "open", path(name));
+      }
+      bool leased = tryLease(fd.get(), probeDeadline);
+      if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
+        leased = false;
+        errno = fault;
+      }
+      if (!leased) {
+        if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(name));  // a probe that cannot decide
+        report.live++;
+        return;
+      }
+      reclaimPublished(name, fd.get());
+    });
   }
 
   // An entry of trash or staging that no one holds locked is removed, with the lock held while it is; true when
   // it was (or, dry run, would be) reclaimed.
   auto reclaimUnlocked = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
     UniqueFd fd(openat(dirFd, name.c_str(), kDirFlags));
-    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return false;
+    if (!fd && errno == ENOENT) return false;  // finished meanwhile by a dispose, a publish or another sweep
+    // Any other open failure (a file, a symlink: no lease to respect) goes on to the removal, which reports it.
+    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) return false;  // a dispose removing it, or a build holding its lease
+      throwErrno(errno, "flock", dirPath + "/" + name);
+    }
     if (dryRun) {
       report.reclaimed.push_back({name, from, 0, {}});
       return true;
     }
+    size_t before = report.reclaimed.size();
     removeEntry(dirFd, dirPath, name, from);
-    return true;
+    return report.reclaimed.size() > before;
   };
 
   // Trash: everything not locked by a dispose still removing it.
   for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
     if (handled.count(name)) continue;  // reported by the pass above, removed or failed
-    if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
+    guarded(name, "trash", trashDir + "/" + name, [&] {
+      if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
+    });
   }
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
   for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
-    // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
-    // disturbed.
-    if (ageMs(stagingFd_.get(), name) < graceMs) continue;
-    reclaimUnlocked(stagingFd_.get(), stagingDir, name, "staging");
+    guarded(name, "staging", stagingDir + "/" + name, [&] {
+      // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
+      // disturbed.
+      if (ageMs(stagingFd_.get(), name) < graceMs) return;
+      reclaimUnlocked(stagingFd_.get(), stagingDir, name, "staging");
+    });
   }
 
   // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
@@ -552,8 +762,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     if (!dryRun) {
       try {
         removeTreeNoFollow(metaFd_.get(), file, root_ + "/.vmspace/meta/" + file);
-      } catch (const Error&) {
-        continue;
+      } catch (...) {
+        continue;  // left for a later sweep, as any metadata file that cannot be removed
       }
     }
     report.metaRemoved++;

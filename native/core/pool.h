@@ -72,16 +72,25 @@ struct SweepEntry {
 
 struct SweepReport {
   std::vector<SweepEntry> reclaimed;
-  std::vector<SweepEntry> failed;  // removal failed (e.g. a mount inside): left in trash, reported
+  // Entries whose handling failed (any errno, or an exception such as std::bad_alloc), one each; the sweep goes
+  // on with the others. Includes a lease probe that cannot decide (flock fails with an errno other than
+  // EWOULDBLOCK: syscall "flock"). An entry that vanished meanwhile (a concurrent dispose, allocate or sweep
+  // finished it: ENOENT at its name) is not a failure and is in no list.
+  std::vector<SweepEntry> failed;
   uint64_t live = 0;               // published workspaces whose lease is held
   uint64_t metaRemoved = 0;        // metadata files without a workspace
 };
 
 class Pool {
  public:
-  // Opens (with `create`, makes) the pool at `root`, an absolute path. Errors: the errno of the failing syscall;
-  // ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV when .vmspace is on another file system.
-  static std::shared_ptr<Pool> open(const std::string& root, bool create);
+  // Opens (with `create`, makes) the pool at `root`, an absolute path. Every directory on the path and of the
+  // pool is checked before it is used (checkTrusted in pool.cc): ERR_POOL_UNSAFE (path, uid, gid, mode set)
+  // when another user could write it, nothing made. `sharedGid` >= 0 trusts that group: directories of that
+  // group may be group-writable (and owned by any user); those made are given it, mode 02770. Directories made
+  // get exact modes whatever the umask: 0755 (root, .vmspace/, parents), 0700 (staging/, trash/, meta/).
+  // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV
+  // when .vmspace is on another file system.
+  static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1);
 
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
   // Any failure removes everything it made and throws. ERR_NAME_EXHAUSTED after kMaxNameTries collisions.
@@ -125,5 +134,14 @@ class Pool {
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).
 const std::string& bootId();
+
+// Test seam: faults no real file system gives on demand. The next sweep entry named `name` fails as if handling it
+// threw std::bad_alloc (flockErrno 0), or as if its lease probe failed with `flockErrno`; each applies once.
+// Process-wide; an empty list clears it.
+struct SweepFault {
+  std::string name;
+  int flockErrno = 0;
+};
+void setSweepFaultsForTest(std::vector<SweepFault> faults);
 
 }  // namespace vmspace

@@ -1,0 +1,90 @@
+/** What the commands share: exit codes, usage errors, pool roots, output formatting. */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+
+/** Exit codes (documented in README.md, "The vmspace CLI"). `run` exits with its command's status instead. */
+export const EXIT_OK = 0
+/** The command ran, and some entries (or the whole operation) failed. */
+export const EXIT_FAILED = 1
+/** Bad arguments: nothing was touched. */
+export const EXIT_USAGE = 2
+
+/** A bad argument, found before anything is touched: one line on stderr, exit 2. */
+export class UsageError extends Error {}
+
+/** One line for an error: its message (VmspaceErrors carry code, syscall and path in it). */
+export function errorText(e: unknown): string {
+  if (e instanceof Error) return e.message.split('\n')[0]
+  return String(e)
+}
+
+/** The error fields --json output gives for a failed entry: stable keys, null where unknown. */
+export function errorJson(e: unknown): { code: string | null; message: string } {
+  const code = (e as { code?: unknown } | null)?.code
+  return { code: typeof code === 'string' ? code : null, message: errorText(e) }
+}
+
+/**
+ * `arg` as an existing directory (resolved against the cwd); a usage error otherwise, so that a typo never makes
+ * or touches anything.
+ */
+export function existingDir(what: string, arg: string): string {
+  const dir = path.resolve(arg)
+  let st: fs.Stats
+  try {
+    st = fs.statSync(dir)
+  } catch (e) {
+    throw new UsageError(`${what} ${dir}: ${(e as NodeJS.ErrnoException).code === 'ENOENT' ? 'no such directory' : errorText(e)}`)
+  }
+  if (!st.isDirectory()) throw new UsageError(`${what} ${dir} is not a directory`)
+  return dir
+}
+
+/** `arg` as the root of an existing pool (it has `.vmspace/version`, see README "The pool on disk"). */
+export function poolRoot(arg: string): string {
+  const root = existingDir('ROOT', arg)
+  if (!fs.existsSync(path.join(root, '.vmspace', 'version'))) throw new UsageError(`ROOT ${root} is not a vmspace pool (no .vmspace/version)`)
+  return root
+}
+
+/** Parses a non-negative integer option value (commander calls it; a throw is reported as a usage error). */
+export function nonNegativeInt(name: string, max: number) {
+  return (value: string): number => {
+    if (!/^\d+$/.test(value.trim()) || Number(value) > max) throw new UsageError(`${name} must be an integer from 0 to ${max}, got ${JSON.stringify(value)}`)
+    return Number(value)
+  }
+}
+
+export function humanBytes(n: number): string {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
+  let i = 0
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024
+    i++
+  }
+  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1).replace(/\.?0+$/, '')} ${units[i]}`
+}
+
+/** "45s", "12m", "3h12m", "4d2h". */
+export function humanAge(ms: number): string {
+  const s = Math.max(0, Math.floor(ms / 1000))
+  if (s < 60) return `${s}s`
+  const m = Math.floor(s / 60)
+  if (m < 60) return `${m}m`
+  const h = Math.floor(m / 60)
+  if (h < 24) return `${h}h${m % 60 ? `${m % 60}m` : ''}`
+  const d = Math.floor(h / 24)
+  return `${d}d${h % 24 ? `${h % 24}h` : ''}`
+}
+
+/** Rows as columns padded to their widest cell (the last column unpadded). */
+export function table(header: string[], rows: string[][]): string {
+  const all = [header, ...rows]
+  const widths = header.map((_, i) => Math.max(...all.map((r) => r[i].length)))
+  return all.map((r) => r.map((cell, i) => (i === r.length - 1 ? cell : cell.padEnd(widths[i]))).join('  ')).join('\n') + '\n'
+}
+
+/** --json output: one JSON document on stdout, pretty-printed, newline-terminated. */
+export function printJson(value: unknown): void {
+  process.stdout.write(JSON.stringify(value, null, 2) + '\n')
+}

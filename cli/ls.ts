@@ -1,0 +1,199 @@
+/** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { openPool, type WorkspaceInfo } from 'vmspace'
+import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
+import { treeUsage, type TreeUsage } from './du.js'
+
+/** One workspace in `ls --json` (every key always present; null where unknown). */
+export interface WorkspaceJson {
+  id: string
+  name: string
+  path: string
+  live: boolean
+  /** ms since the epoch, and ms since then. */
+  createdAt: number | null
+  ageMs: number | null
+  pid: number | null
+  hostname: string | null
+  bootId: string | null
+  meta: WorkspaceInfo['meta'] | null
+  /** How the template arrived: 'reflink', 'copy', 'mixed' (over several sources), or null without a template. */
+  method: string | null
+  template: NonNullable<WorkspaceInfo['template']>
+  /** st_blocks × 512 over the tree (du -x), or null when the walk failed (see error). */
+  allocatedBytes: number | null
+  /** Why the metadata or the walk could not be read. */
+  error: { code: string | null; message: string } | null
+}
+
+function method(info: WorkspaceInfo): string | null {
+  const methods = new Set((info.template ?? []).map((t) => t.method))
+  if (methods.size === 0) return null
+  return methods.size === 1 ? [...methods][0] : 'mixed'
+}
+
+async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ json: WorkspaceJson; usage?: TreeUsage }> {
+  let usage: TreeUsage | undefined
+  let walkError: unknown
+  try {
+    usage = await treeUsage(info.path)
+  } catch (e) {
+    walkError = e
+  }
+  const error = info.error ?? walkError
+  const json: WorkspaceJson = {
+    id: info.id,
+    name: info.name,
+    path: info.path,
+    live: info.live,
+    createdAt: info.createdAt ?? null,
+    ageMs: info.createdAt === undefined ? null : Math.max(0, now - info.createdAt),
+    pid: info.pid ?? null,
+    hostname: info.hostname ?? null,
+    bootId: info.bootId ?? null,
+    meta: info.meta ?? null,
+    method: method(info),
+    template: info.template ?? [],
+    allocatedBytes: usage?.allocatedBytes ?? null,
+    error: error === undefined ? null : errorJson(error),
+  }
+  return { json, usage }
+}
+
+async function listPool(rootArg: string): Promise<{ root: string; infos: WorkspaceInfo[] }> {
+  const root = poolRoot(rootArg)
+  const pool = await openPool(root, { create: false })
+  try {
+    return { root, infos: await pool.list() }
+  } finally {
+    await pool.close()
+  }
+}
+
+/** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
+export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
+  const { root, infos } = await listPool(rootArg)
+  const now = Date.now()
+  const rows: WorkspaceJson[] = []
+  for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
+    rows.push((await describeWorkspace(info, now)).json)
+  const failed = rows.filter((r) => r.error !== null).length
+  if (opts.json) printJson({ root, workspaces: rows })
+  else {
+    const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
+    process.stdout.write(
+      table(
+        ['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'META'],
+        rows.map((r) => [
+          r.id,
+          r.live ? 'live' : 'free',
+          cell(r.ageMs, humanAge),
+          cell(r.pid),
+          cell(r.hostname),
+          cell(r.method),
+          cell(r.allocatedBytes, humanBytes),
+          r.error ? `error: ${r.error.message}` : r.meta === null ? '-' : JSON.stringify(r.meta),
+        ]),
+      ),
+    )
+    if (rows.length === 0) process.stderr.write(`vmspace ls: no workspaces in ${root}\n`)
+  }
+  return failed ? EXIT_FAILED : EXIT_OK
+}
+
+const ID = /^[0-9a-f]{32}$/
+const NAME = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}-[0-9a-f]{32}$/
+
+function currentBootId(): string | null {
+  try {
+    return fs.readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim()
+  } catch {
+    return null
+  }
+}
+
+/**
+ * Whether the process that made the workspace still runs: only knowable on its host in this boot (a pid is
+ * reused after a reboot). Informative only: the lease alone decides liveness.
+ */
+function ownerRunning(info: WorkspaceInfo, bootId: string | null): boolean | null {
+  if (info.pid === undefined || info.bootId === undefined || info.bootId !== bootId) return null
+  try {
+    process.kill(info.pid, 0)
+    return true
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM'
+  }
+}
+
+interface Inspected extends WorkspaceJson {
+  metadataPath: string
+  /** The lease is free: a sweep would reclaim it, `adopt` would take it over. */
+  reclaimable: boolean
+  /** The workspace was made in this boot (null: not recorded). */
+  sameBoot: boolean | null
+  ownerRunning: boolean | null
+  directory: { mode: string; uid: number; gid: number; dev: string; ino: string } | null
+  usage: TreeUsage | null
+}
+
+/** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
+export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
+  if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
+  const { root, infos } = await listPool(rootArg)
+  const info = infos.find((i) => i.id === idArg || i.name === idArg)
+  if (!info) {
+    process.stderr.write(`vmspace inspect: no workspace ${idArg} in ${root}\n`)
+    return EXIT_FAILED
+  }
+  const { json, usage } = await describeWorkspace(info, Date.now())
+  const bootId = currentBootId()
+  let directory: Inspected['directory'] = null
+  try {
+    const st = fs.lstatSync(info.path, { bigint: true })
+    directory = { mode: (st.mode & 0o7777n).toString(8).padStart(4, '0'), uid: Number(st.uid), gid: Number(st.gid), dev: String(st.dev), ino: String(st.ino) }
+  } catch (e) {
+    json.error ??= errorJson(e)
+  }
+  const full: Inspected = {
+    ...json,
+    metadataPath: path.join(root, '.vmspace', 'meta', `${info.name}.json`),
+    reclaimable: !info.live,
+    sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,
+    ownerRunning: ownerRunning(info, bootId),
+    directory,
+    usage: usage ?? null,
+  }
+  if (opts.json) printJson(full)
+  else process.stdout.write(inspectText(full))
+  return full.error ? EXIT_FAILED : EXIT_OK
+}
+
+/** `key  value` lines for people. */
+function inspectText(w: Inspected): string {
+  const { directory: dir, usage } = w
+  const lines: [string, string][] = [
+    ['id', w.id],
+    ['name', w.name],
+    ['path', w.path],
+    ['state', w.live ? 'live (a process holds the lease)' : 'free (no process holds the lease: a sweep reclaims it)'],
+    ['created', w.createdAt === null ? '-' : `${new Date(w.createdAt).toISOString()} (${humanAge(w.ageMs!)} ago)`],
+    ['owner', `${w.pid ?? '-'} on ${w.hostname ?? '-'}${w.ownerRunning === null ? '' : w.ownerRunning ? ' (running)' : ' (gone)'}`],
+    ['boot', `${w.bootId ?? '-'}${w.sameBoot === null ? '' : w.sameBoot ? ' (this boot)' : ' (an earlier boot)'}`],
+    ['meta', w.meta === null ? '-' : JSON.stringify(w.meta)],
+    ['metadata', w.metadataPath],
+    ['directory', dir ? `mode ${dir.mode}, uid ${dir.uid}, gid ${dir.gid}, dev ${dir.dev}, ino ${dir.ino}` : '-'],
+    [
+      'usage',
+      usage
+        ? `${humanBytes(usage.allocatedBytes)} allocated, ${humanBytes(usage.logicalBytes)} in ${usage.files} files, ${usage.dirs} dirs, ${usage.others} others` +
+          (usage.skipped ? `, ${usage.skipped} dirs not entered (mounts)` : '')
+        : '-',
+    ],
+  ]
+  for (const t of w.template) lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}, ${humanBytes(t.size)})`])
+  if (w.error) lines.push(['error', w.error.message])
+  const width = Math.max(...lines.map((l) => l[0].length))
+  return lines.map(([k, v]) => `${k.padEnd(width)}  ${v}`).join('\n') + '\n'
+}

@@ -1,0 +1,142 @@
+#!/usr/bin/env node
+/**
+ * The `vmspace` command (package.json `bin`): a thin layer over the library's public API (imported by the
+ * package's own name) with commander for arguments. Exit codes: 0 done, 1 some entries (or the operation)
+ * failed, 2 bad arguments (one line on stderr, nothing touched); `run` exits with its command's status.
+ */
+import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
+import { EXIT_FAILED, EXIT_USAGE, errorText, nonNegativeInt, UsageError } from './common.js'
+
+const program = new Command('vmspace')
+
+/**
+ * commander throws its parse errors (exitOverride) instead of printing them: main() prints each as one line
+ * naming the command, and decides the exit status.
+ */
+function configure(cmd: Command): Command {
+  return cmd
+    .exitOverride()
+    .showSuggestionAfterError(false)
+    .configureOutput({ outputError: () => {} })
+}
+
+/** A commander argument parser from one of ours: UsageError becomes commander's invalid-argument error. */
+function parser<T>(fn: (value: string) => T) {
+  return (value: string): T => {
+    try {
+      return fn(value)
+    } catch (e) {
+      throw new InvalidArgumentError(errorText(e))
+    }
+  }
+}
+
+const reflinkOption = () => new Option('--reflink <mode>', 'reflink: share extents, else copy (auto), or fail (always), or always copy (never)').choices(['always', 'auto', 'never'])
+
+/** Runs an action and records its exit status; a lazy import keeps each command's dependencies off the others' path. */
+let status = 0
+function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
+  return async (...args: A) => {
+    status = await fn(...args)
+  }
+}
+
+configure(program)
+  .description('Private per-VM workspace directories: list, inspect, sweep, run in, clone, probe.')
+  .enablePositionalOptions()
+  .version((require('../../package.json') as { version: string }).version, '-V, --version')
+  .addHelpText(
+    'after',
+    '\nExit status: 0 done, 1 some entries failed, 2 bad arguments (nothing touched); run: the status of CMD.\n' +
+      '--json prints one JSON document on stdout (see README.md, "The vmspace CLI").',
+  )
+
+program
+  .command('ls')
+  .description('list the workspaces of a pool: id, live/free, age, pid, host, template method, allocated bytes, meta')
+  .argument('<root>', 'pool directory')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: { json?: boolean }) => (await import('./ls.js')).ls(root, o)))
+
+program
+  .command('inspect')
+  .description('everything the pool knows about one workspace')
+  .argument('<root>', 'pool directory')
+  .argument('<id>', 'workspace id (32 hex characters) or name')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, id: string, o: { json?: boolean }) => (await import('./ls.js')).inspect(root, id, o)))
+
+program
+  .command('sweep')
+  .description('reclaim what no live process holds: free workspaces, trash, dead builds, stray metadata')
+  .argument('<root>', 'pool directory')
+  .option('--dry-run', 'report what would be reclaimed, touch nothing')
+  .option('--grace <ms>', 'leave staging entries and metadata younger than this alone (default 60000)', parser(nonNegativeInt('--grace', 2 ** 31 - 1)))
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: { dryRun?: boolean; grace?: number; json?: boolean }) => (await import('./sweep.js')).sweep(root, o)))
+
+program
+  .command('run')
+  .description('allocate a workspace, run CMD in it holding the lease (fd 3), dispose it when CMD exits')
+  .requiredOption('--pool <root>', 'pool directory (made if missing)')
+  .option('--template <[dest=]path>', 'clone PATH into the workspace as DEST (default: its basename); repeatable', (v: string, prev: string[]) => [...prev, v], [] as string[])
+  .option('--meta <json>', 'a JSON object kept in the workspace metadata')
+  .addOption(reflinkOption())
+  .passThroughOptions()
+  .argument('<cmd...>', 'the command and its arguments (after --)')
+  .action(action(async (cmd: string[], o: { pool: string; template: string[]; meta?: string; reflink?: 'always' | 'auto' | 'never' }) => (await import('./run.js')).run(cmd, o)))
+
+program
+  .command('clone')
+  .description('clone a file or a directory tree (reflink where possible), with progress')
+  .argument('<src>', 'a regular file or a directory')
+  .argument('<dst>', 'the new path (its parent must exist)')
+  .addOption(reflinkOption().default('auto'))
+  .option('--overwrite', 'replace DST atomically if it exists')
+  .option('--json', 'JSON output (the clone result)')
+  .action(action(async (src: string, dst: string, o: { reflink?: 'always' | 'auto' | 'never'; overwrite?: boolean; json?: boolean }) => (await import('./clone.js')).clone(src, dst, o)))
+
+program
+  .command('probe')
+  .description('the file system under DIR and whether reflink, renameat2, flock, birth times and holes work there')
+  .argument('<dir>', 'an existing directory (a temporary directory is made in it and removed)')
+  .option('--json', 'JSON output')
+  .action(action(async (dir: string, o: { json?: boolean }) => (await import('./probe.js')).probe(dir, o)))
+
+program
+  .command('demo')
+  .description("the demo: many workspaces at once from worker processes, checked and summarised (vmspace demo --help)")
+  .helpOption(false)
+  .allowUnknownOption()
+  .passThroughOptions()
+  .argument('[options...]', 'the demo options')
+  .action(action(async (args: string[]) => (await import('../demo/main.js')).main(args)))
+
+for (const cmd of program.commands) configure(cmd)
+
+async function main(): Promise<number> {
+  try {
+    await program.parseAsync(process.argv)
+    return status
+  } catch (e) {
+    // The command is the first argument (the program's own options, -h and -V, take no value).
+    const sub = program.commands.find((c) => c.name() === process.argv[2])
+    const prefix = sub ? `vmspace ${sub.name()}` : 'vmspace'
+    if (e instanceof CommanderError) {
+      // --help and --version end in a CommanderError too, with exit code 0.
+      if (e.exitCode === 0) return 0
+      process.stderr.write(`${prefix}: ${e.message.replace(/^error: /, '').split('\n')[0]} (see ${prefix} --help)\n`)
+      return EXIT_USAGE
+    }
+    if (e instanceof UsageError) {
+      process.stderr.write(`${prefix}: ${e.message}\n`)
+      return EXIT_USAGE
+    }
+    process.stderr.write(`${prefix}: ${errorText(e)}\n`)
+    return EXIT_FAILED
+  }
+}
+
+main().then((code) => {
+  process.exitCode = code
+})

@@ -1,0 +1,166 @@
+/** The demo's command line: its help text and options, checked before anything is made. */
+import * as fs from 'node:fs'
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { parseArgs } from 'node:util'
+import { CRASH_ENV, describe, MARKER_LEN, MARKER_OFFSET, ROOTFS, TREE_MARKER } from './protocol.js'
+import { statOrUndefined } from './util.js'
+
+export const HELP = `Usage: vmspace demo [options]      (npm run demo -- [options])
+
+Shows what vmspace is for: worker processes share one pool and together make many
+workspaces at once, each with a private copy-on-write clone of a real base image as
+${ROOTFS}; each workspace gets its own marker, which is read back before dispose.
+The run then checks that the base is unchanged (sha256), that no two workspaces
+shared a path, and that nothing is left in the pool, and prints a summary.
+
+Options:
+  --vms N          workspaces to make in all (default 200)
+  --workers N      worker processes (default 2 x CPUs = ${2 * os.availableParallelism()})
+  --live N         workspaces each worker holds live at once (default 4)
+  --root DIR       pool directory (default: a new directory under ${os.tmpdir()},
+                   removed at the end). Put it on XFS (mkfs.xfs -m reflink=1) or
+                   btrfs to see reflink clones; a DIR you name is kept.
+  --base FILE      base image to clone (default: an ext4 image of Node's own npm
+                   package and headers, built once with mke2fs and cached in
+                   ${os.tmpdir()}; the node executable where mke2fs is missing)
+  --template-dir DIR
+                   start every workspace from the directory tree DIR instead of
+                   the base image (allocate({ template: DIR }): its contents
+                   become the workspace's contents). Each workspace gets its own
+                   marker file and its id written into its clone of one template
+                   file; the tree must be the template's, and the template (its
+                   listing, modes, sizes, times and file contents) must be
+                   unchanged at the end. On another file system than the pool, DIR
+                   is copied into the pool once and the workspaces clone the copy.
+  --chaos [N|P%]   SIGKILL N workers, or P% of them (default 25%, at least 1),
+                   each after it has allocated some of its workspaces. For each
+                   one killed, a replacement worker makes the rest of its share,
+                   so --vms workspaces still complete. Then one
+                   pool.sweep({ graceMs: 0 }) must reclaim exactly what the killed
+                   workers left: the workspaces they reported and did not report
+                   disposed, those they published but could not report (known by
+                   the pid in their metadata), and the staging entries of builds
+                   they were in. Use it only on a pool nobody else is using.
+  -h, --help       show this help
+
+Exit status: 0 all checks passed, 1 a check failed, 2 bad arguments,
+128+signal when interrupted (130 for Ctrl-C).
+Environment: ${CRASH_ENV}=N makes worker 0 kill itself (SIGKILL)
+right after its N-th allocate, to show that a crashed worker fails the run.
+`
+
+export interface Options {
+  vms: number
+  workers: number
+  live: number
+  root?: string
+  base?: string
+  templateDir?: string
+  /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
+  chaos?: { count: number } | { percent: number }
+}
+
+export class UsageError extends Error {}
+
+function positiveInt(name: string, value: string | undefined, fallback: number, max: number): number {
+  if (value === undefined) return fallback
+  if (!/^\s*\d+\s*$/.test(value)) throw new UsageError(`--${name} must be a positive integer, got ${JSON.stringify(value)}`)
+  const n = Number(value)
+  if (n < 1) throw new UsageError(`--${name} must be at least 1, got ${value.trim()}`)
+  if (n > max) throw new UsageError(`--${name} must be at most ${max}, got ${value.trim()}`)
+  return n
+}
+
+/** `--chaos` takes an optional value: `--chaos 3`, `--chaos 25%`, `--chaos=3`, or `--chaos` alone. */
+function chaosArgs(argv: string[]): string[] {
+  const out: string[] = []
+  for (let i = 0; i < argv.length; i++) {
+    if (argv[i] === '--') {
+      out.push(...argv.slice(i))
+      break
+    }
+    if (argv[i] !== '--chaos') out.push(argv[i])
+    else if (i + 1 < argv.length && /^\s*\d+\s*%?\s*$/.test(argv[i + 1])) out.push(`--chaos=${argv[++i]}`)
+    else out.push('--chaos=')
+  }
+  return out
+}
+
+export function parseOptions(argv: string[]): Options | 'help' {
+  let parsed
+  try {
+    parsed = parseArgs({
+      args: chaosArgs(argv),
+      options: {
+        vms: { type: 'string' },
+        workers: { type: 'string' },
+        live: { type: 'string' },
+        root: { type: 'string' },
+        base: { type: 'string' },
+        'template-dir': { type: 'string' },
+        chaos: { type: 'string' },
+        help: { type: 'boolean', short: 'h' },
+      },
+      strict: true,
+      allowPositionals: false,
+    })
+  } catch (e) {
+    throw new UsageError(describe(e))
+  }
+  const v = parsed.values
+  if (v.help) return 'help'
+  const opts: Options = {
+    vms: positiveInt('vms', v.vms, 200, 100_000),
+    workers: positiveInt('workers', v.workers, 2 * os.availableParallelism(), 256),
+    live: positiveInt('live', v.live, 4, 256),
+  }
+  if (v.root !== undefined) {
+    if (v.root.trim() === '') throw new UsageError('--root must name a directory')
+    opts.root = path.resolve(v.root)
+    const st = statOrUndefined(opts.root)
+    if (st && !st.isDirectory()) throw new UsageError(`--root ${opts.root} exists and is not a directory`)
+    if (!st && !statOrUndefined(path.dirname(opts.root))?.isDirectory())
+      throw new UsageError(`--root ${opts.root}: its parent directory does not exist`)
+  }
+  if (v.base !== undefined) {
+    if (v.base.trim() === '') throw new UsageError('--base must name a file')
+    opts.base = path.resolve(v.base)
+    const st = statOrUndefined(opts.base)
+    if (!st) throw new UsageError(`--base ${opts.base} does not exist`)
+    if (!st.isFile()) throw new UsageError(`--base ${opts.base} is not a regular file`)
+    if (st.size < MARKER_OFFSET + MARKER_LEN)
+      throw new UsageError(`--base ${opts.base} is too small (${st.size} bytes; at least ${MARKER_OFFSET + MARKER_LEN})`)
+    try {
+      fs.accessSync(opts.base, fs.constants.R_OK)
+    } catch {
+      throw new UsageError(`--base ${opts.base} is not readable`)
+    }
+  }
+  const templateDir = v['template-dir']
+  if (templateDir !== undefined) {
+    if (templateDir.trim() === '') throw new UsageError('--template-dir must name a directory')
+    if (opts.base) throw new UsageError('--template-dir and --base exclude each other: a workspace starts from one of them')
+    opts.templateDir = path.resolve(templateDir)
+    const st = statOrUndefined(opts.templateDir)
+    if (!st) throw new UsageError(`--template-dir ${opts.templateDir} does not exist`)
+    if (!st.isDirectory()) throw new UsageError(`--template-dir ${opts.templateDir} is not a directory`)
+    try {
+      fs.accessSync(opts.templateDir, fs.constants.R_OK | fs.constants.X_OK)
+    } catch {
+      throw new UsageError(`--template-dir ${opts.templateDir} is not readable`)
+    }
+    if (statOrUndefined(path.join(opts.templateDir, TREE_MARKER)))
+      throw new UsageError(`--template-dir ${opts.templateDir} holds ${TREE_MARKER}, the name of the demo's marker file`)
+  }
+  if (v.chaos !== undefined) {
+    const c = v.chaos.trim()
+    if (c === '') opts.chaos = { percent: 25 }
+    else if (c.endsWith('%')) {
+      const n = positiveInt('chaos', c.slice(0, -1), 25, 100)
+      opts.chaos = { percent: n }
+    } else opts.chaos = { count: positiveInt('chaos', c, 1, 256) }
+  }
+  if (opts.workers > opts.vms) opts.workers = opts.vms
+  return opts
+}

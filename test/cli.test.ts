@@ -1,0 +1,489 @@
+/**
+ * The `vmspace` command, end to end: spawned as a user would (`node dist/cli/vmspace.js`, the package's bin),
+ * on real pools. Exit codes: 0 done, 1 some entries failed, 2 bad arguments (one line on stderr, nothing
+ * touched); `run` exits with its command's status.
+ */
+import { spawn, spawnSync } from 'node:child_process'
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import * as readline from 'node:readline'
+import { describe, expect, onTestFinished, test } from 'vitest'
+import { openPool, type Pool } from '../lib/index.js'
+import {
+  bindInto,
+  emptyPoolState,
+  freshDir,
+  killOnFinish,
+  ls,
+  metaPath,
+  mounts,
+  needs,
+  orphan,
+  poolState,
+  repoRoot,
+  snapshotTree,
+  tempLeftovers,
+  tryFlockPath,
+  writeRandomFile,
+} from './helpers.js'
+
+const bin = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
+
+interface Result {
+  status: number | null
+  stdout: string
+  stderr: string
+}
+
+function vmspace(args: string[], options: { cwd?: string } = {}): Result {
+  const r = spawnSync(process.execPath, [bin, ...args], { encoding: 'utf8', cwd: options.cwd ?? repoRoot })
+  if (r.error) throw r.error
+  return { status: r.status, stdout: r.stdout, stderr: r.stderr }
+}
+
+/** --json output: exit 0 (or `status`), nothing on stderr, one JSON document on stdout. */
+function json(args: string[], status = 0): any {
+  const r = vmspace([...args, '--json'])
+  expect(r.status, r.stderr).toBe(status)
+  return JSON.parse(r.stdout)
+}
+
+/** A usage error: exit 2, nothing on stdout, exactly one line on stderr naming the command. */
+function usage(args: string[]): string {
+  const r = vmspace(args)
+  expect(r.status, r.stderr + r.stdout).toBe(2)
+  expect(r.stdout).toBe('')
+  expect(r.stderr.endsWith('\n')).toBe(true)
+  expect(r.stderr.trimEnd().split('\n')).toHaveLength(1)
+  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo']
+  expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}: `) : /^vmspace: /)
+  return r.stderr.trim()
+}
+
+/** Allocated bytes of a workspace holding only plain files: st_blocks × 512 of the directory and its files. */
+function allocatedOf(dir: string): number {
+  let n = fs.lstatSync(dir).blocks * 512
+  for (const name of fs.readdirSync(dir)) n += fs.lstatSync(path.join(dir, name)).blocks * 512
+  return n
+}
+
+async function newPool(): Promise<Pool> {
+  const pool = await openPool(path.join(freshDir(), 'pool'))
+  onTestFinished(() => pool.close())
+  return pool
+}
+
+describe('vmspace ls', () => {
+  test('--json lists each workspace with id, live/free, age, pid, host, meta, template method and allocated bytes', async () => {
+    const pool = await newPool()
+    const src = path.join(freshDir(), 'base.img')
+    writeRandomFile(src, 100_000)
+    const held = await pool.allocate({ template: { 'rootfs.img': src }, meta: { vm: 'held' } })
+    onTestFinished(() => held.dispose())
+    const free = await orphan(pool, { vm: 'free' })
+
+    const out = json(['ls', pool.root])
+    expect(out.root).toBe(pool.root)
+    const byId = new Map<string, any>(out.workspaces.map((w: any) => [w.id, w]))
+    expect([...byId.keys()].sort()).toEqual([held.id, free.id].sort())
+    const h = byId.get(held.id)
+    expect(h).toEqual({
+      id: held.id,
+      name: held.name,
+      path: held.path,
+      live: true,
+      createdAt: expect.any(Number),
+      ageMs: expect.any(Number),
+      pid: process.pid,
+      hostname: expect.any(String),
+      bootId: expect.any(String),
+      meta: { vm: 'held' },
+      method: held.template[0].method,
+      template: [expect.objectContaining({ dest: 'rootfs.img', source: src, kind: 'file', size: 100_000, method: held.template[0].method })],
+      allocatedBytes: allocatedOf(held.path),
+      error: null,
+    })
+    expect(byId.get(free.id)).toMatchObject({ live: false, meta: { vm: 'free' }, method: null, template: [], allocatedBytes: allocatedOf(free.path), error: null })
+
+    const text = vmspace(['ls', pool.root])
+    expect(text.status).toBe(0)
+    const lines = text.stdout.trimEnd().split('\n')
+    expect(lines[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'META'])
+    expect(lines.find((l) => l.startsWith(held.id))).toMatch(new RegExp(`^${held.id}\\s+live\\s+\\S+\\s+${process.pid}\\s.*\\{"vm":"held"\\}$`))
+    expect(lines.find((l) => l.startsWith(free.id))).toMatch(/\sfree\s.*\{"vm":"free"\}$/)
+  })
+
+  test('an entry whose metadata does not parse is listed with its error, and ls exits 1', async () => {
+    const pool = await newPool()
+    const good = await orphan(pool, { ok: true })
+    const bad = await orphan(pool)
+    fs.writeFileSync(metaPath(pool.root, bad.name), '{ not json')
+    const out = json(['ls', pool.root], 1)
+    const byId = new Map<string, any>(out.workspaces.map((w: any) => [w.id, w]))
+    expect(byId.get(good.id).error).toBeNull()
+    expect(byId.get(bad.id).error).toEqual({ code: 'ERR_CORRUPT_METADATA', message: expect.stringContaining(bad.name) })
+  })
+
+  test('a directory that is not a pool is a usage error and is left as it was (no .vmspace made)', () => {
+    const dir = freshDir()
+    expect(usage(['ls', dir])).toBe(`vmspace ls: ROOT ${dir} is not a vmspace pool (no .vmspace/version)`)
+    expect(ls(dir)).toEqual([])
+    expect(usage(['ls', path.join(dir, 'missing')])).toMatch(/no such directory$/)
+  })
+})
+
+describe('vmspace inspect', () => {
+  test('--json gives everything the pool knows about one workspace, by id or by name', async () => {
+    const pool = await newPool()
+    const ws = await orphan(pool, { tenant: 'acme' })
+    const out = json(['inspect', pool.root, ws.id])
+    expect(out).toMatchObject({
+      id: ws.id,
+      name: ws.name,
+      path: ws.path,
+      live: false,
+      reclaimable: true,
+      meta: { tenant: 'acme' },
+      pid: process.pid,
+      sameBoot: true,
+      ownerRunning: true,
+      metadataPath: metaPath(pool.root, ws.name),
+      directory: { mode: '0700', uid: process.getuid!(), gid: process.getgid!() },
+      usage: { files: 1, logicalBytes: ws.id.length, dirs: 1, others: 0, skipped: 0, allocatedBytes: allocatedOf(ws.path) },
+      error: null,
+    })
+    expect(json(['inspect', pool.root, ws.name]).id).toBe(ws.id)
+    const text = vmspace(['inspect', pool.root, ws.id])
+    expect(text.status).toBe(0)
+    expect(text.stdout).toMatch(/^state\s+free \(no process holds the lease/m)
+  })
+
+  test('an unknown id exits 1 with one line; a malformed one is a usage error', async () => {
+    const pool = await newPool()
+    const id = 'ab'.repeat(16)
+    const r = vmspace(['inspect', pool.root, id])
+    expect(r.status).toBe(1)
+    expect(r.stderr).toBe(`vmspace inspect: no workspace ${id} in ${pool.root}\n`)
+    expect(usage(['inspect', pool.root, 'XYZ'])).toMatch(/^vmspace inspect: ID must be a workspace id/)
+  })
+})
+
+describe('vmspace sweep', () => {
+  test('--json on a pool with orphans: reclaims exactly them, leaves the live one, reports bytes; --dry-run touches nothing', async () => {
+    const pool = await newPool()
+    const live = await pool.allocate({ meta: { vm: 'live' } })
+    onTestFinished(() => live.dispose())
+    const orphans = [await orphan(pool), await orphan(pool)]
+    const bytes = new Map(orphans.map((o) => [o.id, allocatedOf(o.path)]))
+    const before = poolState(pool.root)
+
+    const dry = json(['sweep', pool.root, '--dry-run'])
+    expect(dry).toEqual({
+      root: pool.root,
+      dryRun: true,
+      graceMs: 60000,
+      reclaimed: expect.any(Array),
+      bytesFreed: 0,
+      live: 1,
+      failed: [],
+      metadataRemoved: 0,
+    })
+    expect(dry.reclaimed.map((e: any) => e.id).sort()).toEqual(orphans.map((o) => o.id).sort())
+    expect(poolState(pool.root)).toEqual(before)
+
+    const out = json(['sweep', pool.root, '--grace', '0'])
+    expect(out.graceMs).toBe(0)
+    expect(out.reclaimed.sort((a: any, b: any) => a.id.localeCompare(b.id))).toEqual(
+      orphans
+        .map((o) => ({ id: o.id, name: o.name, from: 'published', bytes: bytes.get(o.id) }))
+        .sort((a, b) => a.id.localeCompare(b.id)),
+    )
+    expect(out.bytesFreed).toBe([...bytes.values()].reduce((a, b) => a + b))
+    expect(out.live).toBe(1)
+    expect(out.failed).toEqual([])
+    expect(poolState(pool.root)).toEqual({ ...emptyPoolState, visible: [live.name], meta: [`${live.name}.json`] })
+
+    const again = vmspace(['sweep', pool.root])
+    expect(again.status).toBe(0)
+    expect(again.stdout).toBe(`${pool.root}: 0 reclaimed (0 B freed), 1 live left alone, 0 failed, 0 metadata file(s) removed\n`)
+  })
+
+  test.skipIf(!mounts.root)('a removal that fails (a mount inside an orphan) is reported in failed with its code, and sweep exits 1', async () => {
+    const pool = await newPool()
+    const ws = await orphan(pool)
+    const { outside, before } = bindInto(freshDir(), ws.path)
+    const out = json(['sweep', pool.root], 1)
+    expect(out.reclaimed).toEqual([])
+    expect(out.failed).toEqual([{ id: ws.id, name: ws.name, from: 'published', bytes: expect.any(Number), code: 'EBUSY', message: expect.stringContaining('EBUSY') }])
+    expect(snapshotTree(outside)).toEqual(before)
+  })
+
+  test('bad --grace is a usage error and the pool is untouched', async () => {
+    const pool = await newPool()
+    const ws = await orphan(pool)
+    for (const grace of ['-1', 'soon', '1.5', '99999999999'])
+      expect(usage(['sweep', pool.root, '--grace', grace])).toMatch(/^vmspace sweep: option '--grace <ms>' argument .* is invalid/)
+    expect(poolState(pool.root).visible).toEqual([ws.name])
+  })
+})
+
+/** `vmspace run` as a child speaking lines on stdout; its stdin stays open for the command. */
+function runChild(args: string[]) {
+  const proc = spawn(process.execPath, [bin, 'run', ...args], { stdio: ['pipe', 'pipe', 'pipe'] })
+  onTestFinished(() => void proc.kill('SIGKILL'))
+  const lines: string[] = []
+  let waiting: (() => void) | undefined
+  readline.createInterface({ input: proc.stdout! }).on('line', (l) => {
+    lines.push(l)
+    waiting?.()
+  })
+  let stderr = ''
+  proc.stderr!.setEncoding('utf8').on('data', (s: string) => (stderr += s))
+  const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => proc.once('close', (code, signal) => resolve({ code, signal })))
+  return {
+    proc,
+    lines,
+    exited,
+    stderr: () => stderr,
+    /** Resolves once `n` lines have come. */
+    async line(n: number): Promise<string> {
+      while (lines.length < n) await new Promise<void>((r) => (waiting = r))
+      return lines[n - 1]
+    },
+  }
+}
+
+describe('vmspace run', () => {
+  test('runs CMD in a new workspace (cwd, VMSPACE_PATH, VMSPACE_ID, the lease as fd 3), disposes it when CMD exits, and exits with its status', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const src = path.join(freshDir(), 'hello.txt')
+    fs.writeFileSync(src, 'hello')
+    const script = 'echo "$PWD"; echo "$VMSPACE_PATH"; echo "$VMSPACE_ID"; readlink /proc/self/fd/3; cat data/hello.txt; echo; read line; exit 7'
+    const child = runChild(['--pool', root, '--template', `data/hello.txt=${src}`, '--meta', '{"job":42}', '--', 'sh', '-c', script])
+    await child.line(5)
+    const cwd = child.lines[0]
+    expect(child.lines.slice(0, 5)).toEqual([cwd, cwd, expect.stringMatching(/^[0-9a-f]{32}$/), cwd, 'hello'])
+    const id = child.lines[2]
+    expect(path.dirname(cwd)).toBe(root)
+    expect(path.basename(cwd)).toBe(`vm-${id}`)
+    // While CMD runs, its workspace is live (the lease is held) and listed with the metadata given.
+    expect(tryFlockPath(cwd)).toBe(99)
+    expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true, meta: { job: 42 }, method: expect.any(String) })])
+
+    child.proc.stdin!.end('go\n')
+    expect(await child.exited).toEqual({ code: 7, signal: null })
+    expect(child.stderr()).toBe('')
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('forwards SIGTERM to CMD, waits for it, disposes, and exits with the status CMD chose', async () => {
+    const root = path.join(freshDir(), 'pool')
+    // The trap runs once `wait` is interrupted; the sleep (without the lease) is ended by it.
+    const script = 'trap \'kill $!; echo "got TERM"; exit 5\' TERM; sleep 1000 3<&- & echo ready; wait'
+    const child = runChild(['--pool', root, '--', 'sh', '-c', script])
+    expect(await child.line(1)).toBe('ready')
+    child.proc.kill('SIGTERM')
+    expect(await child.exited).toEqual({ code: 5, signal: null })
+    expect(child.lines).toEqual(['ready', 'got TERM'])
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('a CMD killed by a forwarded SIGINT makes run exit 128+2', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const child = runChild(['--pool', root, '--', 'sh', '-c', 'echo ready; exec sleep 1000'])
+    expect(await child.line(1)).toBe('ready')
+    child.proc.kill('SIGINT')
+    expect(await child.exited).toEqual({ code: 130, signal: null })
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('CMD holds the lease itself: with vmspace SIGKILLed, the workspace stays live until CMD exits, then a sweep reclaims it', async () => {
+    const root = path.join(freshDir(), 'pool')
+    // Not `read`: once vmspace is gone, Node closes the pipe to its stdin. The sleep runs without the lease.
+    const script = 'trap \'kill $!; exit 0\' TERM; sleep 1000 3<&- & echo $$; echo "$VMSPACE_ID"; wait'
+    const child = runChild(['--pool', root, '--', 'sh', '-c', script])
+    const pid = Number(await child.line(1))
+    killOnFinish(pid)
+    const id = await child.line(2)
+    const vmspaceExit = new Promise((r) => child.proc.once('exit', r))
+    child.proc.kill('SIGKILL')
+    await vmspaceExit
+    expect(json(['sweep', root, '--grace', '0'])).toMatchObject({ reclaimed: [], live: 1, failed: [] })
+    expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true })])
+
+    process.kill(pid, 'SIGTERM')
+    await child.exited // the pipes close when sh, their last holder, exits
+    expect(json(['sweep', root, '--grace', '0'])).toMatchObject({ reclaimed: [{ id, from: 'published' }], live: 0, failed: [] })
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('a command that does not exist exits 127 and leaves nothing in the pool', () => {
+    const root = path.join(freshDir(), 'pool')
+    const r = vmspace(['run', '--pool', root, '--', 'vmspace-no-such-command'])
+    expect(r.status).toBe(127)
+    expect(r.stderr).toMatch(/^vmspace run: vmspace-no-such-command: .*ENOENT\n$/)
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('bad arguments exit 2 with one line and make no pool', () => {
+    const dir = freshDir()
+    const root = path.join(dir, 'pool')
+    const cases: [string[], RegExp][] = [
+      [['--pool', root, '--meta', '[1]', '--', 'true'], /--meta must be a JSON object$/],
+      [['--pool', root, '--meta', '{oops', '--', 'true'], /--meta must be a JSON object: /],
+      [['--pool', root, '--template', path.join(dir, 'missing'), '--', 'true'], /no such file or directory$/],
+      [['--pool', root, '--template', `../up=${dir}`, '--', 'true'], /DEST must be a relative path beneath the workspace$/],
+      [['--pool', root, '--reflink', 'maybe', '--', 'true'], /argument 'maybe' is invalid/],
+      [['--pool', path.join(dir, 'no', 'pool'), '--', 'true'], /its parent directory does not exist$/],
+      [['--pool', root], /missing required argument 'cmd'/],
+      [['--', 'true'], /required option '--pool <root>' not specified/],
+    ]
+    for (const [args, message] of cases) expect(usage(['run', ...args])).toMatch(message)
+    expect(ls(dir)).toEqual([])
+  })
+})
+
+describe('vmspace clone', () => {
+  test('clones a tree; without a TTY, progress is plain lines on stderr and the result one line on stdout (--json: the result)', () => {
+    const dir = freshDir()
+    const src = path.join(dir, 'src')
+    fs.mkdirSync(path.join(src, 'sub'), { recursive: true })
+    writeRandomFile(path.join(src, 'a.bin'), 300_000)
+    writeRandomFile(path.join(src, 'sub', 'b.bin'), 5000)
+    const r = vmspace(['clone', src, path.join(dir, 'dst')])
+    expect(r.status, r.stderr).toBe(0)
+    const progress = r.stderr.trimEnd().split('\n')
+    expect(progress.every((l) => /^vmspace clone: \d+% \S+ \S+ of \S+ \S+, \d+ files$/.test(l))).toBe(true)
+    expect(progress.at(-1)).toMatch(/^vmspace clone: 100% /)
+    expect(r.stdout).toMatch(new RegExp(`^cloned ${src} -> ${path.join(dir, 'dst')}: tree, (copy|reflink|mixed), 2 file\\(s\\), `))
+    expect(snapshotTree(path.join(dir, 'dst'))['a.bin']).toMatch(/sha256=/)
+    expect(fs.readFileSync(path.join(dir, 'dst', 'sub', 'b.bin'))).toEqual(fs.readFileSync(path.join(src, 'sub', 'b.bin')))
+
+    const out = json(['clone', path.join(src, 'a.bin'), path.join(dir, 'copy.bin'), '--reflink', 'never'])
+    expect(out).toMatchObject({ source: path.join(src, 'a.bin'), path: path.join(dir, 'copy.bin'), kind: 'file', method: 'copy', files: 1, bytes: 300_000, copied: 1 })
+  })
+
+  test.skipIf(!mounts.xfs)(`--reflink always on XFS shares extents ${needs('XFS', mounts.missing.xfs)}`, () => {
+    const dir = freshDir(mounts.xfs!)
+    writeRandomFile(path.join(dir, 'base.img'), 1 << 20)
+    const out = json(['clone', path.join(dir, 'base.img'), path.join(dir, 'vm.img'), '--reflink', 'always'])
+    expect(out).toMatchObject({ kind: 'file', method: 'reflink', reflinked: 1, copied: 0, bytes: 1 << 20 })
+  })
+
+  test('--reflink always where extents cannot be shared exits 1 with ERR_REFLINK_UNSUPPORTED and leaves nothing', () => {
+    const dir = freshDir()
+    const src = path.join(freshDir(mounts.small ?? mounts.scratch), 'a.bin')
+    writeRandomFile(src, 10_000)
+    const r = vmspace(['clone', src, path.join(dir, 'b.bin'), '--reflink', 'always'])
+    expect(r.status).toBe(1)
+    expect(r.stderr.trimEnd().split('\n').at(-1)).toMatch(/^vmspace clone: ERR_REFLINK_UNSUPPORTED: /)
+    expect(ls(dir)).toEqual([])
+    expect(tempLeftovers(dir)).toEqual([])
+  })
+
+  test('bad arguments exit 2 with one line and touch nothing', () => {
+    const dir = freshDir()
+    fs.writeFileSync(path.join(dir, 'a'), 'a')
+    fs.writeFileSync(path.join(dir, 'b'), 'b')
+    const before = snapshotTree(dir)
+    expect(usage(['clone', path.join(dir, 'a'), path.join(dir, 'b')])).toMatch(/DST .* exists \(--overwrite replaces it\)$/)
+    expect(usage(['clone', path.join(dir, 'missing'), path.join(dir, 'c')])).toMatch(/no such file or directory$/)
+    expect(usage(['clone', path.join(dir, 'a'), path.join(dir, 'no', 'c')])).toMatch(/its parent directory does not exist$/)
+    expect(usage(['clone', path.join(dir, 'a'), path.join(dir, 'c'), '--reflink', 'sometimes'])).toMatch(/Allowed choices are always, auto, never/)
+    expect(usage(['clone', path.join(dir, 'a')])).toMatch(/missing required argument 'dst'/)
+    expect(snapshotTree(dir)).toEqual(before)
+  })
+})
+
+describe('vmspace probe', () => {
+  test('reports the file system, its mount and the features tried there, and leaves the directory as it was', () => {
+    const dir = freshDir()
+    const out = json(['probe', dir])
+    expect(out).toMatchObject({
+      path: fs.realpathSync(dir),
+      fsType: mounts.scratchFsType,
+      mount: { fsType: mounts.scratchFsType, mountPoint: expect.any(String) },
+      features: {
+        renameNoReplace: { supported: true, code: null },
+        renameExchange: { supported: true, code: null },
+        flock: { supported: true, code: null },
+        reflink: { supported: expect.any(Boolean) },
+      },
+      error: null,
+    })
+    expect(ls(dir)).toEqual([])
+  })
+
+  test.skipIf(!mounts.xfs)(`on XFS (reflink=1) a real FICLONE succeeds ${needs('XFS', mounts.missing.xfs)}`, () => {
+    const dir = freshDir(mounts.xfs!)
+    const out = json(['probe', dir])
+    expect(out).toMatchObject({ fsType: 'xfs', mount: { fsType: 'xfs' }, features: { reflink: { supported: true, code: null } } })
+    expect(ls(dir)).toEqual([])
+  })
+
+  test.skipIf(!mounts.small)('on ext4 reflink is refused with the errno the kernel gave', () => {
+    const dir = freshDir(mounts.small!)
+    const out = json(['probe', dir])
+    expect(out.fsType).toBe('ext4')
+    expect(out.features.reflink).toMatchObject({ supported: false, code: expect.stringMatching(/^(EOPNOTSUPP|ENOTSUP|EXDEV|EINVAL)$/) })
+  })
+
+  test('a missing directory is a usage error', () => {
+    expect(usage(['probe', path.join(freshDir(), 'missing')])).toMatch(/^vmspace probe: DIR .*: no such directory$/)
+  })
+})
+
+describe('vmspace demo', () => {
+  test('runs the demo (a small run with a given base and root) and exits 0 when every check passed', () => {
+    const dir = freshDir()
+    const base = path.join(dir, 'base.img')
+    writeRandomFile(base, 64 * 1024)
+    const root = path.join(dir, 'pool')
+    const r = vmspace(['demo', '--vms', '4', '--workers', '2', '--live', '2', '--base', base, '--root', root])
+    expect(r.status, r.stderr + r.stdout).toBe(0)
+    expect(r.stdout).toMatch(/\| result\s+\| all checks passed\s+\|/)
+    expect(r.stdout).toMatch(/\| isolation checks passed\s+\| 4\/4 /)
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('bad demo options exit 2; --help prints the demo usage', () => {
+    const r = vmspace(['demo', '--vms', '0'])
+    expect(r.status).toBe(2)
+    expect(r.stderr).toMatch(/^vmspace demo: --vms must be at least 1, got 0\n/)
+    const help = vmspace(['demo', '--help'])
+    expect(help.status).toBe(0)
+    expect(help.stdout).toMatch(/^Usage: vmspace demo \[options\]/)
+  })
+})
+
+describe('the vmspace command', () => {
+  test('unknown commands and options are usage errors (exit 2, one line); --help and --version exit 0', () => {
+    expect(usage(['frobnicate'])).toBe("vmspace: unknown command 'frobnicate' (see vmspace --help)")
+    expect(usage(['ls', '--frob', '/'])).toBe("vmspace ls: unknown option '--frob' (see vmspace ls --help)")
+    expect(usage(['sweep'])).toBe("vmspace sweep: missing required argument 'root' (see vmspace sweep --help)")
+    const help = vmspace(['--help'])
+    expect(help.status).toBe(0)
+    for (const cmd of ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo']) expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
+    const version = vmspace(['--version'])
+    expect(version).toEqual({ status: 0, stdout: `${JSON.parse(fs.readFileSync(path.join(repoRoot, 'package.json'), 'utf8')).version}\n`, stderr: '' })
+  })
+
+  test('is the package bin, needs only the package`s runtime dependencies, and lib/ never imports the CLI or the demo', () => {
+    const pkg = JSON.parse(fs.readFileSync(path.join(repoRoot, 'package.json'), 'utf8'))
+    expect(pkg.bin).toEqual({ vmspace: './dist/cli/vmspace.js' })
+    expect(fs.readFileSync(bin, 'utf8').startsWith('#!/usr/bin/env node\n')).toBe(true)
+    // Every bare module the built CLI and demo load is a Node built-in, the package itself, or a dependency.
+    const loaded = new Set<string>()
+    for (const sub of ['cli', 'demo'])
+      for (const file of fs.readdirSync(path.join(repoRoot, 'dist', sub)).filter((f) => f.endsWith('.js')))
+        for (const m of fs.readFileSync(path.join(repoRoot, 'dist', sub, file), 'utf8').matchAll(/(?:require|import)\(['"]([^'"]+)['"]\)/g))
+          if (!m[1].startsWith('.')) loaded.add(m[1].startsWith('node:') ? 'node:' : m[1].split('/')[0])
+    expect([...loaded].sort()).toEqual(['cli-progress', 'commander', 'node:', 'vmspace'])
+    for (const dep of ['commander', 'cli-progress']) {
+      expect(pkg.dependencies[dep]).toMatch(/^\^\d/)
+      expect(pkg.devDependencies[dep]).toBeUndefined()
+    }
+    for (const file of fs.readdirSync(path.join(repoRoot, 'lib')))
+      expect(fs.readFileSync(path.join(repoRoot, 'lib', file), 'utf8')).not.toMatch(/from '\.\.\/(cli|demo)\//)
+  })
+})
