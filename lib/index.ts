@@ -10,6 +10,7 @@ export type {
   SweepOptions,
   SweepReport,
   SweepEntry,
+  SweepFailure,
   TemplateSource,
   JsonObject,
   JsonValue,

@@ -137,6 +137,14 @@ export interface SweepEntry {
   bytes: number
 }
 
+/** An entry whose handling failed in a sweep ({@link SweepReport.failed}). */
+export interface SweepFailure extends SweepEntry {
+  /** `error.code`. */
+  code: VmspaceError['code']
+  /** Why the entry failed. */
+  error: VmspaceError
+}
+
 /** What {@link Pool.sweep} did. */
 export interface SweepReport {
   /** Entries removed (with `dryRun`: that would be removed). */
@@ -150,7 +158,7 @@ export interface SweepReport {
    * unknown: it is neither counted `live` nor touched). What is left stays for a later sweep. An entry that a
    * concurrent dispose, allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
-  failed: (SweepEntry & { code: string; error: VmspaceError })[]
+  failed: SweepFailure[]
   /** Metadata files removed because no workspace has them. */
   metadataRemoved: number
 }
