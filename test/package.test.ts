@@ -39,10 +39,15 @@ describe('the package', () => {
       '--input-type=module',
       '-e',
       "import * as ns from 'vmspace'; import vm from 'vmspace'; import { createRequire } from 'node:module'; const cjs = createRequire(import.meta.url)('vmspace'); " +
-        "const named = Object.keys(ns).filter((k) => k !== 'default').sort(); " +
-        "console.log(JSON.stringify({ esModule: '__esModule' in ns, named: named.join() === Object.keys(cjs).sort().join(), dflt: Object.keys(vm).sort().join() === named.join(), same: named.every((k) => vm[k] === cjs[k] && ns[k] === cjs[k]) }))",
+        "const named = Object.keys(ns).filter((k) => k !== 'default').sort(); const cjsNamed = Object.keys(cjs).filter((k) => k !== 'default').sort(); " +
+        "console.log(JSON.stringify({ esModule: '__esModule' in ns, named: named.join() === cjsNamed.join(), dflt: vm === cjs.default && Object.keys(vm).sort().join() === named.join(), same: named.every((k) => vm[k] === cjs[k] && ns[k] === cjs[k]) }))",
     ])
     expect(JSON.parse(out)).toEqual({ esModule: false, named: true, dflt: true, same: true })
+  })
+
+  test("require's default is the same API object, for TypeScript's CommonJS output of `import vm from 'vmspace'`", () => {
+    const out = run(['-e', "const v = require('vmspace'); console.log(Object.keys(v.default).every((k) => v.default[k] === v[k]), Object.keys(v.default).length)"])
+    expect(out).toBe('true 12')
   })
 
   test('the published types hide internals and constructors, and type the error codes', () => {
