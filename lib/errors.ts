@@ -9,6 +9,7 @@ import * as util from 'node:util'
 /** Codes of vmspace's own conditions (system errors use the errno name: `'EEXIST'`, `'ENOSPC'`, …). */
 export type VmspaceErrorCode =
   | 'ERR_REFLINK_UNSUPPORTED' // reflink: 'always' and the file systems cannot share extents (cause: the errno)
+  | 'ERR_RENAME_NOREPLACE_UNSUPPORTED' // the file system refuses renameat2(RENAME_NOREPLACE), which publishing a directory needs (cause: EINVAL/ENOSYS)
   | 'ERR_NAME_EXHAUSTED' // 16 workspace names drawn in a row existed already
   | 'ERR_DISPOSED' // the workspace was disposed (or its dispose failed)
   | 'ERR_POOL_CLOSED' // the pool was closed

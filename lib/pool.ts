@@ -217,6 +217,8 @@ class InFlight {
  * (nothing made; `path`, `uid`, `gid`, `mode` name the entry) when another user could write a directory of the
  * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_FORMAT` when
  * `.vmspace/version` names another format, `EXDEV` when `.vmspace/` is on another file system than the root.
+ * On a file system without renameat2(RENAME_NOREPLACE) (FUSE, some network file systems; asked once, here) the
+ * pool opens, and its allocate() fails with `ERR_RENAME_NOREPLACE_UNSUPPORTED`.
  */
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
@@ -266,7 +268,8 @@ export class Pool implements AsyncDisposable {
    * taken, the template cloned, metadata written, then published under `<root>/<prefix>-<id>` with
    * renameat2(RENAME_NOREPLACE). Nothing is visible until all of it is done; any failure removes all of it.
    * Throws the errno of the failing call (e.g. `ENOENT` for a missing template source, `ENOSPC`),
-   * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, or an AbortError.
+   * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, `ERR_RENAME_NOREPLACE_UNSUPPORTED` (the pool's
+   * file system refuses renameat2(RENAME_NOREPLACE), as openPool found; nothing made), or an AbortError.
    */
   allocate(options?: AllocateOptions): Promise<Workspace> {
     return traced(allocateChannel, () => ({ root: this.root, prefix: this.prefix }), (t) => this.#allocate(options, t))

@@ -217,7 +217,7 @@ describe('openPool makes its directories with exact modes, whatever the umask', 
   }
 
   for (const umask of [0o777, 0o000]) {
-    test(`umask 0${umask.toString(8)}: parents and root 0755, .vmspace/ 0755, staging/trash/meta 0700; the pool opens again`, async () => {
+    test(`umask 0${umask.toString(8)}: parents and root 0755, .vmspace/ 0755, staging/trash/meta 0700, version 0644; the pool opens again`, async () => {
       const base = freshDir()
       const root = path.join(base, 'a', 'b', 'pool')
       openInChild(root, umask)
@@ -235,6 +235,8 @@ describe('openPool makes its directories with exact modes, whatever the umask', 
         'a/b/pool/.vmspace/trash': '700',
         'a/b/pool/.vmspace/meta': '700',
       })
+      // The version file too: under umask 0777 it would otherwise be mode 000.
+      expect((fs.statSync(path.join(root, '.vmspace', 'version')).mode & 0o7777).toString(8)).toBe('644')
       const pool = await openPool(root, { create: false })
       expect(poolState(pool.root)).toEqual(emptyPoolState)
       await pool.close()

@@ -2,16 +2,20 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 
 #include "error.h"
 #include "fd.h"
 #include "names.h"
+#include "rename.h"
 
 namespace vmspace {
 namespace {
@@ -23,20 +27,44 @@ bool reflinkRefused(int err) {
   return err == EOPNOTSUPP || err == ENOTTY || err == EXDEV || err == EINVAL || err == ENOSYS;
 }
 
+// EAGAIN and EINTR say "not now" rather than "never": OpenZFS answers EAGAIN to FICLONE and copy_file_range for
+// blocks written in the transaction group still open, and a signal may interrupt any of these calls. Each call
+// is tried this many times in all, at once, before the data path falls back (or, for reflink 'always', gives up).
+// No pause: a transaction group syncs in seconds, and a tree of fresh files would wait that long per file.
+constexpr int kTransientTries = 4;
+
+bool transient(int err) { return err == EAGAIN || err == EINTR; }
+
+// pwrite(2) until all of `len` is written. A write that writes nothing (or keeps answering EAGAIN/EINTR) is
+// retried kTransientTries times, then fails (EIO for the zero writes): it never loops for ever.
 void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string& dstPath) {
+  int stalls = 0;
   while (len > 0) {
     ssize_t n = pwrite(fd, buf, len, off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throwErrno(errno, "write", dstPath);
+    if (n <= 0) {
+      int err = n < 0 ? errno : EIO;
+      if ((n == 0 || transient(err)) && ++stalls < kTransientTries) continue;
+      throwErrno(err, "write", dstPath);
     }
+    stalls = 0;
     buf += n;
     len -= static_cast<size_t>(n);
     off += n;
   }
 }
 
-// Copies [off, off+len) by read/write; returns the bytes copied (short only at end of file).
+// pread(2) with EAGAIN/EINTR tried kTransientTries times; 0 is end of file.
+size_t readSome(int fd, char* buf, size_t len, off_t off, const std::string& srcPath) {
+  for (int attempt = 0;; attempt++) {
+    ssize_t n = pread(fd, buf, len, off);
+    if (n >= 0) return static_cast<size_t>(n);
+    int err = errno;
+    if (!transient(err) || attempt + 1 == kTransientTries) throwErrno(err, "read", srcPath);
+  }
+}
+
+// Copies [off, off+len) by read/write; returns the bytes copied, fewer than `len` only where read(2) reported end
+// of file first. `len` may exceed what is left (UINT64_MAX: to end of file).
 uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std::string& srcPath,
                             const std::string& dstPath, const std::atomic<bool>* cancel) {
   // Up to 1 MiB, no more than the range needs (a tree of small files copies one range per file).
@@ -46,80 +74,147 @@ uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std
   while (done < len) {
     if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
     size_t want = static_cast<size_t>(std::min<uint64_t>(bufSize, len - done));
-    ssize_t n = pread(src, buf.get(), want, off + static_cast<off_t>(done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throwErrno(errno, "read", srcPath);
-    }
+    size_t n = readSome(src, buf.get(), want, off + static_cast<off_t>(done), srcPath);
     if (n == 0) break;
-    writeAll(dst, buf.get(), static_cast<size_t>(n), off + static_cast<off_t>(done), dstPath);
-    done += static_cast<uint64_t>(n);
+    writeAll(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
+    done += n;
   }
   return done;
 }
 
 // Copies [off, off+len) at the same offset; copy_file_range(2) where the kernel takes it, read/write otherwise.
-// `offload` is false for reflink 'never': on XFS and btrfs copy_file_range may share extents, which 'never'
-// promises not to do.
-void copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, const std::string& srcPath,
-               const std::string& dstPath, const std::atomic<bool>* cancel) {
+// Returns the bytes copied: `len`, or fewer where read(2) reported end of file first. A copy_file_range that
+// answers 0 before the range ends is not taken for end of file (FUSE, network file systems and procfs answer 0
+// where they cannot copy; Go's io.Copy learned the same): read/write copies the rest, and decides.
+// `offload` is false for reflink 'never' (on XFS and btrfs copy_file_range may share extents, which 'never'
+// promises not to do), and is cleared for the rest of the file once copy_file_range is refused.
+uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, const std::string& srcPath,
+                   const std::string& dstPath, const std::atomic<bool>* cancel) {
   constexpr uint64_t kChunk = 64 << 20;  // copy_file_range in chunks, so that a cancel is seen
   uint64_t done = 0;
+  int attempt = 0;
   while (*offload && done < len) {
     if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
     loff_t in = off + static_cast<off_t>(done), out = in;
     ssize_t n = copy_file_range(src, &in, dst, &out, static_cast<size_t>(std::min(kChunk, len - done)), 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      // Refused (old kernel, cross-file-system, special files): fall back for this and every later range.
-      if (errno == EXDEV || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS || errno == EBADF) {
-        *offload = false;
-        break;
-      }
-      throwErrno(errno, "copy_file_range", srcPath, dstPath);
+    if (n > 0) {
+      done += static_cast<uint64_t>(n);
+      attempt = 0;
+      continue;
     }
-    if (n == 0) return;  // end of file: the source shrank while we copied
-    done += static_cast<uint64_t>(n);
+    int err = n < 0 ? errno : 0;
+    if (transient(err) && ++attempt < kTransientTries) continue;
+    // 0 before the end, EAGAIN/EINTR past the tries, or refused (old kernel, cross-file-system, special
+    // files): read/write for this and every later range of the file.
+    if (n == 0 || transient(err) || err == EXDEV || err == EINVAL || err == EOPNOTSUPP || err == ENOSYS ||
+        err == EBADF) {
+      *offload = false;
+      break;
+    }
+    throwErrno(err, "copy_file_range", srcPath, dstPath);
   }
-  if (done < len) copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
+  if (done < len) done += copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
+  return done;
 }
 
-// Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)).
-void copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
-                const std::string& dstPath, const std::atomic<bool>* cancel) {
+// File systems whose st_size says nothing about the bytes read(2) returns (<linux/magic.h>): procfs reports 0,
+// sysfs 4096 for every attribute, and the others are alike.
+bool sizeUnknown(int fd) {
+  struct statfs fs;
+  if (fstatfs(fd, &fs) != 0) return false;
+  switch (static_cast<unsigned long>(fs.f_type)) {
+    case PROC_SUPER_MAGIC:
+    case SYSFS_MAGIC:
+    case DEBUGFS_MAGIC:
+    case TRACEFS_MAGIC:
+    case SECURITYFS_MAGIC:
+    case CGROUP_SUPER_MAGIC:
+    case CGROUP2_SUPER_MAGIC:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// read(2) found end of file at `at`, before the size the copy started from. Believed where the file now reports
+// no more (it shrank while copied) or where its size means nothing (sizeUnknown); anywhere else a read that stops
+// short of the size the file still reports is an error (EIO), never a short clone.
+void checkEndOfFile(int src, off_t at, const std::string& srcPath) {
+  struct stat now;
+  if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
+  if (now.st_size > at && !sizeUnknown(src)) throwErrno(EIO, "read", srcPath);
+}
+
+// Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
+// published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
+// ends earlier (it shrank while copied; a sysfs attribute reports 4096) is published with the bytes read
+// (checkEndOfFile), and one that goes on (procfs reports 0; it grew) is copied on to its end. The size is then
+// checked on `dst`.
+uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
+                    const std::string& dstPath, const std::atomic<bool>* cancel) {
   off_t pos = 0, end = static_cast<off_t>(size);
+  bool ended = false;  // read(2) reported end of file before `size`
   while (pos < end) {
     off_t data = lseek(src, pos, SEEK_DATA);
     if (data < 0) {
       if (errno == ENXIO) break;  // only a hole remains
-      if (errno != EINVAL) throwErrno(errno, "lseek", srcPath);
-      data = pos;  // SEEK_DATA unsupported: everything is data
+      if (errno != EINVAL && errno != ESPIPE) throwErrno(errno, "lseek", srcPath);
+      data = pos;  // SEEK_DATA unsupported (procfs, sysfs: EINVAL): everything is data
     }
     if (data >= end) break;
     off_t hole = lseek(src, data, SEEK_HOLE);
-    if (hole < 0 || hole > end) hole = end;
-    copyRange(src, dst, data, static_cast<uint64_t>(hole - data), &offload, srcPath, dstPath, cancel);
+    if (hole < 0 || hole > end) hole = end;  // no hole known: data to the end, which read(2) then finds
+    uint64_t want = static_cast<uint64_t>(hole - data);
+    uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, cancel);
+    if (got < want) {
+      end = data + static_cast<off_t>(got);
+      checkEndOfFile(src, end, srcPath);
+      ended = true;
+      break;
+    }
     pos = hole;
+  }
+  if (!ended) {
+    // Past st_size: one read, which finds end of file at once for an ordinary file; anything more is copied.
+    char probe[4096];
+    size_t n = readSome(src, probe, sizeof probe, end, srcPath);
+    if (n > 0) {
+      writeAll(dst, probe, n, end, dstPath);
+      end += static_cast<off_t>(n);
+      end += static_cast<off_t>(copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath,
+                                                   dstPath, cancel));
+    }
   }
   // Trailing hole (and the size itself): extending by ftruncate allocates nothing.
   if (ftruncate(dst, end) != 0) throwErrno(errno, "ftruncate", dstPath);
+  // What is published is exactly what was read: a destination of another size (a write that lied) is an error.
+  struct stat st;
+  if (fstat(dst, &st) != 0) throwErrno(errno, "fstat", dstPath);
+  if (st.st_size != end) throwErrno(EIO, "write", dstPath);
+  return static_cast<uint64_t>(end);
 }
 
 }  // namespace
 
-CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                      const std::string& dstPath, const std::atomic<bool>* cancel) {
+CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+                          const std::string& dstPath, const std::atomic<bool>* cancel) {
   if (reflink != Reflink::Never) {
-    if (ioctl(dst, FICLONE, src) == 0) return CloneMethod::Reflink;
-    int err = errno;
-    if (!reflinkRefused(err)) throwErrno(err, "ioctl(FICLONE)", srcPath, dstPath);
+    int err = 0;
+    for (int attempt = 0;; attempt++) {
+      if (ioctl(dst, FICLONE, src) == 0) return {CloneMethod::Reflink, size};
+      err = errno;
+      if (!transient(err) || attempt + 1 == kTransientTries) break;
+    }
+    if (!reflinkRefused(err) && !transient(err)) throwErrno(err, "ioctl(FICLONE)", srcPath, dstPath);
     if (reflink == Reflink::Always)
       throwCode("ERR_REFLINK_UNSUPPORTED",
-                "the file systems of source and destination cannot share extents (reflink: 'always')", err,
-                "ioctl(FICLONE)", srcPath, dstPath);
+                transient(err) ? "the file system kept refusing to share extents for now (reflink: 'always')"
+                               : "the file systems of source and destination cannot share extents (reflink: 'always')",
+                err, "ioctl(FICLONE)", srcPath, dstPath);
+    // A FICLONE that failed part way (EAGAIN, EINTR) may have left some of the range behind: copy into empty.
+    if (ftruncate(dst, 0) != 0) throwErrno(errno, "ftruncate", dstPath);
   }
-  copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, cancel);
-  return CloneMethod::Copy;
+  return {CloneMethod::Copy, copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, cancel)};
 }
 
 void fillIdentity(SourceIdentity* identity, const struct stat& st) {
@@ -146,17 +241,25 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   UniqueFd dst(openat(dstDirFd, tmpName.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
-    CloneFileResult result{cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), options.reflink, srcPath,
-                                     dstPath, cancel),
-                           static_cast<uint64_t>(st.st_size)};
-    if (fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "fchmod", dstPath);
+    CloneFileResult result =
+        cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, cancel);
+    // The clone is ours, not the source owner's: set-id bits are kept only where owner (group) are the same, so
+    // root cloning a user's 4755 file never mints a root-owned set-uid binary.
+    struct stat own;
+    if (fstat(dst.get(), &own) != 0) throwErrno(errno, "fstat", dstPath);
+    mode_t mode = st.st_mode & 07777;
+    if (own.st_uid != st.st_uid) mode &= ~S_ISUID;
+    if (own.st_gid != st.st_gid) mode &= ~S_ISGID;
+    if (fchmod(dst.get(), mode) != 0) throwErrno(errno, "fchmod", dstPath);
     if (options.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (options.overwrite) {
       // rename(2) replaces the destination atomically; it refuses (EISDIR) to replace a directory with a file.
       if (renameat(dstDirFd, tmpName.c_str(), dstDirFd, dstName.c_str()) != 0)
         throwErrno(errno, "rename", srcPath, dstPath);
-    } else if (renameat2(dstDirFd, tmpName.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
-      throwErrno(errno, "renameat2", srcPath, dstPath);
+    } else {
+      const char* step = "renameat2";
+      if (int err = publishFileNoReplace(dstDirFd, tmpName.c_str(), dstDirFd, dstName.c_str(), &step))
+        throwErrno(err, step, srcPath, dstPath);
     }
     if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
     return result;

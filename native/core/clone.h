@@ -21,7 +21,7 @@ struct CloneOptions {
 
 struct CloneFileResult {
   CloneMethod method;
-  uint64_t bytes;  // logical size of the file
+  uint64_t bytes;  // logical size of the file as published
 };
 
 // Identity of a clone source, recorded in workspace metadata.
@@ -34,16 +34,22 @@ struct SourceIdentity {
 // Sets *identity (when given) from the source's stat.
 void fillIdentity(SourceIdentity* identity, const struct stat& st);
 
-// Fills the empty regular file `dst` with the data of `src` (`size` bytes): ioctl(FICLONE) unless `reflink` is
-// Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
-// ERR_REFLINK_UNSUPPORTED. Other errors are thrown as they are. Returns how the data arrived.
-// A copy checks `cancel` (when given) between chunks and stops with ECANCELED.
-CloneMethod cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                      const std::string& dstPath, const std::atomic<bool>* cancel = nullptr);
+// Fills the empty regular file `dst` with the data of `src` (`size` bytes by its stat): ioctl(FICLONE) unless
+// `reflink` is Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
+// ERR_REFLINK_UNSUPPORTED. EAGAIN/EINTR (OpenZFS, signals) are tried again a few times, then taken as a refusal
+// (cause EAGAIN for Always). Other errors are thrown as they are. Returns how the data arrived and the bytes
+// published: a copy reads to the source's end of file (procfs reports size 0, sysfs 4096, a source may change
+// while it is copied) and publishes exactly what it read; every short or zero copy_file_range/read/write is
+// checked (DESIGN.md, "Clone engine"). A copy checks `cancel` (when given) between chunks and stops with ECANCELED.
+CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+                          const std::string& dstPath, const std::atomic<bool>* cancel = nullptr);
 
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
 // cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete; on every failure the temp
-// file is removed. `dstPath` names the destination in errors. Fills `identity` when given.
+// file is removed. `dstPath` names the destination in errors. Fills `identity` when given. The clone is owned by
+// the caller: set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group
+// is the source's (as cp(1) drops them when it does not keep the owner). Published with publishFileNoReplace
+// (rename.h), or rename(2) with `overwrite`.
 // Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
 // ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,

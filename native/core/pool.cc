@@ -19,6 +19,7 @@
 #include "io.h"
 #include "names.h"
 #include "remove.h"
+#include "rename.h"
 
 namespace vmspace {
 namespace {
@@ -177,19 +178,24 @@ int readSmallFile(int at, const std::string& name, std::string* out) {
   return readRegularFileAt(at, name.c_str(), O_NOFOLLOW, kMaxMetaBytes, out);
 }
 
-// Writes `data` to a fresh temp file in `dirFd` and links it under `name` with renameat2(RENAME_NOREPLACE).
-// Returns false, leaving nothing behind, when `name` exists.
+// Writes `data` to a fresh temp file in `dirFd` and publishes it as `name` without replacing (publishFileNoReplace:
+// renameat2(RENAME_NOREPLACE), or link + unlink where the file system lacks it). Returns false, leaving nothing
+// behind, when `name` exists.
 bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& data, bool durable,
                         const std::string& shown) {
   std::string tmp = "." + name + ".tmp-" + randomHex(6);
   UniqueFd fd(openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
   if (!fd) throwErrno(errno, "open", shown);
   try {
+    // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
+    // could not reopen it as a non-root user).
+    if (fchmod(fd.get(), 0644) != 0) throwErrno(errno, "fchmod", shown);
     if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
     if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
     fd.reset();
-    if (renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0) {
-      if (errno != EEXIST) throwErrno(errno, "renameat2", shown);
+    const char* step;
+    if (int err = publishFileNoReplace(dirFd, tmp.c_str(), dirFd, name.c_str(), &step)) {
+      if (err != EEXIST) throwErrno(err, step, shown);
       unlinkat(dirFd, tmp.c_str(), 0);
       return false;
     }
@@ -198,6 +204,25 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
     unlinkat(dirFd, tmp.c_str(), 0);
     throw;
   }
+}
+
+// Whether the pool's file system takes renameat2(RENAME_NOREPLACE): 0, or the errno with which it refuses the flag
+// (EINVAL, ENOSYS: FUSE without rename2, some network file systems). Asked once, by renaming an empty probe file
+// in `dirFd` (.vmspace/, which no sweep reads: a sweep of meta/ or staging/ would count a probe it removed).
+// Where no probe can be made (read-only, no permission) it counts as supported: nothing can be published there.
+int probeNoReplace(int dirFd) {
+  std::string probe = ".noreplace-probe-" + randomHex(6), moved = probe + "-b";
+  UniqueFd fd(openat(dirFd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!fd) return 0;
+  fd.reset();
+  int err = 0;
+  if (renameat2(dirFd, probe.c_str(), dirFd, moved.c_str(), RENAME_NOREPLACE) == 0)
+    unlinkat(dirFd, moved.c_str(), 0);
+  else {
+    err = noReplaceUnsupported(errno) ? errno : 0;
+    unlinkat(dirFd, probe.c_str(), 0);
+  }
+  return err;
 }
 
 void appendJsonString(std::string* out, const std::string& s) {
@@ -355,6 +380,7 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
     if (!*sub.fd) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
     if (!*sub.fd) throwErrno(ENOENT, "open", shown);
   }
+  pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   return pool;
 }
 
@@ -363,6 +389,13 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
 }
 
 AllocateResult Pool::allocate(const AllocateRequest& req) {
+  // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
+  // (rename(2) replaces an empty directory; link(2) takes no directory). Refused before anything is made.
+  if (noReplaceErr_)
+    throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
+              "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
+              "a workspace needs",
+              noReplaceErr_, "renameat2", root_);
   AllocateResult res;
   int tries = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
   int reclaimed = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
@@ -513,8 +546,11 @@ void Pool::dropMeta(const std::string& name) {
 bool Pool::moveToTrash(const std::string& name, int fd) {
   struct stat own;
   if (fstat(fd, &own) != 0) throwErrno(errno, "fstat", path(name));
-  // The name disappears from the root atomically; from here on nobody can open or adopt it by name.
-  if (renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE) != 0) {
+  // The name disappears from the root atomically; from here on nobody can open or adopt it by name. Without
+  // RENAME_NOREPLACE (noReplaceErr_), rename(2) could replace only an empty directory of that name in trash,
+  // which is garbage there; what moved is checked below either way.
+  if ((noReplaceErr_ ? renameat(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str())
+                     : renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE)) != 0) {
     if (errno == ENOENT) return false;
     throwErrno(errno, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
   }

@@ -89,7 +89,8 @@ class Pool {
   // group may be group-writable (and owned by any user); those made are given it, mode 02770. Directories made
   // get exact modes whatever the umask: 0755 (root, .vmspace/, parents), 0700 (staging/, trash/, meta/).
   // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV
-  // when .vmspace is on another file system.
+  // when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network file
+  // systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
   static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1);
 
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
@@ -130,6 +131,9 @@ class Pool {
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
+  // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
+  // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
+  int noReplaceErr_ = 0;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <unistd.h>
 
 #include <cerrno>
 
@@ -12,6 +13,23 @@ namespace vmspace {
 void renameNoReplace(const std::string& from, const std::string& to) {
   if (renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0)
     throwErrno(errno, "renameat2", from, to);
+}
+
+int publishFileNoReplace(int fromDir, const char* from, int toDir, const char* to, const char** syscall) {
+  *syscall = "renameat2";
+  if (renameat2(fromDir, from, toDir, to, RENAME_NOREPLACE) == 0) return 0;
+  int err = errno;
+  if (!noReplaceUnsupported(err)) return err;
+  // link(2) never replaces (EEXIST), and the name appears with the complete file, as a rename would publish it.
+  *syscall = "link";
+  if (linkat(fromDir, from, toDir, to, 0) != 0) return errno;
+  *syscall = "unlink";
+  if (unlinkat(fromDir, from, 0) != 0) {
+    err = errno;
+    unlinkat(toDir, to, 0);  // ours: linked just now; the caller removes the temp name
+    return err;
+  }
+  return 0;
 }
 
 void exchange(const std::string& a, const std::string& b) {

@@ -344,10 +344,10 @@ class TreeCloner {
     bool exact = (perm & umask_) == 0 && (st.st_mode & 07000) == 0;
     UniqueFd dst(openat(ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    CloneMethod m;
+    CloneFileResult data;
     try {
       // The paths are set by the catch below, so none are built per file here.
-      m = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
+      data = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
                     std::string(), progress_ ? &progress_->cancel : nullptr);
     } catch (Error& e) {
       // Name the entry the way every other failure of the walk does: the source entry and its destination.
@@ -355,32 +355,44 @@ class TreeCloner {
       e.dest = dstPath(rel);
       throw;
     }
-    bool chowned = copyOwnerXattrs(src.get(), dst.get(), st, rel, created);
+    mode_t dropSetId = 0;
+    bool chowned = copyOwnerXattrs(src.get(), dst.get(), st, rel, created, &dropSetId);
     bool chmod = !exact || chowned;
-    if (chmod && fchmod(dst.get(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    if (chmod && fchmod(dst.get(), st.st_mode & 07777 & ~dropSetId) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
     if (opts_.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath(rel));
     if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, rel);
-    (m == CloneMethod::Reflink ? local.reflinked : local.copied)++;
+    (data.method == CloneMethod::Reflink ? local.reflinked : local.copied)++;
     local.files++;
-    local.bytes += static_cast<uint64_t>(st.st_size);
+    local.bytes += data.bytes;
     if (progress_) {
       progress_->files.fetch_add(1, std::memory_order_relaxed);
-      progress_->bytes.fetch_add(static_cast<uint64_t>(st.st_size), std::memory_order_relaxed);
+      progress_->bytes.fetch_add(data.bytes, std::memory_order_relaxed);
     }
   }
 
   // Owner then xattrs: chown(2) clears setuid/setgid and security.capability, so the xattrs (and the mode,
   // which the caller sets after this) come after it. Returns true when the owner was changed (the mode must
-  // then be set again).
-  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel, Owner now) {
-    bool chowned = false;
+  // then be set again). Where the owner (group) could not be kept, *dropSetId (when given) receives the set-user-ID
+  // (set-group-ID) bit to leave out of the mode, and security.capability is not copied: privileges of the
+  // source's owner are never handed to another (as cp(1) does).
+  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel, Owner now,
+                       mode_t* dropSetId = nullptr) {
+    bool chowned = false, kept = true;
     if (st.st_uid != now.uid || st.st_gid != now.gid) {
-      if (fchown(dfd, st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
+      if (fchown(dfd, st.st_uid, st.st_gid) != 0) {
+        if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
+        kept = false;  // EPERM: neither changed
+      }
       chowned = true;
     }
-    copyXattrs(sfd, dfd, rel);
+    if (dropSetId) {
+      *dropSetId = 0;
+      if (!kept && st.st_uid != now.uid) *dropSetId |= S_ISUID;
+      if (!kept && st.st_gid != now.gid) *dropSetId |= S_ISGID;
+    }
+    copyXattrs(sfd, dfd, rel, kept || st.st_uid == now.uid);
     return chowned;
   }
 
@@ -393,15 +405,20 @@ class TreeCloner {
   // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
   void nodeMeta(int ddir, const char* name, const struct stat& st, const std::string& rel, Owner created,
                 bool symlink) {
+    mode_t mode = st.st_mode & 07777;
     if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
-        fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0 && errno != EPERM)
-      throwErrno(errno, "chown", dstPath(rel));
-    if (!symlink && fchmodat(ddir, name, st.st_mode & 07777, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
+        fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
+      if (st.st_uid != created.uid) mode &= ~S_ISUID;  // set-id only where the owner is kept (copyOwnerXattrs)
+      if (st.st_gid != created.gid) mode &= ~S_ISGID;
+    }
+    if (!symlink && fchmodat(ddir, name, mode, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (utimensat(ddir, name, times, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "utimensat", dstPath(rel));
   }
 
-  void copyXattrs(int sfd, int dfd, const std::string& rel) {
+  // `capability`: whether security.capability is copied (only where the owner is kept).
+  void copyXattrs(int sfd, int dfd, const std::string& rel, bool capability) {
     char names[4096];
     ssize_t len = flistxattr(sfd, names, sizeof names);
     std::unique_ptr<char[]> big;
@@ -419,6 +436,7 @@ class TreeCloner {
     const char* list = big ? big.get() : names;
     std::vector<char> value(4096);
     for (const char* n = list; n < list + len; n += strlen(n) + 1) {
+      if (!capability && strcmp(n, "security.capability") == 0) continue;
       ssize_t vlen;
       while ((vlen = fgetxattr(sfd, n, value.data(), value.size())) < 0 && errno == ERANGE) {
         ssize_t need = fgetxattr(sfd, n, nullptr, 0);
@@ -536,7 +554,14 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
     cloner.copyDirMeta(src.get(), root.get(), st, "");
     if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
-      if (errno != EEXIST || !options.overwrite) throwErrno(errno, "renameat2", srcPath, dstPath);
+      int err = errno;
+      // A directory has no link(2) to publish it without replacing, and rename(2) replaces an empty one.
+      if (noReplaceUnsupported(err))
+        throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
+                  "the file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing a "
+                  "directory needs",
+                  err, "renameat2", srcPath, dstPath);
+      if (err != EEXIST || !options.overwrite) throwErrno(err, "renameat2", srcPath, dstPath);
       // Replace an existing destination atomically: swap it with the new tree, then remove the old one
       // (now under the temp name).
       if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_EXCHANGE) != 0)

@@ -1,0 +1,110 @@
+/**
+ * File systems without renameat2(RENAME_NOREPLACE) (FUSE without rename2, some network file systems; issue 8,
+ * item 8), played by a seccomp filter that answers EINVAL or ENOSYS to renameat2 with that flag
+ * (inject-helpers.ts). Files publish by link + unlink, which never replaces; a directory (a workspace, a tree
+ * clone) has no such path and fails with ERR_RENAME_NOREPLACE_UNSUPPORTED, changing nothing.
+ */
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { describe, expect, test } from 'vitest'
+import { emptyPoolState, freshDir, ls, mounts, needs, poolState, tempLeftovers, writeRandomFile } from './helpers.js'
+import { injectMissing, RENAME_NOREPLACE, runInjected, type Injection } from './inject-helpers.js'
+
+const noInject = injectMissing()
+
+for (const answer of ['EINVAL', 'ENOSYS'] as const) {
+  // glibc's renameat2() turns the kernel's ENOSYS for a call with flags into EINVAL (sysdeps/unix/sysv/linux/
+  // renameat2.c), so the errno vmspace sees, and reports as the cause, is EINVAL for both answers.
+  const cause = 'EINVAL'
+  const noReplace: Injection = {
+    syscall: 'renameat2',
+    answer,
+    arg: { index: 4, mask: RENAME_NOREPLACE, value: RENAME_NOREPLACE },
+  }
+
+  describe.skipIf(noInject !== undefined)(
+    `renameat2(RENAME_NOREPLACE) answering ${answer} ${needs('cc', noInject)}`,
+    () => {
+      test('openPool makes a pool: its version file is published, no temp or probe file is left', () => {
+        const root = path.join(freshDir(mounts.scratch), 'pool')
+        const [r] = runInjected(noReplace, [{ op: 'openPool', root }])
+        expect(r).toEqual({ ok: true, result: { opened: true } })
+        expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('1\n')
+        expect(ls(path.join(root, '.vmspace'))).toEqual(['meta', 'staging', 'trash', 'version'])
+        expect(poolState(root)).toEqual(emptyPoolState)
+      })
+
+      test('clone() of a file publishes it by link + unlink: the bytes, no temp file', () => {
+        const d = freshDir(mounts.scratch)
+        const data = writeRandomFile(path.join(d, 'base.img'), 1024 * 1024 + 3)
+        const [r] = runInjected(noReplace, [{ op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'out.img') }])
+        expect(r).toMatchObject({ ok: true, result: { kind: 'file', bytes: data.length } })
+        expect(fs.readFileSync(path.join(d, 'out.img')).equals(data)).toBe(true)
+        expect(fs.statSync(path.join(d, 'out.img')).nlink).toBe(1)
+        expect(tempLeftovers(d)).toEqual([])
+      })
+
+      test('clone() of a file onto an existing name: EEXIST, the existing file untouched, no temp file', () => {
+        const d = freshDir(mounts.scratch)
+        writeRandomFile(path.join(d, 'base.img'), 64 * 1024)
+        fs.writeFileSync(path.join(d, 'taken'), 'keep me')
+        const before = fs.statSync(path.join(d, 'taken'))
+        const [r] = runInjected(noReplace, [{ op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'taken') }])
+        expect(r).toMatchObject({ ok: false, code: 'EEXIST', syscall: 'link', dest: path.join(d, 'taken') })
+        expect(fs.readFileSync(path.join(d, 'taken'), 'utf8')).toBe('keep me')
+        expect(fs.statSync(path.join(d, 'taken')).ino).toBe(before.ino)
+        expect(ls(d)).toEqual(['base.img', 'taken'])
+      })
+
+      test('clone() with overwrite: true replaces by rename(2), as it does everywhere', () => {
+        const d = freshDir(mounts.scratch)
+        const data = writeRandomFile(path.join(d, 'base.img'), 4096)
+        fs.writeFileSync(path.join(d, 'taken'), 'old')
+        const [r] = runInjected(noReplace, [
+          { op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'taken'), options: { overwrite: true } },
+        ])
+        expect(r.ok).toBe(true)
+        expect(fs.readFileSync(path.join(d, 'taken')).equals(data)).toBe(true)
+        expect(ls(d)).toEqual(['base.img', 'taken'])
+      })
+
+      test(`clone() of a tree: ERR_RENAME_NOREPLACE_UNSUPPORTED (cause ${cause}); no destination, no temp tree`, () => {
+        const d = freshDir(mounts.scratch)
+        fs.mkdirSync(path.join(d, 'src', 'sub'), { recursive: true })
+        fs.writeFileSync(path.join(d, 'src', 'sub', 'f'), 'f')
+        const [r] = runInjected(noReplace, [{ op: 'clone', source: path.join(d, 'src'), dest: path.join(d, 'dst') }])
+        expect(r).toMatchObject({
+          ok: false,
+          code: 'ERR_RENAME_NOREPLACE_UNSUPPORTED',
+          causeCode: cause,
+          syscall: 'renameat2',
+          dest: path.join(d, 'dst'),
+        })
+        expect(ls(d)).toEqual(['src'])
+      })
+
+      test(`allocate(): ERR_RENAME_NOREPLACE_UNSUPPORTED (cause ${cause}) before anything is made`, () => {
+        const d = freshDir(mounts.scratch)
+        writeRandomFile(path.join(d, 'base.img'), 4096)
+        const root = path.join(d, 'pool')
+        const [r] = runInjected(noReplace, [{ op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } }])
+        expect(r).toMatchObject({ ok: false, code: 'ERR_RENAME_NOREPLACE_UNSUPPORTED', causeCode: cause, path: root })
+        expect(poolState(root)).toEqual(emptyPoolState)
+      })
+    },
+  )
+}
+
+describe.skipIf(noInject !== undefined)(`a pool opened where RENAME_NOREPLACE works ${needs('cc', noInject)}`, () => {
+  test('allocates as before, and the open leaves no probe file behind', () => {
+    const d = freshDir(mounts.scratch)
+    writeRandomFile(path.join(d, 'base.img'), 4096)
+    const root = path.join(d, 'pool')
+    // An answer for another syscall: the filter is there, renameat2 is untouched.
+    const [r] = runInjected({ syscall: 'linkat', answer: 'EPERM' }, [
+      { op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } },
+    ])
+    expect(r.ok).toBe(true)
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+})
