@@ -153,7 +153,11 @@ export function traced<C extends object, T>(
   if (debug.enabled) {
     const fields = () => {
       const { result: _r, error: _e, ...rest } = context as TraceContext
-      return JSON.stringify(rest)
+      try {
+        return JSON.stringify(rest)
+      } catch {
+        return '(fields not serialisable)' // a caller's options with a cycle or a BigInt: the line must not throw
+      }
     }
     p.then(
       () => debug('%s %s %sms', op.name.slice('vmspace:'.length), fields(), (performance.now() - t0).toFixed(2)),

@@ -241,6 +241,16 @@ describe('NODE_DEBUG=vmspace', () => {
     ])
   })
 
+  test('a call whose options cannot be serialised still gets its line, and its own error', () => {
+    const file = path.join(freshDir(), 'x.lock')
+    const code = `const v = require(${JSON.stringify(repoRoot)} + '/dist/index.js'); const o = {}; o.self = o
+      v.lockFile(${JSON.stringify(file)}, o).catch((e) => console.log(e.code))`
+    const r = spawnSync(process.execPath, ['-e', code], { env: { ...process.env, NODE_DEBUG: 'vmspace' }, encoding: 'utf8' })
+    expect(r.status).toBe(0)
+    expect(r.stdout.trim()).toBe('ERR_INVALID_ARG_VALUE')
+    expect(r.stderr.trim()).toMatch(/^VMSPACE \d+: lock \(fields not serialisable\) failed ERR_INVALID_ARG_VALUE after [0-9.]+ms$/)
+  })
+
   test('prints nothing without it', () => {
     const root = path.join(freshDir(), 'pool')
     const r = spawnSync(process.execPath, ['-e', script(root)], { env: { ...process.env, NODE_DEBUG: '' }, encoding: 'utf8' })
