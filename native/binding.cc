@@ -74,16 +74,18 @@ class Work : public Napi::AsyncWorker {
       : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
         toJs_(std::move(toJs)), drop_(std::move(drop)) {}
 
-  // No V8 here: runs on a libuv pool thread.
+  // No V8 here: runs on a libuv pool thread. Every exception becomes the rejection (an exception escaping
+  // Execute would be turned by node-addon-api into a callback error that nothing delivers: the promise would
+  // never settle).
   void Execute() override {
     try {
       result_ = exec_();
-    } catch (const Error& e) {
-      error_ = std::make_unique<Error>(e);
-    } catch (const std::bad_alloc&) {
-      error_ = std::make_unique<Error>();
-      error_->err = ENOMEM;
-      error_->syscall = "malloc";
+    } catch (...) {
+      try {
+        error_ = std::make_unique<Error>(vmspace::currentError());
+      } catch (...) {
+        outOfMemory_ = true;  // not even the Error could be made
+      }
     }
   }
 
@@ -94,13 +96,20 @@ class Work : public Napi::AsyncWorker {
     try {
       Napi::Env env = Env();
       Napi::HandleScope scope(env);
+      if (outOfMemory_) {
+        Error e;
+        e.err = ENOMEM;
+        e.syscall = "malloc";
+        deferred_.Reject(errorObject(env, e));
+        return;
+      }
       if (error_) {
         deferred_.Reject(errorObject(env, *error_));
         return;
       }
       deferred_.Resolve(toJs_(env, result_));
     } catch (...) {
-      if (!error_ && drop_) drop_(result_);
+      if (!error_ && !outOfMemory_ && drop_) drop_(result_);
     }
   }
 
@@ -110,6 +119,7 @@ class Work : public Napi::AsyncWorker {
   std::function<void(R&)> drop_;
   R result_{};
   std::unique_ptr<Error> error_;
+  bool outOfMemory_ = false;
 };
 
 struct LockWaiter;

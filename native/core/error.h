@@ -4,7 +4,9 @@
 
 #include <cerrno>
 #include <exception>
+#include <new>
 #include <string>
+#include <system_error>
 #include <utility>
 
 namespace vmspace {
@@ -44,6 +46,34 @@ struct Error : std::exception {
   e.path = std::move(path);
   e.dest = std::move(dest);
   throw e;
+}
+
+// The Error for the exception being handled (call it inside a catch block only): a core Error as it is,
+// std::bad_alloc as ENOMEM, std::system_error (a thread or mutex the C++ library could not get: pthread_create
+// fails with EAGAIN at RLIMIT_NPROC) as its errno, anything else as EIO with its message, so that no exception a
+// worker meets leaves its promise unsettled.
+inline Error currentError() {
+  Error r;
+  try {
+    throw;
+  } catch (const Error& e) {
+    return e;
+  } catch (const std::bad_alloc&) {
+    r.err = ENOMEM;
+    r.syscall = "malloc";
+  } catch (const std::system_error& e) {
+    const std::error_category& cat = e.code().category();
+    bool isErrno = cat == std::generic_category() || cat == std::system_category();
+    r.err = isErrno && e.code().value() > 0 ? e.code().value() : EIO;
+    if (r.err == EAGAIN) r.syscall = "pthread_create";  // the one system_error the walks can meet
+    r.detail = e.what();
+  } catch (const std::exception& e) {
+    r.err = EIO;
+    r.detail = e.what();
+  } catch (...) {
+    r.err = EIO;
+  }
+  return r;
 }
 
 }  // namespace vmspace
