@@ -86,20 +86,23 @@ export class WarmReserve {
    * then removed).
    */
   async take(infoJson: string): Promise<NativeAllocateResult | undefined> {
-    while (this.#ready.length) {
-      const entry = this.#ready.shift()!
-      this.refill()
-      const r = await this.#ops.take(entry, infoJson)
-      if (r) {
-        this.#stats.hits++
-        return r
+    try {
+      while (this.#ready.length) {
+        const entry = this.#ready.shift()!
+        const r = await this.#ops.take(entry, infoJson)
+        if (r) {
+          this.#stats.hits++
+          return r
+        }
+        this.#stats.stale++
+        this.#discard(entry)
       }
-      this.#stats.stale++
-      this.#discard(entry)
+      this.#stats.misses++
+      return undefined
+    } finally {
+      // Only now: a build started alongside would compete with the hand-out (the disk, the journal, 2 cores).
+      this.refill()
     }
-    this.#stats.misses++
-    this.refill()
-    return undefined
   }
 
   /** Starts building, one entry at a time, until `count` are ready (nothing while a build or back-off runs). */
