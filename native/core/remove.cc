@@ -177,12 +177,12 @@ class Remover {
       return true;
     }
     struct statx stx;
-    if (statxFd(fd, STATX_MODE | STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &stx) != 0) {
+    if (statxFd(fd, STATX_MODE | kStatxMntId | STATX_BLOCKS | STATX_INO, &stx) != 0) {
       record(errno, "statx", depth, name);
       ::close(fd);
       return true;
     }
-    if (mountOf(stx) != mount_) {
+    if (mountOf(fd, stx) != mount_) {
       // Another file system (or a bind mount of this one) is mounted here: never enter it.
       record(EBUSY, "rmdir", depth, name);
       ::close(fd);
@@ -256,7 +256,7 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     if (errno == ENOENT || errno == EBUSY) throwErrno(errno, "rmdir", displayPath);
   }
   struct statx parent;
-  if (statxFd(parentFd, STATX_MNT_ID, &parent) != 0) throwErrno(errno, "statx", displayPath);
+  if (statxFd(parentFd, kStatxMntId, &parent) != 0) throwErrno(errno, "statx", displayPath);
   int fd = openat(parentFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) {
     if (errno == ENOTDIR || errno == ELOOP) {
@@ -270,17 +270,17 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     throwErrno(errno, "openat", displayPath);
   }
   struct statx self;
-  if (statxFd(fd, STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &self) != 0) {
+  if (statxFd(fd, kStatxMntId | STATX_BLOCKS | STATX_INO, &self) != 0) {
     int err = errno;
     ::close(fd);
     throwErrno(err, "statx", displayPath);
   }
-  if (mountOf(self) != mountOf(parent)) {
+  if (mountOf(fd, self) != mountOf(parentFd, parent)) {
     ::close(fd);
     throwErrno(EBUSY, "rmdir", displayPath);
   }
   if (bytes) *bytes += self.stx_blocks * 512;
-  Remover remover(mountOf(self), bytes);
+  Remover remover(mountOf(fd, self), bytes);
   remover.emptyDirectory(fd, displayPath, makedev(self.stx_dev_major, self.stx_dev_minor),
                          static_cast<ino_t>(self.stx_ino));
   remover.rethrowFirst();

@@ -27,6 +27,7 @@
 #include "statx.h"
 #include "rename.h"
 
+
 namespace vmspace {
 namespace {
 
