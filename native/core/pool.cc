@@ -465,8 +465,9 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
   } catch (...) {
     try {
       removeTreeNoFollow(stagingFd_.get(), res.name, stagingPath);
-    } catch (const Error&) {
-      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report.
+    } catch (...) {
+      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
+      // whatever the cleanup met (an Error, or bad_alloc).
     }
     throw;
   }
