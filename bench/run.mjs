@@ -222,9 +222,18 @@ if (want('lease')) {
 // (it allocates once the reserve is full again: "while the reserve keeps up"). Each allocate starts after a sync,
 // so that none pays for the one before it; its workspace's image is then fsynced once (the VM's first fsync).
 // Two images: the demo's (a 256 MiB ext4 file system of Node's npm package and headers, sparse) and 256 MiB of
-// random data (dense). On /tmp (the machine's ext4) unless --dir; the loop mounts are too small for the reserve.
+// random data (dense). On a 4 GiB loop-mounted ext4 when root (mounted without `discard`: on the root file system
+// here every dispose's discards stall the journal, and with it the next allocate's metadata, whatever allocate
+// does); else --dir, else os.tmpdir().
 if (want('warm')) {
-  const base = args.dir ? targets[0].dir : work
+  let base = args.dir ? targets[0].dir : work
+  if (!args.dir && process.getuid?.() === 0) {
+    try {
+      base = loopMount('ext4-warm', 4096)
+    } catch (e) {
+      console.error(`no ext4 loop mount for the warm reserve (${e.message.split('\n')[0]}): ${base}`)
+    }
+  }
   const fsType = sh('findmnt', ['-no', 'FSTYPE', '-T', base]).trim()
   const rounds = Number(args['warm-rounds'])
   const count = Number(args['warm-count'])
