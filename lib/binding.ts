@@ -14,6 +14,15 @@ export type NativeCloneResult = Omit<CloneResult, 'path'>
 
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 
+/** writeback option as the binding takes it. */
+export const enum WritebackCode {
+  None = 0,
+  Start = 1,
+  Wait = 2,
+}
+
+export type WarmHandle = { readonly __brand: 'WarmHandle' }
+
 export interface NativeListEntry {
   name: string
   live: boolean
@@ -89,9 +98,26 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
-    quotaBytes: number,
-    quotaInodes: number,
+    writeback?: WritebackCode,
+    quotaBytes?: number,
+    quotaInodes?: number,
   ): Promise<NativeAllocateResult>
+  /** A staged, leased workspace built from allocate's arguments (infoJson unused), its copies written back. */
+  warmBuild(
+    handle: PoolHandle,
+    prefix: string,
+    mode: number,
+    templateDir: string,
+    entries: [dest: string, source: string][],
+    infoJson: string,
+    reflink: ReflinkCode,
+    overwrite: boolean,
+    durable: boolean,
+    progress: ProgressHandle | undefined,
+  ): Promise<WarmHandle>
+  /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
+  warmTake(handle: PoolHandle, entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
+  warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
@@ -103,6 +129,7 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
+    writeback?: WritebackCode,
   ): Promise<NativeCloneResult>
   clonePathBeneath(
     baseFd: number,
@@ -113,6 +140,7 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
+    writeback?: WritebackCode,
   ): Promise<NativeCloneResult>
   probeQuota(path: string): Promise<NativeQuotaSupport>
   poolSpace(handle: PoolHandle): Promise<{ availableBytes: number; freeBytes: number; totalBytes: number; quota: NativeQuotaSupport }>
