@@ -262,6 +262,17 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
+  test('a quota allocate on a pool with a warm reserve of the same template is built as a subvolume, never served a warm (unlimited) entry', async () => {
+    const root = freshDir(mnt)
+    const img = ownBase()
+    const pool = await openPool(root, { warm: { template: { 'rootfs.img': img }, count: 1 } })
+    const ws = await pool.allocate({ quota: { bytes: QUOTA }, template: { 'rootfs.img': img } })
+    expect(fs.statSync(ws.path).ino).toBe(256)
+    expect((await ws.usage()).quota).toMatchObject({ limitBytes: QUOTA })
+    await ws.dispose()
+    await pool.close()
+  })
+
   test('quota.inodes on btrfs is refused with ERR_QUOTA_UNSUPPORTED (qgroups limit bytes only), nothing made', async () => {
     const root = freshDir(mnt)
     const pool = await openPool(root)
