@@ -55,7 +55,7 @@ void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancesto
   const char* reason = untrustedReason(st, t, ancestor);
   if (!reason) return;
   char mode[8];
-  snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));
+  (void)snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));  // at most 5 characters
   std::string detail = "'" + shown + "' is " + reason + " (uid " + std::to_string(st.st_uid) + ", gid " +
                        std::to_string(st.st_gid) + ", mode " + mode + "); a pool and the directories above it " +
                        "must be writable only by this process's user (uid " + std::to_string(t.euid) + ") or root";
