@@ -73,7 +73,8 @@ std::string btrfsSysfsDir(int fd) {
   if (ioctl(fd, BTRFS_IOC_FS_INFO, &info) != 0) return {};
   char uuid[37];
   const unsigned char* u = info.fsid;
-  snprintf(uuid, sizeof uuid, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
+  // The buffer holds the 36 characters and the NUL: snprintf cannot truncate.
+  (void)snprintf(uuid, sizeof uuid, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
            u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
   return std::string("/sys/fs/btrfs/") + uuid;
 }
@@ -209,7 +210,7 @@ QuotaSupport probeQuota(int dirFd) {
     return s;
   }
   char hex[32];
-  snprintf(hex, sizeof hex, "0x%lx", magic);
+  (void)snprintf(hex, sizeof hex, "0x%lx", magic);  // at most 18 characters: never truncated
   s.err = EOPNOTSUPP;
   s.detail = std::string("this file system (magic ") + hex +
              ") has no per-directory quota vmspace can set (btrfs with quotas, XFS/ext4 with project quotas)";
@@ -235,8 +236,8 @@ int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool su
   UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
   struct stat st;
   int err = 0;
-  if (!fd || fstat(fd.get(), &st) != 0) err = errno;
-  else if (fchmod(fd.get(), (mode & ~currentUmask() & 01777) | (st.st_mode & S_ISGID)) != 0) err = errno;
+  if (!fd || fstat(fd.get(), &st) != 0 || fchmod(fd.get(), (mode & ~currentUmask() & 01777) | (st.st_mode & S_ISGID)) != 0)
+    err = errno;
   if (err) {
     fd.reset();
     if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) destroySubvolume(parentFd, name);
