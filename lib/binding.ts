@@ -19,6 +19,8 @@ export interface NativeListEntry {
   live: boolean
   metaText?: string
   metaError?: unknown
+  /** The metadata (or its error) is the workspace directory's xattr (format 2), not its file. */
+  metaXattr?: boolean
 }
 
 export interface NativeAllocateResult {
@@ -48,7 +50,7 @@ export type WaitHandle = { readonly __brand: 'WaitHandle' }
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
-  openPool(root: string, create: boolean, sharedGid: number): Promise<{ handle: PoolHandle; bootId: string }>
+  openPool(root: string, create: boolean, sharedGid: number, format: 1 | 2): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(
     handle: PoolHandle,
@@ -64,7 +66,7 @@ export interface Native {
   ): Promise<NativeAllocateResult>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
-  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
+  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
   sweep(handle: PoolHandle, dryRun: boolean, graceMs: number): Promise<NativeSweepReport>
   clonePath(
     src: string,

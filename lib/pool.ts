@@ -41,6 +41,16 @@ export interface PoolOptions {
    * mode 0o2770. Default: none.
    */
   sharedGroup?: number
+  /**
+   * On-disk format of a pool made by this call (an existing pool keeps its own; `Pool.format` tells it). 1 (the
+   * default): each workspace's metadata is a file `.vmspace/meta/<name>.json`. 2: it is the xattr
+   * `user.vmspace.meta` of the workspace directory (a file where the file system refuses the xattr), which
+   * halves the cost of allocate+dispose and lets many workers run it without contending on `.vmspace/meta/`
+   * (issue 12); vmspace before format 2 refuses such a pool with `ERR_POOL_FORMAT`. Whoever can set xattrs on
+   * the workspace directory itself (a guest given the directory through virtiofs, say) can then rewrite its
+   * metadata, which format 1 keeps out of the workspace.
+   */
+  format?: 1 | 2
 }
 
 export interface AllocateOptions {
@@ -174,7 +184,7 @@ class InFlight {
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
-    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true,
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, format: true,
   })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
@@ -183,14 +193,17 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
   const durable = boolean('options.durable', o.durable, false)
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
-  const { handle, bootId } = await call(native.openPool(dir, create, sharedGroup))
-  return new Pool(constructing, handle, dir, prefix, reflink, durable, bootId)
+  const format = integerIn('options.format', o.format, 1, 2, 1) as 1 | 2
+  const r = await call(native.openPool(dir, create, sharedGroup, format))
+  return new Pool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
 }
 
 export class Pool {
   /** Absolute path of the pool's root directory. */
   readonly root: string
   readonly prefix: string
+  /** The pool's on-disk format (see {@link PoolOptions.format}). */
+  readonly format: 1 | 2
   readonly #handle: PoolHandle
   readonly #reflink: Reflink
   readonly #durable: boolean
@@ -202,8 +215,9 @@ export class Pool {
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
   /** @internal Use openPool(). */
-  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string) {
+  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: 1 | 2) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
+    this.format = format
     this.#handle = handle
     this.root = root
     this.prefix = prefix
@@ -269,10 +283,10 @@ export class Pool {
   async list(): Promise<WorkspaceInfo[]> {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
-    return entries.map((e) => this.#info(e.name, e.live, e.metaText, e.metaError))
+    return entries.map((e) => this.#info(e.name, e.live, e.metaText, e.metaError, e.metaXattr))
   }
 
-  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
+  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown, metaXattr = false): WorkspaceInfo {
     const id = NAME.exec(name)?.[2] ?? name
     const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
     if (metaText === undefined) {
@@ -287,7 +301,7 @@ export class Pool {
     }
     if (!isPlainObject(parsed)) {
       info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
-        path: path.join(this.root, '.vmspace', 'meta', `${name}.json`),
+        path: metaXattr ? path.join(this.root, name) : path.join(this.root, '.vmspace', 'meta', `${name}.json`),
       })
       return info
     }
@@ -321,7 +335,7 @@ export class Pool {
       throw e
     }
     const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
-    ws.info = this.#info(name, true, r.metaText, r.metaError)
+    ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
     return ws
   }
 
