@@ -6,12 +6,10 @@
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
-#include <uv.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <mutex>
 #include <system_error>
@@ -113,202 +111,6 @@ class Work : public Napi::AsyncWorker {
   std::unique_ptr<Error> error_;
 };
 
-// ---- batched operations (issue 12) ----
-// allocate and dispose, called by many workers at once, are queued here and served several per libuv work item:
-// at most kMaxDrainers work items drain the queue, and results go back to the JS thread through one uv_async
-// handle, which the kernel wakes once for however many have finished. One AsyncWorker per call costs a
-// napi_async_work, an async resource object, a uv_queue_work (the thread pool's global mutex and a futex wake)
-// and a completion of its own; with 64 in flight those hand-offs were a third of the JS thread's time.
-struct Op {
-  virtual ~Op() = default;
-  // No V8 here: runs on a libuv pool thread.
-  virtual void execute() = 0;
-  // On the JS thread, inside a callback scope: resolves or rejects its promise.
-  virtual void settle(Napi::Env env) = 0;
-  // The env is gone (a worker thread ended meanwhile): releases what execute() made (a lease fd).
-  virtual void drop() {}
-};
-
-constexpr int kMaxDrainers = 2;  // one per core of the machines measured; more only contend on the same directories
-
-struct BatchState;
-void batchCallJs(Napi::Env env, Napi::Function, BatchState* state, std::nullptr_t*);
-using BatchTsfn = Napi::TypedThreadSafeFunction<BatchState, std::nullptr_t, batchCallJs>;
-
-// Shared by the JS thread and the drainers; outlives the env while a drainer still runs.
-struct BatchState {
-  std::mutex mu;
-  std::deque<std::unique_ptr<Op>> todo, done;  // guarded by mu
-  int drainers = 0;                            // guarded by mu
-  bool signalled = false;                      // guarded by mu: a delivery is queued on the tsfn
-  bool closed = false;  // guarded by mu: the env (or its tsfn) is torn down; nothing is delivered any more
-  BatchTsfn tsfn;       // called (under mu, while !closed) to deliver `done` on the JS thread
-  size_t outstanding = 0;  // JS thread only: submitted and not yet settled (the tsfn keeps the loop alive)
-};
-using BatchRef = std::shared_ptr<BatchState>;
-
-struct Drainer {
-  uv_work_t req;
-  BatchRef state;
-};
-
-// No V8 here: runs on a libuv pool thread until the queue is empty.
-void drainBatch(uv_work_t* req) {
-  BatchRef state = static_cast<Drainer*>(req->data)->state;
-  for (;;) {
-    std::unique_ptr<Op> op;
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (state->todo.empty()) {
-        state->drainers--;
-        return;
-      }
-      op = std::move(state->todo.front());
-      state->todo.pop_front();
-    }
-    op->execute();
-    std::lock_guard<std::mutex> lock(state->mu);
-    if (state->closed) {
-      op->drop();
-      continue;
-    }
-    state->done.push_back(std::move(op));
-    // One call for all that finish before the JS thread takes them.
-    if (!state->signalled && state->tsfn.NonBlockingCall() == napi_ok) state->signalled = true;
-  }
-}
-
-// On the JS thread: settles everything finished so far. With a null env the env is being torn down: drop them.
-void batchCallJs(Napi::Env env, Napi::Function, BatchState* state, std::nullptr_t*) {
-  std::deque<std::unique_ptr<Op>> ready;
-  {
-    std::lock_guard<std::mutex> lock(state->mu);
-    ready.swap(state->done);
-    state->signalled = false;
-  }
-  for (auto& op : ready) {
-    if (env == nullptr) {
-      op->drop();
-      continue;
-    }
-    try {
-      Napi::HandleScope scope(env);
-      op->settle(env);
-    } catch (...) {
-      op->drop();  // the env is being torn down: no JS can run
-    }
-    if (--state->outstanding == 0) state->tsfn.Unref(env);
-  }
-}
-
-class Batcher {
- public:
-  explicit Batcher(Napi::Env env) : env_(env), state_(std::make_shared<BatchState>()) {
-    // Node frees a thread-safe function when its env is torn down, even while a drainer still runs; the finalizer
-    // tells the drainers (under mu) not to touch it any more.
-    state_->tsfn = BatchTsfn::New(
-        env, "vmspace batch", 0, 1, state_.get(),
-        [](Napi::Env, BatchRef* ref, BatchState*) {
-          std::deque<std::unique_ptr<Op>> left;
-          {
-            std::lock_guard<std::mutex> lock((*ref)->mu);
-            (*ref)->closed = true;
-            left.swap((*ref)->done);
-          }
-          for (auto& op : left) op->drop();
-          delete ref;
-        },
-        new BatchRef(state_));
-    state_->tsfn.Unref(env);  // ref'd only while operations are outstanding
-  }
-
-  ~Batcher() {
-    std::deque<std::unique_ptr<Op>> left;
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      if (!state_->closed) state_->tsfn.Release();
-      state_->closed = true;
-      left.swap(state_->done);
-    }
-    for (auto& op : left) op->drop();
-  }
-
-  // On the JS thread.
-  void submit(std::unique_ptr<Op> op) {
-    if (state_->outstanding++ == 0) state_->tsfn.Ref(env_);
-    bool spawn = false;
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      state_->todo.push_back(std::move(op));
-      if (state_->drainers < kMaxDrainers) {
-        state_->drainers++;
-        spawn = true;
-      }
-    }
-    if (!spawn) return;
-    uv_loop_t* loop = nullptr;
-    napi_get_uv_event_loop(env_, &loop);
-    auto* d = new Drainer{{}, state_};
-    d->req.data = d;
-    if (uv_queue_work(loop, &d->req, drainBatch, [](uv_work_t* req, int) { delete static_cast<Drainer*>(req->data); }) != 0) {
-      // Only for a loop that is closing: serve the queue here rather than leave a promise unsettled.
-      drainBatch(&d->req);
-      delete d;
-    }
-  }
-
- private:
-  Napi::Env env_;
-  BatchRef state_;
-};
-
-// A batched operation with result R: `exec` on a pool thread, `toJs` (or the Error) on the JS thread, `drop`
-// with a result that could not be delivered.
-template <typename R>
-class BatchedOp : public Op {
- public:
-  using Exec = std::function<R()>;
-  using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
-  BatchedOp(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop)
-      : deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)), toJs_(std::move(toJs)),
-        drop_(std::move(drop)) {}
-  Napi::Promise promise() const { return deferred_.Promise(); }
-
-  void execute() override {
-    try {
-      result_ = exec_();
-      ran_ = true;
-    } catch (const Error& e) {
-      error_ = std::make_unique<Error>(e);
-    } catch (const std::bad_alloc&) {
-      error_ = std::make_unique<Error>();
-      error_->err = ENOMEM;
-      error_->syscall = "malloc";
-    }
-  }
-
-  void settle(Napi::Env env) override {
-    if (error_) {
-      deferred_.Reject(errorObject(env, *error_));
-      return;
-    }
-    deferred_.Resolve(toJs_(env, result_));
-  }
-
-  void drop() override {
-    if (ran_ && drop_) drop_(result_);
-  }
-
- private:
-  Napi::Promise::Deferred deferred_;
-  Exec exec_;
-  ToJs toJs_;
-  std::function<void(R&)> drop_;
-  R result_{};
-  bool ran_ = false;
-  std::unique_ptr<Error> error_;
-};
-
 struct LockWaiter;
 
 // Per-instance state (one per env: the main thread and each worker thread): the lease fds and lock fds this
@@ -319,20 +121,10 @@ struct Instance {
   std::unordered_set<int> leases;
   std::unordered_set<int> locks;
   std::unordered_set<std::shared_ptr<LockWaiter>> waiters;
-  std::unique_ptr<Batcher> batcher;
   ~Instance();
 };
 
 Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
-
-template <typename R>
-Napi::Promise startBatched(Napi::Env env, typename BatchedOp<R>::Exec exec, typename BatchedOp<R>::ToJs toJs,
-                           std::function<void(R&)> drop = nullptr) {
-  auto op = std::make_unique<BatchedOp<R>>(env, std::move(exec), std::move(toJs), std::move(drop));
-  Napi::Promise promise = op->promise();
-  instance(env).batcher->submit(std::move(op));
-  return promise;
-}
 
 struct Unit {};
 Napi::Value undefinedOf(Napi::Env env, Unit&) { return env.Undefined(); }
@@ -461,8 +253,8 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   ProgressRef progress = progressArg(info, 9);
   req.progress = progress.get();
   vmspace::Reflink reflink = req.clone.reflink;
-  return startBatched<vmspace::AllocateResult>(
-      info.Env(), [pool, req = std::move(req), progress] { return pool->allocate(req); },
+  return Work<vmspace::AllocateResult>::Start(
+      info.Env(), [pool, req, progress] { return pool->allocate(req); },
       [reflink](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
         int fd = std::exchange(r.leaseFd, -1);
         instance(env).leases.insert(fd);
@@ -490,13 +282,7 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   std::string name = stringArg(info, 1);
   int leaseFd = static_cast<int>(intArg(info, 2));
   instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
-  return startBatched<Unit>(
-      info.Env(),
-      [pool, name, leaseFd] {
-        pool->dispose(name, leaseFd);
-        return Unit{};
-      },
-      undefinedOf);
+  return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
 }
 
 // A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
@@ -889,9 +675,7 @@ Napi::Value SetSweepFaultsForTest(const Napi::CallbackInfo& info) {
 
 // Context-aware (NAPI_MODULE_INIT via NODE_API_MODULE): no process-wide JS state; loads in every worker thread.
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
-  auto* inst = new Instance();
-  inst->batcher = std::make_unique<Batcher>(env);
-  env.SetInstanceData(inst);  // deleted (its leases closed) when the env is torn down
+  env.SetInstanceData(new Instance());  // deleted (its leases closed) when the env is torn down
   exports.Set("releaseLease", Napi::Function::New(env, ReleaseLease, "releaseLease"));
   exports.Set("openPool", Napi::Function::New(env, OpenPool, "openPool"));
   exports.Set("closePool", Napi::Function::New(env, ClosePool, "closePool"));
