@@ -64,7 +64,7 @@ const targets = []
 if (args.dir) targets.push({ fs: `dir ${args.dir}`, dir: fs.mkdtempSync(path.join(args.dir, 'vmspace-bench-')) })
 else if (process.getuid?.() === 0) {
   for (const kind of ['xfs', 'ext4']) {
-    try { targets.push({ fs: kind + ' (loop)', dir: loopMount(kind, 1024) }) } catch (e) { console.error(`no ${kind}: ${e.message}`) }
+    try { targets.push({ fs: kind + ' (loop)', dir: loopMount(kind, kind === 'xfs' ? 4096 : 1024) }) } catch (e) { console.error(`no ${kind}: ${e.message}`) }
   }
 }
 if (!targets.length) targets.push({ fs: 'tmp (' + os.tmpdir() + ')', dir: work })

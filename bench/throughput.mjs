@@ -175,26 +175,6 @@ if (rows.length) {
 
 if (want('growth')) {
   const entries = Number(args.entries)
-  const full = await vmspace.openPool(path.join(dir, 'full'))
-  const empty = await vmspace.openPool(path.join(dir, 'empty'))
-  // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
-  const t0 = performance.now()
-  for (let i = 0; i < entries; i += 64) {
-    await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release()))
-  }
-  const fillS = (performance.now() - t0) / 1000
-  const lat = { full: [], empty: [] }
-  const pair = async (pool) => {
-    const t = process.hrtime.bigint()
-    const ws = await pool.allocate()
-    await ws.dispose()
-    return Number(process.hrtime.bigint() - t) / 1e3
-  }
-  for (let i = 0; i < 200; i++) await pair(i % 2 ? full : empty) // warm-up
-  for (let i = 0; i < 4000; i++) {
-    const which = i % 2 ? 'full' : 'empty' // alternate pair by pair
-    lat[which].push(await pair(which === 'full' ? full : empty))
-  }
   const pct = (xs, p) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) * p)]
   const measure = async (fn) => {
     global.gc?.()
@@ -203,20 +183,47 @@ if (want('growth')) {
     const out = await fn()
     return { ms: performance.now() - t, rssMiB: (process.memoryUsage().rss - rss0) / 2 ** 20, out }
   }
-  const list = await measure(() => full.list())
-  const dry = await measure(() => full.sweep({ dryRun: true }))
-  const sweep = await measure(() => full.sweep({ graceMs: 0 }))
-  console.log(`\npool growth on ${fsType}: ${entries} orphaned workspaces (filled in ${fillS.toFixed(1)} s); load ${load()}`)
-  console.table([
-    { pool: 'empty', 'p50 µs': pct(lat.empty, 0.5).toFixed(0), 'p99 µs': pct(lat.empty, 0.99).toFixed(0) },
-    { pool: `${entries} entries`, 'p50 µs': pct(lat.full, 0.5).toFixed(0), 'p99 µs': pct(lat.full, 0.99).toFixed(0) },
-    { pool: 'full / empty', 'p50 µs': (pct(lat.full, 0.5) / pct(lat.empty, 0.5)).toFixed(2), 'p99 µs': (pct(lat.full, 0.99) / pct(lat.empty, 0.99)).toFixed(2) },
-  ])
-  console.table([
-    { call: `list() of ${entries}`, ms: list.ms.toFixed(0), 'RSS growth MiB': list.rssMiB.toFixed(1), result: `${list.out.length} entries` },
-    { call: `sweep({ dryRun: true }) of ${entries}`, ms: dry.ms.toFixed(0), 'RSS growth MiB': dry.rssMiB.toFixed(1), result: `${dry.out.reclaimed.length} reclaimable` },
-    { call: `sweep() reclaiming ${entries}`, ms: sweep.ms.toFixed(0), 'RSS growth MiB': sweep.rssMiB.toFixed(1), result: `${sweep.out.reclaimed.length} reclaimed` },
-  ])
-  await full.close()
-  await empty.close()
+  const latency = []
+  const calls = []
+  for (const format of [1, 2]) {
+    const full = await vmspace.openPool(path.join(dir, `full${format}`), { format })
+    const empty = await vmspace.openPool(path.join(dir, `empty${format}`), { format })
+    // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
+    const t0 = performance.now()
+    for (let i = 0; i < entries; i += 64)
+      await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release()))
+    const fillS = (performance.now() - t0) / 1000
+    const lat = { full: [], empty: [] }
+    const pair = async (pool) => {
+      const t = process.hrtime.bigint()
+      const ws = await pool.allocate()
+      await ws.dispose()
+      return Number(process.hrtime.bigint() - t) / 1e3
+    }
+    for (let i = 0; i < 200; i++) await pair(i % 2 ? full : empty) // warm-up
+    for (let i = 0; i < 4000; i++) {
+      const which = i % 2 ? 'full' : 'empty' // alternate pair by pair
+      lat[which].push(await pair(which === 'full' ? full : empty))
+    }
+    const row = (label, xs) => ({ pool: `format ${format}, ${label}`, 'p50 µs': pct(xs, 0.5).toFixed(0), 'p99 µs': pct(xs, 0.99).toFixed(0) })
+    latency.push(row('empty', lat.empty), row(`${entries} entries`, lat.full), {
+      pool: `format ${format}, full / empty`,
+      'p50 µs': (pct(lat.full, 0.5) / pct(lat.empty, 0.5)).toFixed(2),
+      'p99 µs': (pct(lat.full, 0.99) / pct(lat.empty, 0.99)).toFixed(2),
+    })
+    const list = await measure(() => full.list())
+    const dry = await measure(() => full.sweep({ dryRun: true }))
+    const sweep = await measure(() => full.sweep({ graceMs: 0 }))
+    calls.push(
+      { call: `format ${format}: list() of ${entries}`, ms: list.ms.toFixed(0), 'RSS growth MiB': list.rssMiB.toFixed(1), result: `${list.out.length} entries` },
+      { call: `format ${format}: sweep({ dryRun: true })`, ms: dry.ms.toFixed(0), 'RSS growth MiB': dry.rssMiB.toFixed(1), result: `${dry.out.reclaimed.length} reclaimable` },
+      { call: `format ${format}: sweep() reclaiming all`, ms: sweep.ms.toFixed(0), 'RSS growth MiB': sweep.rssMiB.toFixed(1), result: `${sweep.out.reclaimed.length} reclaimed (filled in ${fillS.toFixed(0)} s)` },
+    )
+    await full.close()
+    await empty.close()
+  }
+  console.log(`\npool growth on ${fsType}: allocate+dispose latency with ${entries} orphaned workspaces in the pool against an empty pool (alternating pair by pair); load ${load()}`)
+  console.table(latency)
+  console.log(`list() and sweep() of ${entries} entries (RSS growth of this process during the call)`)
+  console.table(calls)
 }
