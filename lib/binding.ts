@@ -21,6 +21,8 @@ export interface NativeListEntry {
   metaError?: unknown
   /** The metadata (or its error) is the workspace directory's xattr (format 2), not its file. */
   metaXattr?: boolean
+  /** The lease probe's flock failed with an unexpected errno (liveness undecided). */
+  probeError?: unknown
 }
 
 export interface NativeAllocateResult {

@@ -62,6 +62,7 @@ struct ListEntry {
   std::string metaText;  // its metadata (kMetaXattr or meta/<name>.json) when metaErrno == 0
   int metaErrno = 0;
   bool metaInXattr = false;  // metaText, or metaErrno, is of the xattr (else of the file)
+  int probeErrno = 0;  // the lease probe's flock failed with this (not EWOULDBLOCK): liveness undecided, `live` set
 };
 
 struct AdoptResult {
