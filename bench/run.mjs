@@ -88,23 +88,29 @@ if (want('allocate')) {
     const pools = { 1: await vmspace.openPool(path.join(t.dir, 'pool')), 2: await vmspace.openPool(path.join(t.dir, 'pool2'), { format: 2 }) }
     const tmpBase = path.join(t.dir, 'mkdtemp')
     fs.mkdirSync(tmpBase)
-    const bench = new Bench({ time: timeMs, warmupTime: 300 })
-    for (const f of [1, 2])
-      bench.add(`vmspace format ${f}`, async () => {
-        const ws = await pools[f].allocate()
-        await ws.dispose()
-      })
-    // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
-    bench.add('2 no-op pool hops', async () => {
-      await binding.lockRelease(-1)
-      await binding.lockRelease(-1)
-    })
-    bench.add('fs.promises mkdtemp+rm', async () => {
-      const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
-      await fs.promises.rm(d, { recursive: true })
-    })
-    await bench.run()
-    const p50 = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
+    // The four alternate pair by pair (the order rotating), so that load coming and going on a shared machine falls
+    // on all of them alike; tinybench runs its tasks one after the other, which skewed these ratios by up to 2x here.
+    const impls = {
+      'vmspace format 1': async () => (await pools[1].allocate()).dispose(),
+      'vmspace format 2': async () => (await pools[2].allocate()).dispose(),
+      // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
+      '2 no-op pool hops': async () => {
+        await binding.lockRelease(-1)
+        await binding.lockRelease(-1)
+      },
+      'fs.promises mkdtemp+rm': async () => fs.promises.rm(await fs.promises.mkdtemp(path.join(tmpBase, 'vm-')), { recursive: true }),
+    }
+    const names = Object.keys(impls)
+    const samples = Object.fromEntries(names.map((n) => [n, []]))
+    for (let i = 0; i < iterations + 300; i++) {
+      for (let k = 0; k < names.length; k++) {
+        const n = names[(i + k) % names.length]
+        const t0 = process.hrtime.bigint()
+        await impls[n]()
+        if (i >= 300) samples[n].push(Number(process.hrtime.bigint() - t0) / 1e3) // the first 300: warm-up
+      }
+    }
+    const p50 = (name) => median(samples[name])
     const node = p50('fs.promises mkdtemp+rm')
     const hops = p50('2 no-op pool hops')
     for (const f of [1, 2]) {
