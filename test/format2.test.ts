@@ -96,7 +96,7 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
   })
 
   test("a template directory's own user.vmspace.meta never becomes the workspace's metadata", async () => {
-    const template = freshDir(base())
+    const template = freshDir(base()!)
     fs.writeFileSync(path.join(template, 'f'), 'data')
     setXattr(template, '{"meta":{"forged":true}}')
     for (const format of [1, 2] as const) {
