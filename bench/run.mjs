@@ -3,6 +3,7 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
+//   npm run bench -- --only trace [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -24,7 +25,8 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace
+    baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
   },
@@ -293,4 +295,58 @@ if (want('index')) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
   process.stdout.write(execFileSync(process.execPath, [path.join(here, 'index.mjs'), '--dir', t.dir]))
+}
+
+// 5. Tracing costs nothing unless someone listens: allocate+dispose with no subscriber, with a subscriber on the
+// vmspace:allocate and vmspace:dispose tracing channels, and (--baseline DIR) an earlier version of the code, which
+// had no tracing, with none. The variants alternate round by round on one file system; medians of the rounds.
+if (want('trace')) {
+  const dc = await import('node:diagnostics_channel')
+  const t = targets[0]
+  const variants = [
+    { name: 'no subscriber', lib: vmspace },
+    { name: 'subscriber (allocate, dispose)', lib: vmspace, subscribe: true },
+  ]
+  if (args.baseline) {
+    const dir = path.resolve(args.baseline)
+    variants.push({ name: `baseline (${path.basename(dir)}), no subscriber`, lib: require(path.join(dir, 'dist', 'index.js')) })
+  }
+  const handlers = { start() {}, end() {}, asyncStart() {}, asyncEnd() {}, error() {} }
+  const channels = ['vmspace:allocate', 'vmspace:dispose'].map((n) => dc.tracingChannel(n))
+  const hooks = {
+    beforeAll: () => channels.forEach((c) => c.subscribe(handlers)),
+    afterAll: () => channels.forEach((c) => c.unsubscribe(handlers)),
+  }
+  const pools = []
+  for (const [i, v] of variants.entries()) pools.push(await v.lib.openPool(path.join(t.dir, `trace-${i}`)))
+  const samples = variants.map(() => [])
+  for (let round = 0; round < Number(args.rounds); round++) {
+    const bench = new Bench({ time: timeMs / 2, warmupTime: 200 })
+    // The order rotates each round, so that no variant always runs first (or last) on a warm or busy machine.
+    const order = variants.map((_, k) => (k + round) % variants.length)
+    for (const i of order) {
+      const v = variants[i]
+      const task = async () => {
+        const ws = await pools[i].allocate()
+        await ws.dispose()
+      }
+      bench.add(v.name, task, v.subscribe ? hooks : {})
+    }
+    await bench.run()
+    for (const [k, x] of bench.tasks.entries()) {
+      if (x.result.error) throw x.result.error
+      samples[order[k]].push(x.result.latency.p50 * 1e3) // ms -> µs
+    }
+  }
+  const base = median(samples[0])
+  console.log(`\ntracing: allocate+dispose on ${t.fs} (median of ${args.rounds} rounds of per-round medians, µs)`)
+  console.table(
+    variants.map((v, i) => ({
+      variant: v.name,
+      'µs': median(samples[i]).toFixed(1),
+      '/ no subscriber': (median(samples[i]) / base).toFixed(3),
+      'rounds (µs)': samples[i].map((x) => x.toFixed(0)).join(' '),
+    })),
+  )
+  for (const p of pools) await p.close()
 }

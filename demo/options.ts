@@ -42,6 +42,9 @@ Options:
                    disposed, those they published but could not report (known by
                    the pid in their metadata), and the staging entries of builds
                    they were in. Use it only on a pool nobody else is using.
+  --boot N         boot N real virtual machines under QEMU instead, each on its own
+                   workspace whose lease QEMU holds (vmspace demo --boot 1 --help
+                   lists that mode's options)
   -h, --help       show this help
 
 Exit status: 0 all checks passed, 1 a check failed, 2 bad arguments,

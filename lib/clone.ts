@@ -3,8 +3,10 @@ import { native, ReflinkCode, type NativeCloneResult, type ProgressHandle } from
 import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
 import { AbortError, call, fromNative } from './errors.js'
 
+/** How a clone gets its data: see {@link CloneOptions.reflink}. */
 export type Reflink = 'always' | 'auto' | 'never'
 
+/** Running totals passed to {@link CloneOptions.onProgress}. */
 export interface CloneProgressEvent {
   /** Regular files done so far. */
   files: number
@@ -12,6 +14,7 @@ export interface CloneProgressEvent {
   bytes: number
 }
 
+/** Options of {@link clone}, {@link Workspace.clone} (and, for `reflink`, of templates). */
 export interface CloneOptions {
   /**
    * `'auto'` (default): reflink (ioctl(FICLONE), ioctl_ficlone(2)) where the file system shares extents, otherwise a
@@ -38,7 +41,9 @@ export interface CloneOptions {
   signal?: AbortSignal
 }
 
+/** What a clone made. */
 export interface CloneResult {
+  /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** How the data arrived: shared extents, a copy, or (trees) both. */
   method: 'reflink' | 'copy' | 'mixed'
@@ -50,15 +55,25 @@ export interface CloneResult {
   bytes: number
   /** Regular files whose extents are shared with the source / that were copied. */
   reflinked: number
+  /** Regular files whose data was copied. */
   copied: number
   /** Trees: entries recreated by kind. */
   dirs?: number
+  /** Trees: symlinks recreated. */
   symlinks?: number
+  /** Trees: hard links recreated (links to a file cloned once). */
   hardlinks?: number
+  /** Trees: fifos recreated. */
   fifos?: number
+  /** Trees: device nodes recreated. */
   devices?: number
   /** Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted. */
-  skipped?: { sockets: number; devices: number }
+  skipped?: {
+    /** Sockets (never recreated: a socket is a live endpoint, not data). */
+    sockets: number
+    /** Device nodes mknod(2) refused (`EPERM` without CAP_MKNOD). */
+    devices: number
+  }
 }
 
 export const reflinkValues = ['always', 'auto', 'never'] as const

@@ -20,10 +20,14 @@ import {
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
 import type { NativeCloneResult } from './binding.js'
+import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
+/** A value JSON can hold (what `JSON.parse` returns). */
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
+/** A JSON object: workspace metadata (`meta`) and the like. */
 export type JsonObject = { [key: string]: JsonValue }
 
+/** Options of {@link openPool}. */
 export interface PoolOptions {
   /** Make the root and `.vmspace/` when missing. Default true. */
   create?: boolean
@@ -53,6 +57,7 @@ export interface PoolOptions {
   format?: 1 | 2
 }
 
+/** Options of {@link Pool.allocate}. */
 export interface AllocateOptions {
   /**
    * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
@@ -71,31 +76,47 @@ export interface AllocateOptions {
   signal?: AbortSignal
 }
 
+/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
 export interface TemplateSource {
   /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
   dest: string
+  /** Absolute path of the source file or directory. */
   source: string
+  /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
   dev: string
+  /** The source's inode number (decimal string). */
   ino: string
+  /** The source's size in bytes (a tree: its directory's st_size). */
   size: number
+  /** The source's modification time in ns since the epoch (decimal string). */
   mtimeNs: string
+  /** How its data arrived in the workspace. */
   method: 'reflink' | 'copy' | 'mixed'
 }
 
+/** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */
 export interface WorkspaceInfo {
+  /** 32 lowercase hex characters (the whole name when it does not have the `<prefix>-<id>` shape). */
   id: string
+  /** The directory's name in the pool root. */
   name: string
+  /** Absolute path of the workspace directory. */
   path: string
   /** True while some process holds the lease (judged by a non-blocking shared flock probe). */
   live: boolean
   /** ms since the epoch. */
   createdAt?: number
+  /** The `meta` given to allocate(). */
   meta?: JsonObject
+  /** What the template cloned into it, with each source's identity at that time. */
   template?: TemplateSource[]
+  /** Process id of the allocating process. */
   pid?: number
+  /** Host name of the allocating machine. */
   hostname?: string
+  /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
   bootId?: string
   /**
    * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
@@ -105,6 +126,7 @@ export interface WorkspaceInfo {
   error?: VmspaceError
 }
 
+/** Options of {@link Pool.sweep}. */
 export interface SweepOptions {
   /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
   dryRun?: boolean
@@ -117,8 +139,11 @@ export interface SweepOptions {
   graceMs?: number
 }
 
+/** One entry a sweep reclaimed (or failed to). */
 export interface SweepEntry {
+  /** The workspace's id (the whole name for an entry without the `<prefix>-<id>` shape). */
   id: string
+  /** The entry's directory name. */
   name: string
   /** Where it was found: a published workspace whose owner is gone, a dead build, or trash. */
   from: 'published' | 'staging' | 'trash'
@@ -126,7 +151,17 @@ export interface SweepEntry {
   bytes: number
 }
 
+/** An entry whose handling failed in a sweep ({@link SweepReport.failed}). */
+export interface SweepFailure extends SweepEntry {
+  /** `error.code`. */
+  code: VmspaceError['code']
+  /** Why the entry failed. */
+  error: VmspaceError
+}
+
+/** What {@link Pool.sweep} did. */
 export interface SweepReport {
+  /** Entries removed (with `dryRun`: that would be removed). */
   reclaimed: SweepEntry[]
   /** Published workspaces left alone because a process holds their lease. */
   live: number
@@ -137,20 +172,28 @@ export interface SweepReport {
    * unknown: it is neither counted `live` nor touched). What is left stays for a later sweep. An entry that a
    * concurrent dispose, allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
-  failed: (SweepEntry & { code: string; error: VmspaceError })[]
+  failed: SweepFailure[]
   /** Metadata files removed because no workspace has them. */
   metadataRemoved: number
 }
 
+/** Counters of {@link Pool.stats}. */
 export interface PoolStats {
+  /** Workspaces allocated. */
   allocated: number
+  /** Workspaces disposed. */
   disposed: number
   /** allocate calls that failed (and rolled back). */
   failed: number
   /** Names drawn again because the one drawn existed. */
   nameRetries: number
   /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
-  clones: { reflink: number; copy: number }
+  clones: {
+    /** Files whose extents are shared with their source. */
+    reflink: number
+    /** Files whose data was copied. */
+    copy: number
+  }
   /** Their logical bytes. */
   bytesCloned: number
 }
@@ -159,6 +202,12 @@ const MAX_META_BYTES = 64 * 1024
 const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
 const NAME = /^(.+)-([0-9a-f]{32})$/
 const constructing = Symbol('vmspace.internal')
+
+// The constructors of Pool and Workspace, which their types declare private.
+const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
+const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
+type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: 1 | 2]
+type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number]
 
 /** Calls still running, so that close()/dispose() wait for them before the fds they use are closed. */
 class InFlight {
@@ -199,12 +248,14 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
   const format = integerIn('options.format', o.format, 1, 2, 1) as 1 | 2
   const r = await call(native.openPool(dir, create, sharedGroup, format))
-  return new Pool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
+  return newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
 }
 
-export class Pool {
+/** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
+export class Pool implements AsyncDisposable {
   /** Absolute path of the pool's root directory. */
   readonly root: string
+  /** Workspace names are `${prefix}-${id}` ({@link PoolOptions.prefix}). */
   readonly prefix: string
   /** The pool's on-disk format (see {@link PoolOptions.format}). */
   readonly format: 1 | 2
@@ -218,8 +269,8 @@ export class Pool {
   #open = 0 // workspaces of this pool not yet disposed
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
-  /** @internal Use openPool(). */
-  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: 1 | 2) {
+  // Private in the published types (pools come from openPool()); lib/ makes pools through newPool.
+  private constructor(...[token, handle, root, prefix, reflink, durable, bootId, format]: PoolArgs) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
     this.format = format
     this.#handle = handle
@@ -238,7 +289,11 @@ export class Pool {
    * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, `ERR_RENAME_NOREPLACE_UNSUPPORTED` (the pool's
    * file system refuses renameat2(RENAME_NOREPLACE), as openPool found; nothing made), or an AbortError.
    */
-  async allocate(options?: AllocateOptions): Promise<Workspace> {
+  allocate(options?: AllocateOptions): Promise<Workspace> {
+    return traced(allocateChannel, () => ({ root: this.root, prefix: this.prefix }), (t) => this.#allocate(options, t))
+  }
+
+  async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
     const o = optionsObject<AllocateOptions>('options', options, { template: true, meta: true, mode: true, signal: true })
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
@@ -268,11 +323,12 @@ export class Pool {
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
     ws.template = r.clones.map((c) => {
       this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
     })
+    if (t) allocateResult(t, ws, r.retries)
     if (signal?.aborted) {
       await ws.dispose()
       throw new AbortError(signal.reason)
@@ -344,7 +400,7 @@ export class Pool {
       await this._forget()
       throw e
     }
-    const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
     ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
     return ws
   }
@@ -355,7 +411,11 @@ export class Pool {
    * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
    * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
    */
-  async sweep(options?: SweepOptions): Promise<SweepReport> {
+  sweep(options?: SweepOptions): Promise<SweepReport> {
+    return traced(sweepChannel, () => ({ root: this.root, options }), () => this.#sweep(options), sweepResult)
+  }
+
+  async #sweep(options: SweepOptions | undefined): Promise<SweepReport> {
     const o = optionsObject<SweepOptions>('options', options, { dryRun: true, graceMs: true })
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
@@ -391,6 +451,11 @@ export class Pool {
     this.#closed = true
     await this.#inFlight.idle()
     await this.#releaseIfIdle()
+  }
+
+  /** close(), for `await using pool = await openPool(…)`. */
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close()
   }
 
   /** @internal */
@@ -430,6 +495,7 @@ export class Pool {
   }
 }
 
+/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
 export class Workspace implements AsyncDisposable {
   /** 32 lowercase hex characters: 128 bits from getrandom(2). */
   readonly id: string
@@ -452,8 +518,8 @@ export class Workspace implements AsyncDisposable {
   readonly #pool: Pool
   readonly #inFlight = new InFlight()
 
-  /** @internal Workspaces come from Pool.allocate(). */
-  constructor(token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number) {
+  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
+  private constructor(...[token, pool, id, name, wsPath, leaseFd]: WorkspaceArgs) {
     if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
     this.#pool = pool
     this.id = id
@@ -482,7 +548,12 @@ export class Workspace implements AsyncDisposable {
    * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
    * clone() does, and `ERR_DISPOSED` after dispose().
    */
-  async clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
+    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
+  }
+
+  async #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
     const src = absolutePath('source', source)
     const rel = relativePath('dest', dest ?? path.basename(src))
     const opts = cloneOptions(options)
@@ -507,7 +578,8 @@ export class Workspace implements AsyncDisposable {
     this.#disposing ??= (async () => {
       await this.#inFlight.idle()
       try {
-        await this.#pool._dispose(this, this.leaseFd)
+        const pool = this.#pool
+        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, this.leaseFd))
         this.#status = 'disposed'
       } catch (e) {
         this.#status = 'unrecoverable'
@@ -536,6 +608,7 @@ export class Workspace implements AsyncDisposable {
     await this.#pool._forget()
   }
 
+  /** dispose(), for `await using ws = await pool.allocate()`. */
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
