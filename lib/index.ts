@@ -7,6 +7,8 @@ export type {
   AllocateOptions,
   WorkspaceInfo,
   PoolStats,
+  WarmOptions,
+  WarmStats,
   SweepOptions,
   SweepReport,
   SweepEntry,
@@ -17,7 +19,7 @@ export type {
 } from './pool.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
 export type { RemoveTreeOptions } from './fs.js'
-export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
+export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, Writeback } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'
 export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, updateJsonFile, FileLock } from './lock.js'

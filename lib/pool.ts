@@ -18,8 +18,23 @@ import {
   relativePath,
 } from './args.js'
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
-import type { NativeCloneResult } from './binding.js'
+import {
+  cloneOptions,
+  reflinkCode,
+  reflinkValues,
+  toResult,
+  withProgress,
+  writebackCode,
+  writebackValues,
+  type CloneOptions,
+  type CloneResult,
+  type Reflink,
+  type Writeback,
+} from './clone.js'
+import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
+import { WarmReserve, type WarmStats } from './warm.js'
+
+export type { WarmStats } from './warm.js'
 import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
 /** A value JSON can hold (what `JSON.parse` returns). */
@@ -55,6 +70,21 @@ export interface PoolOptions {
    * metadata, which format 1 keeps out of the workspace.
    */
   format?: 1 | 2
+  /**
+   * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
+   * allocate() of that template only publishes one. Default: none.
+   */
+  warm?: WarmOptions
+}
+
+export interface WarmOptions {
+  /** As AllocateOptions.template. allocate() calls with this template (a map's entries in any order) and `mode`
+   * are served from the reserve; any other allocate() builds its workspace as without a reserve. */
+  template: string | Record<string, string>
+  /** Workspaces kept built: 1–64. */
+  count: number
+  /** As AllocateOptions.mode. Default 0o700. */
+  mode?: number
 }
 
 /** Options of {@link Pool.allocate}. */
@@ -74,6 +104,12 @@ export interface AllocateOptions {
    * rejects with an AbortError (also when the abort comes just after the workspace was published).
    */
   signal?: AbortSignal
+  /**
+   * For template files that are copied (no reflink): start their writeback as they are copied, `'start'`, or
+   * also wait for it, `'wait'` (see CloneOptions.writeback). Default `'none'`. A workspace from the warm reserve
+   * is always written back already.
+   */
+  writeback?: Writeback
 }
 
 /** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
@@ -237,7 +273,7 @@ class InFlight {
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
-    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, format: true,
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, format: true, warm: true,
   })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
@@ -246,9 +282,24 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
   const durable = boolean('options.durable', o.durable, false)
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
+  const warm = warmOptions(o.warm)
   const format = integerIn('options.format', o.format, 1, 2, 1) as 1 | 2
   const r = await call(native.openPool(dir, create, sharedGroup, format))
-  return newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
+  const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
+  if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
+  return pool
+}
+
+function warmOptions(value: unknown) {
+  if (value === undefined) return undefined
+  const w = optionsObject<WarmOptions>('options.warm', value, { template: true, count: true, mode: true })
+  if (w.template === undefined) throw invalidType('options.warm.template', 'a directory path or a plain object mapping workspace paths to sources', undefined)
+  if (w.count === undefined) throw invalidType('options.warm.count', 'an integer', undefined)
+  const { dir, entries } = templateEntries(w.template, 'options.warm.template')
+  if (!dir && entries.length === 0) throw invalidValue('options.warm.template', 'at least one template entry', w.template)
+  const count = integerIn('options.warm.count', w.count, 1, 64, 1)
+  const mode = integerIn('options.warm.mode', w.mode, 0, 0o7777, 0o700)
+  return { dir, entries, count, mode }
 }
 
 /** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
@@ -264,6 +315,7 @@ export class Pool implements AsyncDisposable {
   readonly #durable: boolean
   readonly #bootId: string
   readonly #inFlight = new InFlight()
+  #warm: WarmReserve | undefined
   #closed = false
   #handleClosed = false
   #open = 0 // workspaces of this pool not yet disposed
@@ -294,10 +346,13 @@ export class Pool implements AsyncDisposable {
   }
 
   async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
-    const o = optionsObject<AllocateOptions>('options', options, { template: true, meta: true, mode: true, signal: true })
+    const o = optionsObject<AllocateOptions>('options', options, {
+      template: true, meta: true, mode: true, signal: true, writeback: true,
+    })
     const { dir, entries } = templateEntries(o.template)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
+    const writeback = writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none'))
     // The caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
     const info = `${JSON.stringify({
       format: 1,
@@ -309,11 +364,17 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
     this.#open++
-    let r
+    let r: NativeAllocateResult | undefined
     try {
-      r = await this.#inFlight.track(
+      if (signal?.aborted) throw new AbortError(signal.reason)
+      // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
+      if (dir || entries.length) {
+        const warm = this.#warm
+        if (warm?.matches(WarmReserve.key(dir, entries, mode))) r = await warm.take(info)
+      }
+      r ??= await this.#inFlight.track(
         withProgress({ signal }, (p) =>
-          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p),
+          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, writeback),
         ),
       )
     } catch (e) {
@@ -438,17 +499,46 @@ export class Pool implements AsyncDisposable {
     }
   }
 
+  /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */
+  warmStats(): WarmStats | undefined {
+    return this.#warm?.stats()
+  }
+
+  /** @internal Starts the warm reserve (openPool's `warm`); it counts as an open workspace until close(). */
+  _startWarm(dir: string, entries: [string, string][], mode: number, count: number): void {
+    this.#open++
+    const reflink = reflinkCode(this.#reflink)
+    this.#warm = new WarmReserve(
+      {
+        build: () =>
+          call(this.#inFlight.track(native.warmBuild(this.#handle, this.prefix, mode, dir, entries, '', reflink, false, this.#durable, undefined))),
+        take: (entry, infoJson) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, infoJson))),
+        discard: (entry) => call(this.#inFlight.track(native.warmDiscard(this.#handle, entry))),
+      },
+      WarmReserve.key(dir, entries, mode),
+      count,
+    )
+    this.#warm.refill()
+  }
+
   /** Counters since the pool was opened in this process (a copy). */
   stats(): PoolStats {
     return { ...this.#stats, clones: { ...this.#stats.clones } }
   }
 
   /**
-   * Stops new allocate()/list() calls (`ERR_POOL_CLOSED`) and waits for running ones. Workspaces still open keep
-   * working; the pool's directory fds are released once the last of them is disposed. Idempotent.
+   * Stops new allocate()/list() calls (`ERR_POOL_CLOSED`) and waits for running ones; stops the warm reserve's
+   * refill and removes its entries. Workspaces still open keep working; the pool's directory fds are released
+   * once the last of them is disposed. Idempotent.
    */
   async close(): Promise<void> {
     this.#closed = true
+    const warm = this.#warm
+    if (warm) {
+      this.#warm = undefined
+      await warm.close()
+      await this._forget()
+    }
     await this.#inFlight.idle()
     await this.#releaseIfIdle()
   }
@@ -561,7 +651,7 @@ export class Workspace implements AsyncDisposable {
       throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
     const r = await this.#inFlight.track(
       withProgress(opts, (p) =>
-        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p),
+        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p, opts.writeback),
       ),
     )
     this.#pool._countClone(r)
@@ -614,18 +704,18 @@ export class Workspace implements AsyncDisposable {
   }
 }
 
-function templateEntries(template: unknown): { dir: string; entries: [string, string][] } {
+function templateEntries(template: unknown, name = 'options.template'): { dir: string; entries: [string, string][] } {
   if (template === undefined) return { dir: '', entries: [] }
-  if (typeof template === 'string') return { dir: absolutePath('options.template', template), entries: [] }
+  if (typeof template === 'string') return { dir: absolutePath(name, template), entries: [] }
   const proto = typeof template === 'object' && template !== null ? Object.getPrototypeOf(template) : undefined
   if (proto !== Object.prototype && proto !== null)
-    throw invalidType('options.template', 'a directory path or a plain object mapping workspace paths to sources', template)
+    throw invalidType(name, 'a directory path or a plain object mapping workspace paths to sources', template)
   const seen = new Set<string>()
   const entries = Object.entries(template as Record<string, unknown>).map(([dest, source]): [string, string] => {
-    const rel = relativePath(`options.template[${JSON.stringify(dest)}]`, dest)
-    if (seen.has(rel)) throw invalidValue('options.template', 'each destination once', dest)
+    const rel = relativePath(`${name}[${JSON.stringify(dest)}]`, dest)
+    if (seen.has(rel)) throw invalidValue(name, 'each destination once', dest)
     seen.add(rel)
-    return [rel, absolutePath(`options.template[${JSON.stringify(dest)}]`, source)]
+    return [rel, absolutePath(`${name}[${JSON.stringify(dest)}]`, source)]
   })
   return { dir: '', entries }
 }
