@@ -56,7 +56,7 @@ void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancesto
   const char* reason = untrustedReason(st, t, ancestor);
   if (!reason) return;
   char mode[8];
-  snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));
+  (void)snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));  // at most 5 characters
   std::string detail = "'" + shown + "' is " + reason + " (uid " + std::to_string(st.st_uid) + ", gid " +
                        std::to_string(st.st_gid) + ", mode " + mode + "); a pool and the directories above it " +
                        "must be writable only by this process's user (uid " + std::to_string(t.euid) + ") or root";
@@ -829,8 +829,11 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   };
   // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
   const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
-  for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
-    if (!isWorkspaceEntry(name, type)) continue;
+  // `name` below is a plain reference: a C++17 lambda may not capture a structured binding (GCC allows it, clang
+  // does not).
+  for (auto& entry : readNames(rootFd_.get(), root_)) {
+    const std::string& name = entry.first;
+    if (!isWorkspaceEntry(name, entry.second)) continue;
     guarded(name, "published", path(name), [&] {
       UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
       if (!fd) {
@@ -872,7 +875,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   };
 
   // Trash: everything not locked by a dispose still removing it.
-  for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
+  for (auto& entry : readNames(trashFd_.get(), trashDir)) {
+    const std::string& name = entry.first;
     if (handled.count(name)) continue;  // reported by the pass above, removed or failed
     guarded(name, "trash", trashDir + "/" + name, [&] {
       if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
@@ -881,7 +885,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
-  for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
+  for (auto& entry : readNames(stagingFd_.get(), stagingDir)) {
+    const std::string& name = entry.first;
     guarded(name, "staging", stagingDir + "/" + name, [&] {
       // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
       // disturbed.
