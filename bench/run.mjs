@@ -25,8 +25,10 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | tree | index | lease | trace | warm
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm
     baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
+    entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
+    'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
     'warm-count': { type: 'string', default: '2' },
   },
@@ -66,60 +68,123 @@ const targets = []
 if (args.dir) targets.push({ fs: `dir ${args.dir}`, dir: fs.mkdtempSync(path.join(args.dir, 'vmspace-bench-')) })
 else if (process.getuid?.() === 0) {
   for (const kind of ['xfs', 'ext4']) {
-    try { targets.push({ fs: kind + ' (loop)', dir: loopMount(kind, 1024) }) } catch (e) { console.error(`no ${kind}: ${e.message}`) }
+    try { targets.push({ fs: kind + ' (loop)', dir: loopMount(kind, kind === 'xfs' ? 4096 : 1024) }) } catch (e) { console.error(`no ${kind}: ${e.message}`) }
   }
 }
 if (!targets.length) targets.push({ fs: 'tmp (' + os.tmpdir() + ')', dir: work })
 
 // The native floor: the same syscalls in a C++ loop.
 const floorBin = path.join(work, 'syscalls')
-sh('g++', ['-O2', '-std=c++17', '-o', floorBin, path.join(here, 'syscalls.cc')])
+sh('g++', ['-O2', '-std=c++17', '-pthread', '-o', floorBin, path.join(here, 'syscalls.cc')])
+const load = () => `load average ${os.loadavg().map((x) => x.toFixed(1)).join(' ')}`
+console.log(`vmspace bench: node ${process.version}, ${os.cpus().length} CPUs, ${load()}`)
 
 const ms = (t0) => Number(process.hrtime.bigint() - t0) / 1e6
 
-// 1. allocate + lease + dispose: vmspace against the bare syscalls (C++ loop) and Node's mkdtemp + rm.
+// 1. One caller: allocate + lease + dispose against the bare syscalls (bench/syscalls.cc: the same sequence in a
+// C++ loop) and Node's mkdtemp + rm, for a format-1 pool (metadata file) and a format-2 pool (metadata xattr).
 if (want('allocate')) {
   const rows = []
   for (const t of targets) {
-    const nativeBare = Number(sh(floorBin, [path.join(t.dir, 'floor-bare'), String(iterations), '0']))
-    const nativeMeta = Number(sh(floorBin, [path.join(t.dir, 'floor-meta'), String(iterations), '1']))
-    const pool = await vmspace.openPool(path.join(t.dir, 'pool'))
+    const floor = (mode) => Number(sh(floorBin, [path.join(t.dir, `floor-${mode}`), String(iterations), String(mode)])) / 1e3
+    const floorBefore = floor(1) // the sequence before issue 12: metadata file, dispose through trash/
+    const floors = { 1: floor(2), 2: floor(3) }
+    const pools = { 1: await vmspace.openPool(path.join(t.dir, 'pool')), 2: await vmspace.openPool(path.join(t.dir, 'pool2'), { format: 2 }) }
     const tmpBase = path.join(t.dir, 'mkdtemp')
     fs.mkdirSync(tmpBase)
-    const bench = new Bench({ time: timeMs, warmupTime: 300 })
-    bench.add('vmspace allocate+dispose', async () => {
-      const ws = await pool.allocate()
-      await ws.dispose()
-    })
-    // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
-    bench.add('2 no-op pool hops', async () => {
-      await binding.lockRelease(-1)
-      await binding.lockRelease(-1)
-    })
-    bench.add('fs.promises mkdtemp+rm', async () => {
-      const d = await fs.promises.mkdtemp(path.join(tmpBase, 'vm-'))
-      await fs.promises.rm(d, { recursive: true })
-    })
-    await bench.run()
-    const p50 = (name) => bench.tasks.find((x) => x.name === name).result.latency.p50 * 1e3 // ms -> µs
-    const vm = p50('vmspace allocate+dispose')
+    // The four alternate pair by pair (the order rotating), so that load coming and going on a shared machine falls
+    // on all of them alike; tinybench runs its tasks one after the other, which skewed these ratios by up to 2x here.
+    const impls = {
+      'vmspace format 1': async () => (await pools[1].allocate()).dispose(),
+      'vmspace format 2': async () => (await pools[2].allocate()).dispose(),
+      // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
+      '2 no-op pool hops': async () => {
+        await binding.lockRelease(-1)
+        await binding.lockRelease(-1)
+      },
+      'fs.promises mkdtemp+rm': async () => fs.promises.rm(await fs.promises.mkdtemp(path.join(tmpBase, 'vm-')), { recursive: true }),
+    }
+    const names = Object.keys(impls)
+    const samples = Object.fromEntries(names.map((n) => [n, []]))
+    for (let i = 0; i < iterations + 300; i++) {
+      for (let k = 0; k < names.length; k++) {
+        const n = names[(i + k) % names.length]
+        const t0 = process.hrtime.bigint()
+        await impls[n]()
+        if (i >= 300) samples[n].push(Number(process.hrtime.bigint() - t0) / 1e3) // the first 300: warm-up
+      }
+    }
+    const p50 = (name) => median(samples[name])
     const node = p50('fs.promises mkdtemp+rm')
     const hops = p50('2 no-op pool hops')
-    rows.push({
-      'file system': t.fs,
-      'native floor µs (bare)': (nativeBare / 1e3).toFixed(1),
-      'native floor µs (+meta)': (nativeMeta / 1e3).toFixed(1),
-      'vmspace µs': vm.toFixed(1),
-      'vmspace / floor(+meta)': (vm / (nativeMeta / 1e3)).toFixed(2),
-      '2 no-op hops µs': hops.toFixed(1),
-      '(vmspace − hops) / floor': ((vm - hops) / (nativeMeta / 1e3)).toFixed(2),
-      'mkdtemp+rm µs': node.toFixed(1),
-      'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
-    })
-    await pool.close()
+    for (const f of [1, 2]) {
+      const vm = p50(`vmspace format ${f}`)
+      rows.push({
+        'file system': t.fs,
+        pool: `format ${f}`,
+        'native floor µs': floors[f].toFixed(1),
+        'vmspace µs': vm.toFixed(1),
+        'vmspace / floor': (vm / floors[f]).toFixed(2),
+        '2 no-op hops µs': hops.toFixed(1),
+        '(vmspace − hops) / floor': ((vm - hops) / floors[f]).toFixed(2),
+        'mkdtemp+rm µs': node.toFixed(1),
+        'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
+        'floor before issue 12 µs': floorBefore.toFixed(1),
+      })
+    }
+    for (const p of Object.values(pools)) await p.close()
   }
-  console.log('\nallocate + lease + dispose (medians; one empty workspace with metadata per pair)')
+  console.log(`\nallocate + lease + dispose, one caller (medians; one empty workspace with metadata per pair); ${load()}`)
   console.table(rows)
+}
+
+// 1b. Many callers (64 in flight; 2 × CPU processes) and pool growth (100,000 entries; list and sweep): bench/throughput.mjs.
+const xfsTarget = targets.find((x) => x.fs.startsWith('xfs')) ?? targets[0]
+for (const section of ['throughput', 'growth']) {
+  if (!want(section)) continue
+  const only = section === 'throughput' ? 'inflight,procs' : 'growth'
+  console.log('')
+  process.stdout.write(
+    execFileSync(process.execPath, [path.join(here, 'throughput.mjs'), '--dir', xfsTarget.dir, '--floor', floorBin, '--only', only, '--entries', args.entries], {
+      maxBuffer: 1 << 24,
+    }),
+  )
+}
+
+// 1c. Workspace.clone of a 1 GiB base (reflink) against fs.promises.copyFile(COPYFILE_FICLONE_FORCE), interleaved.
+if (want('clone')) {
+  const t = xfsTarget
+  const base = path.join(t.dir, 'base-1g.img')
+  {
+    const fd = fs.openSync(base, 'w')
+    const chunk = Buffer.alloc(16 << 20)
+    for (let i = 0; i < 64; i++) {
+      for (let j = 0; j < chunk.length; j += 4096) chunk.writeUInt32LE((i * chunk.length + j) >>> 0, j) // not all zero
+      fs.writeSync(fd, chunk)
+    }
+    fs.fsyncSync(fd) // bases are fsynced once when made (DESIGN.md), never on the clone path
+    fs.closeSync(fd)
+  }
+  const pool = await vmspace.openPool(path.join(t.dir, 'clone-pool'))
+  const ws = await pool.allocate()
+  const out = path.join(t.dir, 'clone-out')
+  fs.mkdirSync(out)
+  const r = { vmspace: [], copyFile: [] }
+  for (let i = 0; i < 60; i++) {
+    for (const name of i % 2 ? ['copyFile', 'vmspace'] : ['vmspace', 'copyFile']) {
+      const t0 = process.hrtime.bigint()
+      if (name === 'vmspace') await ws.clone(base, `img-${i}`, { reflink: 'always' })
+      else await fs.promises.copyFile(base, path.join(out, `img-${i}`), fs.constants.COPYFILE_FICLONE_FORCE)
+      if (i >= 10) r[name].push(Number(process.hrtime.bigint() - t0) / 1e3)
+    }
+  }
+  await ws.dispose()
+  await pool.close()
+  fs.rmSync(out, { recursive: true })
+  const vm = median(r.vmspace)
+  const cf = median(r.copyFile)
+  console.log(`\nclone of a 1 GiB base on ${t.fs} (medians of ${r.vmspace.length}, interleaved); ${load()}`)
+  console.table([{ 'Workspace.clone µs': vm.toFixed(0), 'copyFile FICLONE_FORCE µs': cf.toFixed(0), 'vmspace / copyFile': (vm / cf).toFixed(2) }])
 }
 
 // 2. Tree clone of 10,000 files (100 dirs x 100 files, 1-16 KiB) against cp -a --reflink=always, and its
@@ -155,13 +220,23 @@ if (want('tree')) {
   }
   await pool.close()
   const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
-  console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms)`)
+  console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms); ${load()}`)
   console.table([
     { operation: 'clone (standalone)', 'vmspace ms': m.clone.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.clone).toFixed(2) },
     { operation: 'allocate({ template: dir })', 'vmspace ms': m.allocate.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.allocate).toFixed(2) },
     { operation: 'Workspace.dispose', 'vmspace ms': m.dispose.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.dispose).toFixed(2) },
     { operation: 'removeTree', 'vmspace ms': m.removeTree.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.removeTree).toFixed(2) },
   ])
+}
+
+// 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs).
+if (want('soak')) {
+  for (const format of ['1', '2']) {
+    console.log('')
+    process.stdout.write(
+      execFileSync(process.execPath, ['--expose-gc', path.join(here, 'soak.mjs'), '--dir', xfsTarget.dir, '--cycles', args['soak-cycles'], '--format', format]),
+    )
+  }
 }
 
 // 3. Liveness: how fast adopt() refuses a live lease and sweep() passes live workspaces (8 held by another

@@ -28,6 +28,8 @@ export interface NativeListEntry {
   live: boolean
   metaText?: string
   metaError?: unknown
+  /** The metadata (or its error) is the workspace directory's xattr (format 2), not its file. */
+  metaXattr?: boolean
   /** The lease probe's flock failed with an unexpected errno (liveness undecided). */
   probeError?: unknown
 }
@@ -82,10 +84,11 @@ export interface Native {
     root: string,
     create: boolean,
     sharedGid: number,
+    format: 1 | 2,
     minFreeBytes: number,
     projectIdFirst: number,
     projectIdLast: number,
-  ): Promise<{ handle: PoolHandle; bootId: string }>
+  ): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(
     handle: PoolHandle,
@@ -120,7 +123,7 @@ export interface Native {
   warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
-  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
+  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
   sweep(handle: PoolHandle, dryRun: boolean, graceMs: number): Promise<NativeSweepReport>
   clonePath(
     src: string,

@@ -62,6 +62,16 @@ export interface PoolOptions {
    */
   sharedGroup?: number
   /**
+   * On-disk format of a pool made by this call (an existing pool keeps its own; `Pool.format` tells it). 1 (the
+   * default): each workspace's metadata is a file `.vmspace/meta/<name>.json`. 2: it is the xattr
+   * `user.vmspace.meta` of the workspace directory (a file where the file system refuses the xattr), which
+   * halves the cost of allocate+dispose and lets many workers run it without contending on `.vmspace/meta/`
+   * (issue 12); vmspace before format 2 refuses such a pool with `ERR_POOL_FORMAT`. Whoever can set xattrs on
+   * the workspace directory itself (a guest given the directory through virtiofs, say) can then rewrite its
+   * metadata, which format 1 keeps out of the workspace.
+   */
+  format?: 1 | 2
+  /**
    * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
    * allocate() of that template only publishes one. Default: none.
    */
@@ -279,7 +289,7 @@ const constructing = Symbol('vmspace.internal')
 // The constructors of Pool and Workspace, which their types declare private.
 const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
 const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
-type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
+type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: 1 | 2]
 type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number]
 
 /** Calls still running, so that close()/dispose() wait for them before the fds they use are closed. */
@@ -310,7 +320,8 @@ class InFlight {
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
-    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, warm: true, minFreeBytes: true, projectIds: true,
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, format: true, warm: true,
+    minFreeBytes: true, projectIds: true,
   })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
@@ -320,10 +331,11 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const durable = boolean('options.durable', o.durable, false)
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
   const warm = warmOptions(o.warm)
+  const format = integerIn('options.format', o.format, 1, 2, 1) as 1 | 2
   const minFreeBytes = integerIn('options.minFreeBytes', o.minFreeBytes, 0, Number.MAX_SAFE_INTEGER, 0)
   const [projectFirst, projectLast] = projectIdRange(o.projectIds)
-  const { handle, bootId } = await call(native.openPool(dir, create, sharedGroup, minFreeBytes, projectFirst, projectLast))
-  const pool = newPool(constructing, handle, dir, prefix, reflink, durable, bootId)
+  const r = await call(native.openPool(dir, create, sharedGroup, format, minFreeBytes, projectFirst, projectLast))
+  const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
   if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
   return pool
 }
@@ -346,6 +358,8 @@ export class Pool implements AsyncDisposable {
   readonly root: string
   /** Workspace names are `${prefix}-${id}` ({@link PoolOptions.prefix}). */
   readonly prefix: string
+  /** The pool's on-disk format (see {@link PoolOptions.format}). */
+  readonly format: 1 | 2
   readonly #handle: PoolHandle
   readonly #reflink: Reflink
   readonly #durable: boolean
@@ -358,8 +372,9 @@ export class Pool implements AsyncDisposable {
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
   // Private in the published types (pools come from openPool()); lib/ makes pools through newPool.
-  private constructor(...[token, handle, root, prefix, reflink, durable, bootId]: PoolArgs) {
+  private constructor(...[token, handle, root, prefix, reflink, durable, bootId, format]: PoolArgs) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
+    this.format = format
     this.#handle = handle
     this.root = root
     this.prefix = prefix
@@ -447,7 +462,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
     const infos = entries.map((e) => {
-      const info = this.#info(e.name, e.live, e.metaText, e.metaError)
+      const info = this.#info(e.name, e.live, e.metaText, e.metaError, e.metaXattr)
       // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
       // entry's error, before any metadata problem.
       if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
@@ -507,7 +522,7 @@ export class Pool implements AsyncDisposable {
     return toUsage(await this.#inFlight.track(withProgress({ signal }, (p) => native.usage(this.#handle, name, p))))
   }
 
-  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
+  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown, metaXattr = false): WorkspaceInfo {
     const id = NAME.exec(name)?.[2] ?? name
     const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
     if (metaText === undefined) {
@@ -522,7 +537,7 @@ export class Pool implements AsyncDisposable {
     }
     if (!isPlainObject(parsed)) {
       info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
-        path: path.join(this.root, '.vmspace', 'meta', `${name}.json`),
+        path: metaXattr ? path.join(this.root, name) : path.join(this.root, '.vmspace', 'meta', `${name}.json`),
       })
       return info
     }
@@ -557,7 +572,7 @@ export class Pool implements AsyncDisposable {
       throw e
     }
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
-    ws.info = this.#info(name, true, r.metaText, r.metaError)
+    ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
     return ws
   }
 

@@ -227,13 +227,14 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   std::string root = stringArg(info, 0);
   bool create = boolArg(info, 1);
   int64_t sharedGid = intArg(info, 2);  // -1: none
+  int format = static_cast<int>(intArg(info, 3));  // of a pool made here: 1 or 2
   // quota (issue 13): minFreeBytes, project id range
-  uint64_t minFreeBytes = static_cast<uint64_t>(intArg(info, 3));
-  vmspace::ProjectIdRange projectIds{static_cast<uint32_t>(intArg(info, 4)), static_cast<uint32_t>(intArg(info, 5))};
+  uint64_t minFreeBytes = static_cast<uint64_t>(intArg(info, 4));
+  vmspace::ProjectIdRange projectIds{static_cast<uint32_t>(intArg(info, 5)), static_cast<uint32_t>(intArg(info, 6))};
   return Work<std::shared_ptr<vmspace::Pool>>::Start(
       info.Env(),
-      [root, create, sharedGid, minFreeBytes, projectIds] {
-        auto pool = vmspace::Pool::open(root, create, sharedGid);
+      [root, create, sharedGid, format, minFreeBytes, projectIds] {
+        auto pool = vmspace::Pool::open(root, create, sharedGid, format);
         pool->setSpaceConfig(minFreeBytes, projectIds);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
@@ -243,6 +244,7 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
         o.Set("handle", Napi::External<PoolRef>::New(env, new PoolRef{pool},
                                                      [](Napi::Env, PoolRef* ref) { delete ref; }));
         o.Set("bootId", vmspace::bootId());
+        o.Set("format", pool->format());
         return o;
       });
 }
@@ -382,17 +384,19 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
 }
 
-// A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its file, with that path).
+// A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
+// path); `metaXattr` when it is the xattr's (format 2).
 void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
-             const std::string& metaText) {
+             const std::string& metaText, bool inXattr) {
+  if (inXattr) o.Set("metaXattr", true);
   if (metaErrno == 0) {
     o.Set("metaText", metaText);
     return;
   }
   vmspace::Error e;
   e.err = metaErrno;
-  e.syscall = "open";
-  e.path = pool.metaPath(name);
+  e.syscall = inXattr ? "fgetxattr" : "open";
+  e.path = inXattr ? pool.root() + "/" + name : pool.metaPath(name);
   o.Set("metaError", errorObject(env, e));
 }
 
@@ -406,7 +410,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
         instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", fd);
-        setMeta(env, o, *pool, name, r.metaErrno, r.metaText);
+        setMeta(env, o, *pool, name, r.metaErrno, r.metaText, r.metaInXattr);
         return o;
       },
       [](vmspace::AdoptResult& r) {
@@ -452,7 +456,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           Napi::Object o = Napi::Object::New(env);
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
-          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
+          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText, entries[i].metaInXattr);
           if (entries[i].probeErrno) {
             vmspace::Error e;
             e.err = entries[i].probeErrno;

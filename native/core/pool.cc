@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -338,7 +339,33 @@ const std::string& bootId() {
   return id;
 }
 
-std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid) {
+namespace {
+
+// The xattr refused by the file system, not failing: none at all (ENOTSUP: tmpfs before 6.6, some FUSE and network
+// file systems), or not this big (E2BIG, ENOSPC, ERANGE: ext4 keeps a directory's xattrs in one block). The
+// metadata then goes to its file.
+bool xattrRefused(int err) { return err == ENOTSUP || err == E2BIG || err == ENOSPC || err == ERANGE; }
+
+// Reads xattr kMetaXattr of `fd` (at most XATTR_SIZE_MAX, 64 KiB, by the kernel's own limit); returns the errno.
+int readMetaXattr(int fd, std::string* out) {
+  out->resize(512);
+  for (;;) {
+    ssize_t n = fgetxattr(fd, kMetaXattr, out->data(), out->size());
+    if (n >= 0) {
+      out->resize(static_cast<size_t>(n));
+      return 0;
+    }
+    if (errno != ERANGE) return errno;
+    // Bigger than the buffer: ask its size (it may change again before the next read: then loop).
+    ssize_t need = fgetxattr(fd, kMetaXattr, nullptr, 0);
+    if (need < 0) return errno;
+    out->resize(static_cast<size_t>(need) + 1);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid, int newFormat) {
   std::shared_ptr<Pool> pool(new Pool());
   pool->root_ = root;
   std::string state = root + "/.vmspace";
@@ -366,16 +393,17 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   std::string versionPath = state + "/version", version;
   int err = readSmallFile(pool->stateFd_.get(), "version", &version);
   if (err == ENOENT && create) {
-    writeFileNoReplace(pool->stateFd_.get(), "version", std::string(kFormatVersion) + "\n", false, versionPath);
+    writeFileNoReplace(pool->stateFd_.get(), "version", std::to_string(newFormat) + "\n", false, versionPath);
     err = readSmallFile(pool->stateFd_.get(), "version", &version);
   }
   if (err) throwErrno(err, "open", versionPath);
   while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
-  if (version != kFormatVersion)
+  if (version == "1" || version == "2")
+    pool->format_ = version[0] - '0';
+  else
     throwCode("ERR_POOL_FORMAT",
-              "pool format '" + version.substr(0, 32) + "' is not the one this vmspace reads (" + kFormatVersion +
-                  ")",
-              0, "open", versionPath);
+              "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2)", 0, "open",
+              versionPath);
 
   for (auto& sub : subs) {
     std::string shown = state + "/" + sub.name;
@@ -547,18 +575,36 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
       return json;
     };
 
-    // Publish: the metadata name and then the workspace name are each claimed with RENAME_NOREPLACE; an
-    // existing entry under either is a collision, answered with a fresh name, never by adopting it.
+    // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone
+    // copied onto it) while it is still in staging, so it is never seen without it; written again after a redraw
+    // (it names the workspace). A file system that refuses the xattr gets the file, as format 1.
+    bool inXattr = format_ >= 2;
+    auto setMetaXattr = [&] {
+      std::string json = metaJson();
+      if (fsetxattr(lease.get(), kMetaXattr, json.data(), json.size(), 0) == 0) return;
+      if (!xattrRefused(errno)) throwErrno(errno, "fsetxattr", stagingPath);
+      inXattr = false;
+      // A copy from the template (which fit, when ours did not) must not shadow the file.
+      if (fremovexattr(lease.get(), kMetaXattr) != 0 && errno != ENODATA && errno != ENOTSUP)
+        throwErrno(errno, "fremovexattr", stagingPath);
+    };
+    if (inXattr) setMetaXattr();
+    if (inXattr && clone.durable && fsync(lease.get()) != 0) throwErrno(errno, "fsync", stagingPath);
+
+    // Publish: the metadata name (format 1) and then the workspace name are each claimed with RENAME_NOREPLACE;
+    // an existing entry under either is a collision, answered with a fresh name, never by adopting it.
     for (;;) {
-      if (publishMeta(res.name, metaJson(), clone.durable)) {
-        metaPublished = res.name;
+      if (inXattr || publishMeta(res.name, metaJson(), clone.durable)) {
+        if (!inXattr) metaPublished = res.name;
         if (renameat2(stagingFd_.get(), stagingName.c_str(), rootFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0) {
           published = true;
           break;
         }
         if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath, path(res.name));
-        unlinkat(metaFd_.get(), (res.name + ".json").c_str(), 0);  // ours: we just made it
-        metaPublished.clear();
+        if (!inXattr) {
+          unlinkat(metaFd_.get(), (res.name + ".json").c_str(), 0);  // ours: we just made it
+          metaPublished.clear();
+        }
       }
       // A fresh name is claimed in staging too (the staging entry is renamed to it with RENAME_NOREPLACE), so that
       // a staging name always belongs to one build, as the first exclusive mkdir made it.
@@ -572,9 +618,11 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
       stagingName = res.name;
       stagingPath = root_ + "/.vmspace/staging/" + stagingName;
       if (staged.quota.projectId) renameProjectClaim(projectsFd(false), staged.quota.projectId, res.name);  // quota
+      if (inXattr) setMetaXattr();
+      if (inXattr && clone.durable && fsync(lease.get()) != 0) throwErrno(errno, "fsync", stagingPath);
     }
     if (clone.durable) {
-      if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
+      if (!inXattr && fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
       if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
     }
   } catch (...) {
@@ -592,6 +640,19 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
   }
   res.leaseFd = lease.release();
   return res;
+}
+
+int Pool::readMeta(int wsFd, const std::string& name, std::string* text, bool* inXattr) {
+  *inXattr = false;
+  if (format_ >= 2) {
+    int err = readMetaXattr(wsFd, text);
+    // ENODATA: none, its metadata is in the file (the xattr was refused when it was made).
+    if (err != ENODATA && err != ENOTSUP) {
+      *inXattr = true;
+      return err;
+    }
+  }
+  return readSmallFile(metaFd_.get(), name + ".json", text);
 }
 
 void Pool::dropMeta(const std::string& name) {
@@ -625,12 +686,26 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
 
 void Pool::dispose(const std::string& name, int leaseFd) {
   UniqueFd lease(leaseFd);
+  // An empty workspace (the common case) is removed at its name: one rmdir(2) changes one directory, where the
+  // move into trash and the rmdir there change two, twice (under many workers these directory locks are the
+  // bottleneck, issue 12). rmdir removes only an empty directory and refuses a mount point (EBUSY), and the name
+  // vanishes atomically as with the rename. The identity check closes what the rename's check closes: the name
+  // must still be the directory we hold (only a process of the pool's owner could have swapped it meanwhile).
+  // Not for a workspace with a quota of its own (issue 13): a btrfs subvolume (its own st_dev) or a pool that has
+  // project-id claims goes through removeWorkspace, which releases them.
+  struct stat own, rootSt;
+  bool known = fstat(lease.get(), &own) == 0;
+  bool plain = known && fstat(rootFd_.get(), &rootSt) == 0 && own.st_dev == rootSt.st_dev && claimsIfAny() < 0;
+  if (plain && sameEntry(rootFd_.get(), name, own) && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
+    dropMeta(name);
+    return;
+  }
+  // Anything else (not empty, not ours, gone, a mount) takes the general path, which reports it as before.
   std::string trashPath = root_ + "/.vmspace/trash/" + name;
   bool inTrash = moveToTrash(name, lease.get());
   if (!inTrash) {
     // Gone from the root: a dispose that failed before may have left it in trash; finish it if it is ours.
-    struct stat own;
-    inTrash = fstat(lease.get(), &own) == 0 && sameEntry(trashFd_.get(), name, own);
+    inTrash = known && sameEntry(trashFd_.get(), name, own);
   }
   if (inTrash) removeWorkspace(trashFd_.get(), name, trashPath);
   dropMeta(name);
@@ -650,7 +725,7 @@ AdoptResult Pool::adopt(const std::string& name) {
   struct stat own;
   if (fstat(fd.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
   if (!sameEntry(rootFd_.get(), name, own)) throwErrno(ENOENT, "open", path(name));
-  r.metaErrno = readSmallFile(metaFd_.get(), name + ".json", &r.metaText);
+  r.metaErrno = readMeta(fd.get(), name, &r.metaText, &r.metaInXattr);
   r.leaseFd = fd.release();
   return r;
 }
@@ -889,6 +964,7 @@ std::vector<ListEntry> Pool::list() {
     if (!ws) continue;  // disposed meanwhile, or not a directory
     ListEntry entry;
     entry.name = name;
+    entry.metaErrno = readMeta(ws.get(), name, &entry.metaText, &entry.metaInXattr);
     // A shared probe conflicts with the owner's exclusive lease and with nothing else. It is dropped at once
     // (the close), so an adopt or sweep elsewhere waits out as short a window as possible (tryLease).
     int probe = flock(ws.get(), LOCK_SH | LOCK_NB) == 0 ? 0 : errno;
@@ -901,7 +977,6 @@ std::vector<ListEntry> Pool::list() {
       entry.live = true;
     }
     ws.reset();
-    entry.metaErrno = readSmallFile(metaFd_.get(), entry.name + ".json", &entry.metaText);
     out.push_back(std::move(entry));
   }
   return out;

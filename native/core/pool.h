@@ -23,7 +23,13 @@
 namespace vmspace {
 
 constexpr int kMaxNameTries = 16;   // DESIGN.md: EEXIST -> fresh name, at most 16 tries, then ERR_NAME_EXHAUSTED
-constexpr const char* kFormatVersion = "1";
+// On-disk formats this vmspace reads and makes (.vmspace/version). 1: metadata in .vmspace/meta/<name>.json.
+// 2: metadata in the xattr kMetaXattr of the workspace directory (one syscall, no directory changed, removed with
+// the directory), in the file where the file system refuses the xattr. Older vmspace refuses a format-2 pool
+// (ERR_POOL_FORMAT) rather than list its workspaces without metadata.
+constexpr int kFormatDefault = 1;
+constexpr int kFormatLatest = 2;
+constexpr const char* kMetaXattr = "user.vmspace.meta";
 
 struct TemplateEntry {
   std::string dest;    // workspace-relative, normalised (checked by the caller)
@@ -69,8 +75,9 @@ struct StagedWorkspace {
 struct ListEntry {
   std::string name;
   bool live = false;
-  std::string metaText;  // contents of meta/<name>.json when metaErrno == 0
+  std::string metaText;  // its metadata (kMetaXattr or meta/<name>.json) when metaErrno == 0
   int metaErrno = 0;
+  bool metaInXattr = false;  // metaText, or metaErrno, is of the xattr (else of the file)
   int probeErrno = 0;  // the lease probe's flock failed with this (not EWOULDBLOCK): liveness undecided, `live` set
 };
 
@@ -78,6 +85,7 @@ struct AdoptResult {
   int leaseFd = -1;
   std::string metaText;
   int metaErrno = 0;
+  bool metaInXattr = false;
 };
 
 struct SweepEntry {
@@ -108,7 +116,9 @@ class Pool {
   // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV
   // when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network file
   // systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
-  static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1);
+  // `newFormat` (1 or 2) is the format of a pool made by this call; an existing pool keeps its own.
+  static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1,
+                                    int newFormat = kFormatDefault);
 
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
   // Any failure removes everything it made and throws. ERR_NAME_EXHAUSTED after kMaxNameTries collisions.
@@ -153,6 +163,7 @@ class Pool {
 
   void close();
   const std::string& root() const { return root_; }
+  int format() const { return format_; }
   // The metadata file of workspace `name`, as errors show it.
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
@@ -172,6 +183,9 @@ class Pool {
   void sweepProjectClaims(bool dryRun, int64_t graceMs);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
   bool publishMeta(const std::string& name, const std::string& json, bool durable);
+  // The metadata of workspace `name` whose directory is `wsFd`: the xattr (format 2), else the file. Returns the
+  // errno (0: read) and whether it is the xattr's.
+  int readMeta(int wsFd, const std::string& name, std::string* text, bool* inXattr);
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
@@ -187,6 +201,7 @@ class Pool {
   std::atomic<int> projectFs_{-1};
   // projectsFd(false) where this pool's file system can have claims; -1 otherwise, and where it cannot be opened.
   int claimsIfAny();
+  int format_ = kFormatDefault;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).

@@ -1,0 +1,54 @@
+#!/usr/bin/env node
+// Soak: `--cycles` allocate/dispose pairs (64 in flight) on one pool; RSS and open fds at the start, after the
+// first tenth (warm-up: JIT, heap and malloc arenas reach their working size), and at the end. Growth after the
+// warm-up is what a leak shows as; growth from the start includes the warm-up.
+//   node --expose-gc bench/soak.mjs --dir DIR [--cycles 1000000] [--format 1|2]
+import * as fs from 'node:fs'
+import { createRequire } from 'node:module'
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { parseArgs } from 'node:util'
+
+const require = createRequire(import.meta.url)
+const vmspace = require(path.join(path.dirname(new URL(import.meta.url).pathname), '..', 'dist', 'index.js'))
+const { values: args } = parseArgs({
+  options: { dir: { type: 'string' }, cycles: { type: 'string', default: '1000000' }, format: { type: 'string', default: '1' } },
+})
+const cycles = Number(args.cycles)
+const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-soak-'))
+process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
+const fds = () => fs.readdirSync('/proc/self/fd').length
+const snap = () => {
+  global.gc?.()
+  return { rss: process.memoryUsage().rss, heap: process.memoryUsage().heapUsed, fds: fds() }
+}
+const pool = await vmspace.openPool(path.join(dir, 'pool'), { format: Number(args.format) })
+const start = snap()
+let warm
+const trace = [] // RSS MiB at every tenth
+let done = 0
+const t0 = performance.now()
+await Promise.all(
+  Array.from({ length: 64 }, async () => {
+    while (done < cycles) {
+      const i = ++done
+      const ws = await pool.allocate()
+      await ws.dispose()
+      if (i % Math.floor(cycles / 10) === 0) {
+        const now = snap()
+        if (!warm) warm = now
+        trace.push((now.rss / 2 ** 20).toFixed(1))
+      }
+    }
+  }),
+)
+const s = (performance.now() - t0) / 1000
+const end = snap()
+await pool.close()
+const MiB = (b) => (b / 2 ** 20).toFixed(2)
+console.log(`soak: ${cycles} allocate/dispose pairs, format ${args.format}, 64 in flight, ${s.toFixed(0)} s (${(cycles / s).toFixed(0)}/s); load average ${os.loadavg()[0].toFixed(1)}`)
+console.table([
+  { span: 'start -> end', 'RSS growth MiB': MiB(end.rss - start.rss), 'heap growth MiB': MiB(end.heap - start.heap), 'fds leaked': end.fds - start.fds },
+  { span: `after warm-up (${cycles / 10}) -> end`, 'RSS growth MiB': MiB(end.rss - warm.rss), 'heap growth MiB': MiB(end.heap - warm.heap), 'fds leaked': end.fds - warm.fds },
+])
+console.log(`RSS MiB: start ${MiB(start.rss)}, at each tenth ${trace.join(' ')}, end ${MiB(end.rss)}`)
