@@ -5,6 +5,11 @@ import { AbortError, call, fromNative } from './errors.js'
 
 /** How a clone gets its data: see {@link CloneOptions.reflink}. */
 export type Reflink = 'always' | 'auto' | 'never'
+/**
+ * Writeback of a copied clone's data (a reflink shares extents and writes none): `'none'` leaves the pages dirty
+ * (the first fsync pays for them), `'start'` queues their writeback (sync_file_range(2) SYNC_FILE_RANGE_WRITE)
+ * without waiting, `'wait'` waits until it is done.
+ */
 export type Writeback = 'none' | 'start' | 'wait'
 
 /** Running totals passed to {@link CloneOptions.onProgress}. */

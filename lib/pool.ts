@@ -89,6 +89,12 @@ export interface PoolOptions {
   projectIds?: [number, number]
 }
 
+/**
+ * A warm reserve ({@link PoolOptions.warm}): `count` workspaces built ahead from `template`, leased by this process,
+ * so that an allocate() of that template only publishes one (metadata write and one rename). Entries are ordinary
+ * staging entries: a sweep reclaims them once their process is gone (after `graceMs`). An entry whose template
+ * sources changed since it was built is never handed out.
+ */
 export interface WarmOptions {
   /** As AllocateOptions.template. allocate() calls with this template (a map's entries in any order) and `mode`
    * are served from the reserve; any other allocate() builds its workspace as without a reserve. */
@@ -132,6 +138,7 @@ export interface AllocateOptions {
   quota?: QuotaOptions
 }
 
+/** Options of {@link Pool.list}. */
 export interface ListOptions {
   /** Add each workspace's `usage` (a walk of its tree per workspace: see Workspace.usage()). Default false. */
   usage?: boolean
@@ -141,15 +148,23 @@ export interface ListOptions {
 
 /** The pool's totals (`pool.usage()`). Bytes throughout. */
 export interface PoolUsage {
+  /** Published workspaces counted. */
   workspaces: number
+  /** Sum of the workspaces' {@link WorkspaceUsage.allocatedBytes}. */
   allocatedBytes: number
+  /** Sum of the workspaces' {@link WorkspaceUsage.exclusiveBytes}. */
   exclusiveBytes: number
+  /** Sum of the workspaces' {@link WorkspaceUsage.sharedBytes}. */
   sharedBytes: number
+  /** Regular files in all workspaces. */
   files: number
+  /** Directories in all workspaces. */
   dirs: number
   /** Of the pool's file system (statvfs): available to unprivileged users, free, total. */
   availableBytes: number
+  /** Free bytes of the pool's file system (statvfs f_bfree), including those reserved for root. */
   freeBytes: number
+  /** Size of the pool's file system in bytes. */
   totalBytes: number
   /** Whether workspace quotas can be enforced on the pool's file system. */
   quota: QuotaSupport

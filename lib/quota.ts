@@ -20,6 +20,7 @@ export interface QuotaOptions {
 
 /** Whether a directory's file system can enforce a workspace quota (`probeQuota`, `pool.usage().quota`). */
 export interface QuotaSupport {
+  /** Whether `allocate({ quota })` can be enforced on this file system (else it fails ERR_QUOTA_UNSUPPORTED). */
   supported: boolean
   /** `'btrfs-qgroup'`: a subvolume per workspace with a qgroup limit; `'project'`: an XFS/ext4 project id. */
   backend: 'btrfs-qgroup' | 'project' | 'none'
@@ -43,6 +44,7 @@ export interface WorkspaceUsage {
   sharedBytes: number
   /** Sum of the regular files' sizes. */
   logicalBytes: number
+  /** Regular files below the workspace directory. */
   files: number
   /** Directories below the workspace directory. */
   dirs: number
@@ -53,7 +55,16 @@ export interface WorkspaceUsage {
    * bytes of the qgroup, updated at each transaction commit; project: blocks charged), `limitInodes`/`usedInodes`
    * (project quotas; 0 on btrfs). 0 as a limit: none.
    */
-  quota?: { limitBytes: number; usedBytes: number; limitInodes: number; usedInodes: number }
+  quota?: {
+    /** The byte limit (0: none). */
+    limitBytes: number
+    /** Bytes the kernel charges to the workspace. */
+    usedBytes: number
+    /** The inode limit (0: none). */
+    limitInodes: number
+    /** Inodes the kernel charges to the workspace. */
+    usedInodes: number
+  }
 }
 
 const MAX_SAFE = Number.MAX_SAFE_INTEGER

@@ -8,6 +8,7 @@ import type { NativeAllocateResult, WarmHandle } from './binding.js'
 import { fromNative } from './errors.js'
 import type { VmspaceError } from './errors.js'
 
+/** What a pool's warm reserve has done since the pool was opened ({@link Pool.warmStats}). Counts; times in ms. */
 export interface WarmStats {
   /** The reserve's size (`count`). */
   count: number
