@@ -281,8 +281,9 @@ describe('vmspace run', () => {
 
   test('forwards SIGTERM to CMD, waits for it, disposes, and exits with the status CMD chose', async () => {
     const root = path.join(freshDir(), 'pool')
-    // The trap runs once `wait` is interrupted; the sleep (without the lease) is ended by it.
-    const script = 'trap \'kill $!; echo "got TERM"; exit 5\' TERM; sleep 1000 3<&- & echo ready; wait'
+    // The trap runs when the short foreground sleep ends (sh defers traps to the end of a command): no `wait` builtin
+    // whose interruption could race a signal delivered just before it blocks. The sleeps run without the lease.
+    const script = 'trap \'echo "got TERM"; exit 5\' TERM; echo ready; while :; do sleep 0.1 3<&-; done'
     const child = runChild(['--pool', root, '--', 'sh', '-c', script])
     expect(await child.line(1)).toBe('ready')
     child.proc.kill('SIGTERM')
