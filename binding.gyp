@@ -12,7 +12,8 @@
         "native/core/tree.cc",
         "native/core/lock.cc",
         "native/core/process.cc",
-        "native/core/io.cc"
+        "native/core/io.cc",
+        "native/core/template.cc"
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
       "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "_GNU_SOURCE"],

@@ -8,12 +8,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "clone.h"
 #include "error.h"
 #include "fd.h"
+#include "template.h"
 #include "tree.h"
 
 namespace vmspace {
@@ -34,6 +36,7 @@ struct AllocateRequest {
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
   std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
+  std::string fromTemplate;  // issue 14: the id or name of a committed template cloned first ("" none)
 };
 
 struct ClonedEntry {
@@ -48,6 +51,7 @@ struct AllocateResult {
   int leaseFd = -1;  // O_RDONLY|O_DIRECTORY|O_CLOEXEC fd of the workspace, holding flock(LOCK_EX): the lease
   int retries = 0;   // names drawn again: the one drawn existed, or a sweep reclaimed its entry before the lease
   std::vector<ClonedEntry> clones;
+  std::string templateId, templateMeta;  // issue 14: the template cloned (fromTemplate) and its template.json
 };
 
 struct ListEntry {
@@ -115,6 +119,9 @@ class Pool {
 
   void close();
   const std::string& root() const { return root_; }
+  // Issue 14: the pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
+  // pool has none and `create` is false.
+  TemplateStore* templates(bool create);
   // The metadata file of workspace `name`, as errors show it.
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
@@ -134,6 +141,9 @@ class Pool {
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
+  long long sharedGid_ = -1;
+  std::mutex templatesMu_;  // guards templates_ while it is made
+  std::unique_ptr<TemplateStore> templates_;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).
