@@ -385,6 +385,8 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
     r.id = id;
     r.treePath = path(id) + "/tree";
     r.metaErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.metaText);
+    // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
+    if (r.metaErrno) throwErrno(r.metaErrno, "open", path(id) + "/template.json");
     return r;
   }
   notFound(idOrName, dir_ + "/names/" + idOrName);
