@@ -17,7 +17,7 @@ import {
   optionsObject,
   relativePath,
 } from './args.js'
-import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
 import type { NativeCloneResult } from './binding.js'
 import {
@@ -404,10 +404,11 @@ export class Pool {
    * `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on failure.
    */
   async commit(
-    ws: Workspace,
+    ws: Workspace | string,
     options?: { name?: string; meta?: JsonObject; replace?: boolean; signal?: AbortSignal; onProgress?: (p: { files: number; bytes: number }) => void },
   ): Promise<CommitResult> {
-    if (!(ws instanceof Workspace)) throw invalidType('ws', 'a Workspace', ws)
+    if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
+    if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
     const o = optionsObject<NonNullable<typeof options>>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
     let name = ''
     if (o.name !== undefined) {
@@ -419,12 +420,23 @@ export class Pool {
     const replace = boolean('options.replace', o.replace, false)
     const signal = abortSignal('options.signal', o.signal)
     if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-    const info = `${JSON.stringify({ format: 1, createdAt: Date.now(), parent: ws.templateId ?? null }).slice(0, -1)},"meta":${metaText(o.meta)}}`
+    const meta = metaText(o.meta)
     this.#assertOpen()
-    if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
+    let source: { path: string; templateId?: string }
+    if (typeof ws === 'string') {
+      // By id (the CLI, another process's workspace): a published workspace of this pool, live or not.
+      const name = `${this.prefix}-${ws}`
+      const found = (await this.list()).find((w) => w.name === name)
+      if (!found) throw errnoError(2, 'open', path.join(this.root, name))
+      source = { path: found.path, templateId: found.templateId }
+    } else {
+      if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
+      source = ws
+    }
+    const info = `${JSON.stringify({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }).slice(0, -1)},"meta":${meta}}`
     const r = await this.#inFlight.track(
       withProgress({ signal, onProgress: o.onProgress }, (p) =>
-        native.commitTemplate(this.#handle, ws.path, name, info, replace, reflinkCode(this.#reflink), this.#durable, p),
+        native.commitTemplate(this.#handle, source.path, name, info, replace, reflinkCode(this.#reflink), this.#durable, p),
       ),
     )
     this._countClone(r.clone)
@@ -447,18 +459,17 @@ export class Pool {
    * `meta`/`mode` apply to every child. Throws as commit() and allocate() do.
    */
   async fork(
-    ws: Workspace,
+    ws: Workspace | string,
     count: number,
     options?: { meta?: JsonObject; mode?: number; signal?: AbortSignal; onProgress?: (p: { done: number; count: number }) => void },
   ): Promise<Workspace[]> {
-    if (!(ws instanceof Workspace)) throw invalidType('ws', 'a Workspace', ws)
     const n = integerIn('count', count, 1, 4096, 1)
     const o = optionsObject<NonNullable<typeof options>>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
     const signal = abortSignal('options.signal', o.signal)
     if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
     metaText(o.meta)
     integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
-    const t = await this.commit(ws, { signal, meta: { forkOf: ws.id } })
+    const t = await this.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
     const made: Workspace[] = []
     let done = 0
     try {

@@ -446,3 +446,40 @@ describe('templates under SIGKILL', () => {
     await pool.close()
   }, 600_000)
 })
+
+describe('the vmspace command and templates', () => {
+  const cli = (args: string[]) => runCommand(process.execPath, [path.join(__dirname, '..', 'dist', 'cli', 'vmspace.js'), ...args])
+
+  test('vmspace commit makes a template (EEXIST: exit 1), vmspace fork leaves N children for adopt, vmspace ls lists templates', async () => {
+    const root = path.join(freshDir(mounts.scratch, 'tplcli'), 'pool')
+    const pool = await openPool(root)
+    try {
+      const ws = await pool.allocate()
+      populate(ws)
+      const made = cli(['commit', root, ws.id, '--name', 'base', '--meta', '{"k":1}', '--json'])
+      expect(made.status, made.stderr).toBe(0)
+      const t = JSON.parse(made.stdout) as { id: string; name: string; meta: unknown }
+      expect(t).toMatchObject({ name: 'base', meta: { k: 1 } })
+      const again = cli(['commit', root, ws.id, '--name', 'base'])
+      expect(again.status).toBe(1)
+      expect(again.stderr).toContain('EEXIST')
+      expect(cli(['commit', root, 'nope']).status).toBe(2)
+      const forked = cli(['fork', root, ws.name, '2', '--json'])
+      expect(forked.status, forked.stderr).toBe(0)
+      const children = (JSON.parse(forked.stdout) as { children: { id: string }[] }).children
+      expect(children).toHaveLength(2)
+      for (const c of children) {
+        const child = await pool.adopt(c.id)
+        expect(contentTree(child.path)).toEqual(contentTree(ws.path))
+        await child.dispose()
+      }
+      const listed = cli(['ls', root, '--json'])
+      expect(listed.status, listed.stderr).toBe(0)
+      const doc = JSON.parse(listed.stdout) as { templates: { id: string; name: string; current: boolean; error: unknown }[] }
+      expect(doc.templates.map((x) => [x.id, x.name, x.current, x.error])).toEqual([[t.id, 'base', true, null]])
+      await ws.dispose()
+    } finally {
+      await pool.close()
+    }
+  })
+})
