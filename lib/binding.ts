@@ -19,6 +19,8 @@ export interface NativeListEntry {
   live: boolean
   metaText?: string
   metaError?: unknown
+  /** The lease probe's flock failed with an unexpected errno (liveness undecided). */
+  probeError?: unknown
 }
 
 export interface NativeAllocateResult {

@@ -138,8 +138,9 @@ export async function withProgress<T>(
     return result
   } catch (e) {
     if (thrown) throw thrown.error
-    if (signal?.aborted && (e as { code?: string })?.code === 'ECANCELED') throw new AbortError(signal.reason)
-    throw fromNative(e)
+    const err = fromNative(e)  // names the errno: the binding reports its number only
+    if (signal?.aborted && (err as { code?: string })?.code === 'ECANCELED') throw new AbortError(signal.reason)
+    throw err
   } finally {
     if (timer) clearInterval(timer)
     signal?.removeEventListener('abort', onAbort)

@@ -4,6 +4,7 @@
  * code and the errno behind them as `cause`. Bad arguments are `TypeError`/`RangeError` with Node's codes
  * `ERR_INVALID_ARG_TYPE`/`ERR_INVALID_ARG_VALUE`, thrown before any system call.
  */
+import * as os from 'node:os'
 import * as util from 'node:util'
 
 /** Codes of vmspace's own conditions (system errors use the errno name: `'EEXIST'`, `'ENOSPC'`, …). */
@@ -23,12 +24,14 @@ export type VmspaceErrorCode =
   | 'ERR_TEMPLATE_NOT_FOUND' // allocate({ from }), template(), removeTemplate(): no template of that id or name (issue 14)
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
 
-/** The fields the native binding rejects with (see native/binding.cc, errorObject). */
+/**
+ * The fields the native binding rejects with (see native/binding.cc, errorObject): `code` for vmspace's own
+ * conditions, `errno` (negative) for a system error, or both; the errno's name is added here.
+ */
 interface NativeError {
-  code: string
+  code?: string
   errno?: number
   description?: string
-  causeCode?: string
   syscall?: string
   path?: string
   dest?: string
@@ -79,7 +82,31 @@ export class VmspaceError extends Error {
 }
 
 function isNativeError(e: unknown): e is NativeError {
-  return typeof e === 'object' && e !== null && !(e instanceof Error) && typeof (e as NativeError).code === 'string'
+  if (typeof e !== 'object' || e === null || e instanceof Error) return false
+  const { code, errno } = e as NativeError
+  return typeof code === 'string' || typeof errno === 'number'
+}
+
+// errno number -> name, from Node's table rather than the addon (glibc's strerrorname_np is 2.32+ and absent from
+// musl). Where two names share a number, glibc's choice wins, so codes stay what they were (EAGAIN, EOPNOTSUPP).
+const errnoNames = new Map<number, string>()
+for (const [name, n] of Object.entries(os.constants.errno)) {
+  if (!errnoNames.has(n) || name === 'EAGAIN' || name === 'EOPNOTSUPP' || name === 'EDEADLK') errnoNames.set(n, name)
+}
+// Linux errnos a file system can return that Node's POSIX table lacks, numbered as in asm-generic/errno.h (which
+// these architectures use; MIPS, SPARC and Alpha number them otherwise).
+if (['x64', 'arm64', 'arm', 'ia32', 'riscv64', 's390x', 'ppc64', 'loong64'].includes(process.arch)) {
+  const linux: [number, string][] = [
+    [15, 'ENOTBLK'], [52, 'EBADE'], [53, 'EBADR'], [54, 'EXFULL'], [66, 'EREMOTE'], [77, 'EBADFD'],
+    [117, 'EUCLEAN'], [121, 'EREMOTEIO'], [123, 'ENOMEDIUM'], [124, 'EMEDIUMTYPE'], [126, 'ENOKEY'],
+    [127, 'EKEYEXPIRED'], [128, 'EKEYREVOKED'], [129, 'EKEYREJECTED'], [130, 'EOWNERDEAD'], [131, 'ENOTRECOVERABLE'],
+  ]
+  for (const [n, name] of linux) if (!errnoNames.has(n)) errnoNames.set(n, name)
+}
+
+/** The name of a positive errno (`'ENOENT'`), or `'EUNKNOWN'` for a number Node does not name. */
+export function errnoName(errno: number): string {
+  return errnoNames.get(errno) ?? 'EUNKNOWN'
 }
 
 function where(e: { syscall?: string; path?: string; dest?: string }): string {
@@ -95,12 +122,14 @@ function where(e: { syscall?: string; path?: string; dest?: string }): string {
  */
 export function fromNative(e: unknown): unknown {
   if (!isNativeError(e)) return e
-  const { code, errno, syscall, path, dest } = e
+  const { errno, syscall, path, dest } = e
+  const errnoCode = errno !== undefined ? errnoName(-errno) : 'EUNKNOWN'
+  const code = e.code ?? errnoCode
   if (code.startsWith('ERR_')) {
     const cause =
       errno !== undefined
-        ? new VmspaceError(`${e.causeCode}: ${e.description?.toLowerCase()}${where(e)}`, {
-            code: e.causeCode ?? 'EUNKNOWN',
+        ? new VmspaceError(`${errnoCode}: ${e.description?.toLowerCase()}${where(e)}`, {
+            code: errnoCode,
             errno,
             syscall,
             path,
@@ -138,8 +167,8 @@ export function vmspaceError(
 
 /** A system error from a bare errno (positive), shaped like the binding's. */
 export function errnoError(errno: number, syscall: string, path?: string): VmspaceError {
-  const [code, description] = util.getSystemErrorMap().get(-errno) ?? ['EUNKNOWN', 'unknown error']
-  return fromNative({ code, errno: -errno, description, syscall, path }) as VmspaceError
+  const description = util.getSystemErrorMap().get(-errno)?.[1] ?? 'unknown error'
+  return fromNative({ errno: -errno, description, syscall, path }) as VmspaceError
 }
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */

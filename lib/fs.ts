@@ -37,7 +37,12 @@ export async function removeTree(path: string): Promise<void> {
   await call(native.removeTree(p))
 }
 
-/** Renames `from` to `to` atomically, failing with `EEXIST` if `to` exists (renameat2(2), RENAME_NOREPLACE). */
+/**
+ * Renames `from` to `to` atomically, failing with `EEXIST` if `to` exists (renameat2(2), RENAME_NOREPLACE). On a
+ * file system that refuses the flag (FUSE without rename2, some network file systems: `EINVAL`), a file or symlink
+ * moves by link(2) + unlink(2), which never replaces either (`EEXIST`, syscall `'link'`); a directory rejects with
+ * renameat2's `EINVAL`.
+ */
 export async function renameNoReplace(from: string, to: string): Promise<void> {
   await call(native.renameNoReplace(absolutePath('from', from), absolutePath('to', to)))
 }

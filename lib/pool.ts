@@ -107,7 +107,11 @@ export interface WorkspaceInfo {
   pid?: number
   hostname?: string
   bootId?: string
-  /** Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used. */
+  /**
+   * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
+   * `syscall: 'flock'`, when the lease probe failed with an unexpected errno (`live` is then true: undecided
+   * entries are never reported reclaimable).
+   */
   error?: VmspaceError
 }
 
@@ -303,7 +307,13 @@ export class Pool {
   async list(): Promise<WorkspaceInfo[]> {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
-    return entries.map((e) => this.#info(e.name, e.live, e.metaText, e.metaError))
+    return entries.map((e) => {
+      const info = this.#info(e.name, e.live, e.metaText, e.metaError)
+      // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
+      // entry's error, before any metadata problem.
+      if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
+      return info
+    })
   }
 
   #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {

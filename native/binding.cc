@@ -37,11 +37,11 @@ using vmspace::Error;
 // a VmspaceError where the caller's async stack is at hand.
 Napi::Object errorObject(Napi::Env env, const Error& e) {
   Napi::Object o = Napi::Object::New(env);
-  const char* name = e.err ? strerrorname_np(e.err) : nullptr;
-  o.Set("code", e.code.empty() ? (name ? name : "EUNKNOWN") : e.code);
+  // An errno's name (a system error's code, a vmspace condition's cause) is added by lib/errors.ts from Node's
+  // table: glibc's strerrorname_np is 2.32+ only and musl has none.
+  if (!e.code.empty() || !e.err) o.Set("code", e.code.empty() ? "EUNKNOWN" : e.code);
   if (e.err) o.Set("errno", -e.err);
-  if (e.err) o.Set("description", strerrordesc_np(e.err) ? strerrordesc_np(e.err) : "unknown error");
-  if (e.err && !e.code.empty() && name) o.Set("causeCode", name);
+  if (e.err) o.Set("description", vmspace::errnoDescription(e.err));
   if (!e.syscall.empty()) o.Set("syscall", e.syscall);
   if (!e.path.empty()) o.Set("path", e.path);
   if (!e.dest.empty()) o.Set("dest", e.dest);
@@ -74,16 +74,18 @@ class Work : public Napi::AsyncWorker {
       : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
         toJs_(std::move(toJs)), drop_(std::move(drop)) {}
 
-  // No V8 here: runs on a libuv pool thread.
+  // No V8 here: runs on a libuv pool thread. Every exception becomes the rejection (an exception escaping
+  // Execute would be turned by node-addon-api into a callback error that nothing delivers: the promise would
+  // never settle).
   void Execute() override {
     try {
       result_ = exec_();
-    } catch (const Error& e) {
-      error_ = std::make_unique<Error>(e);
-    } catch (const std::bad_alloc&) {
-      error_ = std::make_unique<Error>();
-      error_->err = ENOMEM;
-      error_->syscall = "malloc";
+    } catch (...) {
+      try {
+        error_ = std::make_unique<Error>(vmspace::currentError());
+      } catch (...) {
+        outOfMemory_ = true;  // not even the Error could be made
+      }
     }
   }
 
@@ -94,13 +96,20 @@ class Work : public Napi::AsyncWorker {
     try {
       Napi::Env env = Env();
       Napi::HandleScope scope(env);
+      if (outOfMemory_) {
+        Error e;
+        e.err = ENOMEM;
+        e.syscall = "malloc";
+        deferred_.Reject(errorObject(env, e));
+        return;
+      }
       if (error_) {
         deferred_.Reject(errorObject(env, *error_));
         return;
       }
       deferred_.Resolve(toJs_(env, result_));
     } catch (...) {
-      if (!error_ && drop_) drop_(result_);
+      if (!error_ && !outOfMemory_ && drop_) drop_(result_);
     }
   }
 
@@ -110,6 +119,7 @@ class Work : public Napi::AsyncWorker {
   std::function<void(R&)> drop_;
   R result_{};
   std::unique_ptr<Error> error_;
+  bool outOfMemory_ = false;
 };
 
 struct LockWaiter;
@@ -360,6 +370,13 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
           setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
+          if (entries[i].probeErrno) {
+            vmspace::Error e;
+            e.err = entries[i].probeErrno;
+            e.syscall = "flock";
+            e.path = pool->root() + "/" + entries[i].name;
+            o.Set("probeError", errorObject(env, e));
+          }
           out.Set(static_cast<uint32_t>(i), o);
         }
         return out;
@@ -624,7 +641,10 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
   instance(env).waiters.insert(waiter);
   int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
-  auto wait = [waiter, sig] {
+  // The result's allocation is made here, on the JS thread, where a bad_alloc becomes a JS exception: on the
+  // detached wait thread it would end the process (std::terminate).
+  auto* done = new LockWaitDone{waiter, 0, "flock"};
+  auto wait = [waiter, sig, done] {
     // No V8 here: runs on the wait's own thread.
     int err;
     const char* syscall = "flock";
@@ -654,9 +674,11 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
     waiter->done = true;
     if (waiter->tsfnGone) {
       ::close(waiter->fd);  // the env is gone: drop the lock (if we got it) here
+      delete done;
       return;
     }
-    auto* done = new LockWaitDone{waiter, err, syscall};
+    done->err = err;
+    done->syscall = syscall;
     if (waiter->tsfn.BlockingCall(done) != napi_ok) {
       ::close(waiter->fd);
       delete done;
@@ -668,6 +690,7 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
     t = std::thread(wait);
   } catch (const std::system_error& e) {
     // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the fd goes back to the caller, who closes it.
+    delete done;
     instance(env).waiters.erase(waiter);
     instance(env).locks.insert(waiter->fd);
     waiter->tsfn.Release();

@@ -341,6 +341,23 @@ describe('sweep: one entry fault stays in that entry', () => {
     expect(fs.readdirSync(trash)).toEqual(['vm-x'])
   })
 
+  test('list(): a lease probe that cannot decide (ENOLCK) is that entry\'s error, counted live; the other entries are listed as ever', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const dead = await orphan(pool)
+    const held = await pool.allocate({ meta: { k: 1 } })
+    native.setSweepFaultsForTest([[dead.name, ENOLCK]])
+    const infos = await pool.list()
+    const byName = new Map(infos.map((i) => [i.name, i]))
+    expect(infos).toHaveLength(2)
+    expect(byName.get(dead.name)).toMatchObject({ live: true, error: { code: 'ENOLCK', syscall: 'flock', path: dead.path } })
+    expect(byName.get(held.name)).toMatchObject({ live: true, meta: { k: 1 } })
+    expect(byName.get(held.name)?.error).toBeUndefined()
+    // The fault applied once: the next listing sees the orphan as free again.
+    expect((await pool.list()).find((i) => i.name === dead.name)).toMatchObject({ live: false })
+    await held.dispose()
+    await pool.close()
+  })
+
   test('a lease probe that cannot decide (flock fails with ENOLCK) is reported failed with syscall flock, neither live nor touched', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const dead = await orphan(pool)

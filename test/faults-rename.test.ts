@@ -56,6 +56,29 @@ for (const answer of ['EINVAL', 'ENOSYS'] as const) {
         expect(ls(d)).toEqual(['base.img', 'taken'])
       })
 
+      test('renameNoReplace() of a file moves it by link + unlink; onto an existing name EEXIST, both untouched', () => {
+        const d = freshDir(mounts.scratch)
+        fs.writeFileSync(path.join(d, 'a'), 'a')
+        fs.writeFileSync(path.join(d, 'taken'), 'keep me')
+        const [moved, refused] = runInjected(noReplace, [
+          { op: 'renameNoReplace', from: path.join(d, 'a'), to: path.join(d, 'b') },
+          { op: 'renameNoReplace', from: path.join(d, 'b'), to: path.join(d, 'taken') },
+        ])
+        expect(moved).toEqual({ ok: true, result: { renamed: true } })
+        expect(refused).toMatchObject({ ok: false, code: 'EEXIST', syscall: 'link', path: path.join(d, 'b') })
+        expect(ls(d)).toEqual(['b', 'taken'])
+        expect(fs.readFileSync(path.join(d, 'b'), 'utf8')).toBe('a')
+        expect(fs.readFileSync(path.join(d, 'taken'), 'utf8')).toBe('keep me')
+      })
+
+      test(`renameNoReplace() of a directory fails with renameat2's ${cause} and moves nothing`, () => {
+        const d = freshDir(mounts.scratch)
+        fs.mkdirSync(path.join(d, 'dir'))
+        const [r] = runInjected(noReplace, [{ op: 'renameNoReplace', from: path.join(d, 'dir'), to: path.join(d, 'moved') }])
+        expect(r).toMatchObject({ ok: false, code: cause, syscall: 'renameat2' })
+        expect(ls(d)).toEqual(['dir'])
+      })
+
       test('clone() with overwrite: true replaces by rename(2), as it does everywhere', () => {
         const d = freshDir(mounts.scratch)
         const data = writeRandomFile(path.join(d, 'base.img'), 4096)

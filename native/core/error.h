@@ -2,9 +2,20 @@
 // (a stable ERR_... code, with the errno that caused it where there is one). No N-API types here.
 #pragma once
 
+// Every part of vmspace is Linux system calls (renameat2, FICLONE, statx, flock on fds).
+#if !defined(__linux__)
+#error "vmspace is a Linux addon (renameat2, statx, FICLONE, flock on fds): it builds on Linux only; see README, Portability"
+#endif
+
+#include <string.h>
+
+#include "compat.h"
+
 #include <cerrno>
 #include <exception>
+#include <new>
 #include <string>
+#include <system_error>
 #include <utility>
 
 namespace vmspace {
@@ -22,6 +33,19 @@ struct Error : std::exception {
 
   const char* what() const noexcept override { return detail.empty() ? "vmspace error" : detail.c_str(); }
 };
+
+// strerror_r(3) is the XSI form (int) on musl and the GNU form (char*) on glibc with _GNU_SOURCE; these two
+// overloads take either. The errno's name (EEXIST, ...) is not made here: strerrorname_np is glibc 2.32+ only,
+// so lib/errors.ts names errnos from os.constants.errno.
+inline const char* strerrorResult(int rc, const char* buf) { return rc == 0 ? buf : nullptr; }
+inline const char* strerrorResult(const char* msg, const char*) { return msg; }
+
+// The errno's description ("No such file or directory"), thread-safe (pool threads build errors too).
+inline std::string errnoDescription(int err) {
+  char buf[128] = "";
+  const char* msg = strerrorResult(strerror_r(err, buf, sizeof buf), buf);
+  return msg && *msg ? msg : "unknown error";
+}
 
 // Throws the errno of a failed syscall with the paths it concerns.
 [[noreturn]] inline void throwErrno(int err, const char* syscall, std::string path = {}, std::string dest = {}) {
@@ -44,6 +68,34 @@ struct Error : std::exception {
   e.path = std::move(path);
   e.dest = std::move(dest);
   throw e;
+}
+
+// The Error for the exception being handled (call it inside a catch block only): a core Error as it is,
+// std::bad_alloc as ENOMEM, std::system_error (a thread or mutex the C++ library could not get: pthread_create
+// fails with EAGAIN at RLIMIT_NPROC) as its errno, anything else as EIO with its message, so that no exception a
+// worker meets leaves its promise unsettled.
+inline Error currentError() {
+  Error r;
+  try {
+    throw;
+  } catch (const Error& e) {
+    return e;
+  } catch (const std::bad_alloc&) {
+    r.err = ENOMEM;
+    r.syscall = "malloc";
+  } catch (const std::system_error& e) {
+    const std::error_category& cat = e.code().category();
+    bool isErrno = cat == std::generic_category() || cat == std::system_category();
+    r.err = isErrno && e.code().value() > 0 ? e.code().value() : EIO;
+    if (r.err == EAGAIN) r.syscall = "pthread_create";  // the one system_error the walks can meet
+    r.detail = e.what();
+  } catch (const std::exception& e) {
+    r.err = EIO;
+    r.detail = e.what();
+  } catch (...) {
+    r.err = EIO;
+  }
+  return r;
 }
 
 }  // namespace vmspace

@@ -563,8 +563,9 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
         removeTreeNoFollow(rootFd_.get(), res.name, path(res.name));
       else
         removeTreeNoFollow(stagingFd_.get(), stagingName, stagingPath);
-    } catch (const Error&) {
-      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report.
+    } catch (...) {
+      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
+      // whatever the cleanup met (an Error, or bad_alloc).
     }
     throw;
   }
@@ -856,8 +857,13 @@ std::vector<ListEntry> Pool::list() {
     entry.name = name;
     // A shared probe conflicts with the owner's exclusive lease and with nothing else. It is dropped at once
     // (the close), so an adopt or sweep elsewhere waits out as short a window as possible (tryLease).
-    if (flock(ws.get(), LOCK_SH | LOCK_NB) != 0) {
-      if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(entry.name));
+    int probe = flock(ws.get(), LOCK_SH | LOCK_NB) == 0 ? 0 : errno;
+    if (int fault = takeSweepFault(name, true)) probe = fault;  // test seam (setSweepFaultsForTest), as in sweep
+    if (probe != 0) {
+      errno = probe;
+      // A probe that cannot decide (ENOLCK, ...) is reported in that entry, counted live (never reclaimable on
+      // its word), and the listing goes on: one entry does not hide the others.
+      if (errno != EWOULDBLOCK) entry.probeErrno = errno;
       entry.live = true;
     }
     ws.reset();

@@ -59,6 +59,7 @@ struct ListEntry {
   bool live = false;
   std::string metaText;  // contents of meta/<name>.json when metaErrno == 0
   int metaErrno = 0;
+  int probeErrno = 0;  // the lease probe's flock failed with this (not EWOULDBLOCK): liveness undecided, `live` set
 };
 
 struct AdoptResult {

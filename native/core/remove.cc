@@ -19,9 +19,10 @@
 namespace vmspace {
 namespace {
 
+// One directory being emptied. No path is kept per level (a chain 100,000 deep would cost the square of its
+// depth in memory): a path is built from the names of the stack only when an error is reported.
 struct Frame {
   DIR* dir;          // null while closed to bound the fds a deep tree takes (see kMaxOpenFrames)
-  std::string path;  // display path of this directory
   std::string name;  // its name in the frame below (empty for the root of the walk)
   dev_t dev;
   ino_t ino;
@@ -39,14 +40,15 @@ class Remover {
   // Empties the directory `fd` (taken over; device `dev`, inode `ino`) at `path`, then, frame by frame, removes
   // each emptied directory.
   void emptyDirectory(int fd, const std::string& path, dev_t dev, ino_t ino) {
+    rootPath_ = path;
     DIR* d = fdopendir(fd);
     if (!d) {
       int err = errno;
       ::close(fd);
-      record(err, "fdopendir", path);
+      record(err, "fdopendir", 0);
       return;
     }
-    stack_.push_back(Frame{d, path, {}, dev, ino});
+    stack_.push_back(Frame{d, {}, dev, ino});
     while (!stack_.empty()) step();
   }
 
@@ -60,32 +62,64 @@ class Remover {
   }
 
  private:
-  void record(int err, const char* syscall, const std::string& path) {
+  // Records the first error; the path is that of the directory at `depth` in the stack, plus `leaf` if given.
+  void record(int err, const char* syscall, size_t depth, const char* leaf = nullptr) {
     if (first_) return;
     first_.emplace();
     first_->err = err;
     first_->syscall = syscall;
-    first_->path = path;
+    first_->path = rootPath_;
+    for (size_t i = 1; i <= depth && i < stack_.size(); i++) first_->path += "/" + stack_[i].name;
+    if (leaf) first_->path += std::string("/") + leaf;
   }
 
   // Climbing back into a parent whose DIR was closed: reopen it through the child's "..", and only if it is
   // still the same directory (a rename meanwhile must not redirect the walk). Restarting its readdir is fine:
   // what was removed is gone, and what could not be removed is in stuck_.
   bool reopenParent(Frame& parent, DIR* child) {
-    int fd = openat(dirfd(child), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
-    struct stat st;
+    size_t depth = stack_.size() - 1;  // the parent is the top of the stack
+    int fd = openDir(dirfd(child), "..");
+    struct stat st{};
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino) {
+      int err = fd < 0 ? errno : ESTALE;  // ESTALE: another directory is there now
       if (fd >= 0) ::close(fd);
-      record(ESTALE, "openat", parent.path);
+      record(err, "openat", depth);
       return false;
     }
     parent.dir = fdopendir(fd);
     if (!parent.dir) {
-      record(errno, "fdopendir", parent.path);
+      record(errno, "fdopendir", depth);
       ::close(fd);
       return false;
     }
     return true;
+  }
+
+  // Opens the directory `name` in `dfd`. Under a low RLIMIT_NOFILE (EMFILE, ENFILE) it closes the walk's
+  // shallowest open directory but the top one and tries again: removal needs two fds, not kMaxOpenFrames.
+  int openDir(int dfd, const char* name) {
+    for (;;) {
+      int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+      int err = errno;
+      if (!closeShallowest()) {
+        errno = err;
+        return -1;
+      }
+    }
+  }
+
+  // Only the kMaxOpenFrames + 1 deepest frames can be open (descend closes the one above them).
+  bool closeShallowest() {
+    size_t n = stack_.size();
+    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
+      if (stack_[i].dir) {
+        closedir(stack_[i].dir);
+        stack_[i].dir = nullptr;
+        return true;
+      }
+    }
+    return false;
   }
 
   void step() {
@@ -93,7 +127,7 @@ class Remover {
     errno = 0;
     struct dirent* de = readdir(top.dir);
     if (!de) {
-      if (errno) record(errno, "readdir", top.path);
+      if (errno) record(errno, "readdir", stack_.size() - 1);
       Frame done = std::move(top);
       stack_.pop_back();
       if (!stack_.empty() && !stack_.back().dir && !reopenParent(stack_.back(), done.dir)) {
@@ -107,7 +141,7 @@ class Remover {
       if (!stack_.empty()) {
         Frame& parent = stack_.back();
         if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
-          record(errno, "rmdir", done.path);
+          record(errno, "rmdir", stack_.size() - 1, done.name.c_str());
           stuck_.insert(InodeKey{done.dev, done.ino});  // not entered again when its parent is read again
         }
       }
@@ -125,27 +159,32 @@ class Remover {
 
   // Opens `name` as a directory and pushes it; false when it is not a directory (then it is unlinked instead).
   bool descend(Frame& top, int dfd, const char* name) {
-    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0 && errno == EACCES && !root_) {
+    size_t depth = stack_.size() - 1;
+    (void)top;
+    int fd = openDir(dfd, name);
+    int err = fd < 0 ? errno : 0;
+    if (fd < 0 && err == EACCES && !root_) {
       // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
-      if (fchmodat(dfd, name, S_IRWXU, AT_SYMLINK_NOFOLLOW) == 0)
-        fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+      // Should that fail too (not our directory: EPERM), the openat's EACCES is what went wrong.
+      if (fchmodat(dfd, name, S_IRWXU, AT_SYMLINK_NOFOLLOW) == 0) {
+        fd = openDir(dfd, name);
+        err = fd < 0 ? errno : 0;
+      }
     }
     if (fd < 0) {
-      if (errno == ENOTDIR || errno == ELOOP) return false;  // a file or symlink (or became one): unlink it
-      if (errno != ENOENT) record(errno, "openat", top.path + "/" + name);
+      if (err == ENOTDIR || err == ELOOP) return false;  // a file or symlink (or became one): unlink it
+      if (err != ENOENT) record(err, "openat", depth, name);
       return true;
     }
-    std::string path = top.path + "/" + name;
     struct statx stx;
-    if (statxFd(fd, STATX_MODE | STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &stx) != 0) {
-      record(errno, "statx", path);
+    if (statxFd(fd, STATX_MODE | kStatxMntId | STATX_BLOCKS | STATX_INO, &stx) != 0) {
+      record(errno, "statx", depth, name);
       ::close(fd);
       return true;
     }
-    if (mountOf(stx) != mount_) {
+    if (mountOf(fd, stx) != mount_) {
       // Another file system (or a bind mount of this one) is mounted here: never enter it.
-      record(EBUSY, "rmdir", path);
+      record(EBUSY, "rmdir", depth, name);
       ::close(fd);
       return true;
     }
@@ -158,11 +197,16 @@ class Remover {
     if (bytes_) *bytes_ += stx.stx_blocks * 512;
     DIR* d = fdopendir(fd);
     if (!d) {
-      record(errno, "fdopendir", path);
+      record(errno, "fdopendir", depth, name);
       ::close(fd);
       return true;
     }
-    stack_.push_back(Frame{d, std::move(path), name, dev, static_cast<ino_t>(stx.stx_ino)});
+    try {
+      stack_.push_back(Frame{d, name, dev, static_cast<ino_t>(stx.stx_ino)});
+    } catch (...) {
+      closedir(d);
+      throw;
+    }
     if (stack_.size() > kMaxOpenFrames) {
       Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
       if (old.dir) {
@@ -179,17 +223,23 @@ class Remover {
       if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) *bytes_ += static_cast<uint64_t>(st.st_blocks) * 512;
     }
     if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return;
-    if ((errno == EACCES || errno == EPERM) && !root_ && fchmod(dfd, S_IRWXU) == 0 && unlinkat(dfd, name, 0) == 0)
-      return;
-    if (errno == EISDIR) {
+    // The unlinkat's errno is the one reported: a failed fchmod fallback (EPERM: the directory is another
+    // user's) must not hide the EACCES that said why the entry could not be removed.
+    int err = errno;
+    if ((err == EACCES || err == EPERM) && !root_ && fchmod(dfd, S_IRWXU) == 0) {
+      if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return;
+      err = errno;
+    }
+    if (err == EISDIR) {
       // Became a directory since readdir: take it on the next pass of this directory.
       if (descend(top, dfd, name)) return;
     }
-    record(errno, "unlinkat", top.path + "/" + name);
+    record(err, "unlinkat", stack_.size() - 1, name);
   }
 
   uint64_t mount_;
   bool root_;
+  std::string rootPath_;
   uint64_t* bytes_;
   std::vector<Frame> stack_;
   std::optional<Error> first_;
@@ -206,7 +256,7 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     if (errno == ENOENT || errno == EBUSY) throwErrno(errno, "rmdir", displayPath);
   }
   struct statx parent;
-  if (statxFd(parentFd, STATX_MNT_ID, &parent) != 0) throwErrno(errno, "statx", displayPath);
+  if (statxFd(parentFd, kStatxMntId, &parent) != 0) throwErrno(errno, "statx", displayPath);
   int fd = openat(parentFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) {
     if (errno == ENOTDIR || errno == ELOOP) {
@@ -220,17 +270,17 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     throwErrno(errno, "openat", displayPath);
   }
   struct statx self;
-  if (statxFd(fd, STATX_MNT_ID | STATX_BLOCKS | STATX_INO, &self) != 0) {
+  if (statxFd(fd, kStatxMntId | STATX_BLOCKS | STATX_INO, &self) != 0) {
     int err = errno;
     ::close(fd);
     throwErrno(err, "statx", displayPath);
   }
-  if (mountOf(self) != mountOf(parent)) {
+  if (mountOf(fd, self) != mountOf(parentFd, parent)) {
     ::close(fd);
     throwErrno(EBUSY, "rmdir", displayPath);
   }
   if (bytes) *bytes += self.stx_blocks * 512;
-  Remover remover(mountOf(self), bytes);
+  Remover remover(mountOf(fd, self), bytes);
   remover.emptyDirectory(fd, displayPath, makedev(self.stx_dev_major, self.stx_dev_minor),
                          static_cast<ino_t>(self.stx_ino));
   remover.rethrowFirst();

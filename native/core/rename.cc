@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,8 +12,20 @@
 namespace vmspace {
 
 void renameNoReplace(const std::string& from, const std::string& to) {
-  if (renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0)
-    throwErrno(errno, "renameat2", from, to);
+  if (renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  struct stat st;
+  // EINVAL is also renameat2's answer to moving a directory beneath itself, so only a non-directory is moved the
+  // other way: link(2) never replaces (EEXIST), then the old name goes. A directory keeps renameat2's errno.
+  if (!noReplaceUnsupported(err) || fstatat(AT_FDCWD, from.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+      S_ISDIR(st.st_mode))
+    throwErrno(err, "renameat2", from, to);
+  if (linkat(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), 0) != 0) throwErrno(errno, "link", from, to);
+  if (unlinkat(AT_FDCWD, from.c_str(), 0) != 0) {
+    err = errno;
+    unlinkat(AT_FDCWD, to.c_str(), 0);  // the link made just now: `from` stays where it was
+    throwErrno(err, "unlink", from, to);
+  }
 }
 
 int publishFileNoReplace(int fromDir, const char* from, int toDir, const char* to, const char** syscall) {

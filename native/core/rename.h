@@ -6,7 +6,9 @@
 
 namespace vmspace {
 
-// Moves `from` to `to`; EEXIST when `to` exists (RENAME_NOREPLACE), never replacing it.
+// Moves `from` to `to`; EEXIST when `to` exists (RENAME_NOREPLACE), never replacing it. Where the file system
+// refuses the flag (EINVAL/ENOSYS), a non-directory moves by link(2) + unlink(2) (EEXIST as well); a directory
+// fails with renameat2's errno.
 void renameNoReplace(const std::string& from, const std::string& to);
 
 // Publishes the file `from` in `fromDir` (a temp name of ours) as `to` in `toDir`, never replacing what is there:

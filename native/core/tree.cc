@@ -3,9 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/openat2.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -14,7 +12,9 @@
 #include <memory>
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -27,50 +27,81 @@
 #include "statx.h"
 #include "rename.h"
 
+
 namespace vmspace {
 namespace {
 
 constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 
-// Opens the directory `rel` (normalised, relative) beneath `rootFd` without following any symlink on the way:
-// openat2(2) RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS (Linux 5.6), or an O_NOFOLLOW walk where openat2 is missing.
-int openDirBeneath(int rootFd, const std::string& rel) {
-  if (rel.empty()) return fcntl(rootFd, F_DUPFD_CLOEXEC, 0);
-  static std::atomic<bool> noOpenat2{false};
-  if (!noOpenat2.load(std::memory_order_relaxed)) {
-    struct open_how how = {};
-    how.flags = kDirFlags;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-    int fd = static_cast<int>(syscall(SYS_openat2, rootFd, rel.c_str(), &how, sizeof how));
-    if (fd >= 0 || errno != ENOSYS) return fd;
-    noOpenat2.store(true, std::memory_order_relaxed);
+// An entry's name below the roots of a walk, linked to its directory's. No path is kept per level (a chain
+// 100,000 deep would cost the square of its depth in memory and outgrow PATH_MAX): one is built from the chain
+// only where it is reported (an error) or needed (a hard link to an earlier entry).
+struct Name {
+  std::shared_ptr<Name> parent;  // null for an entry of the roots
+  std::string name;
+  Name(std::shared_ptr<Name> p, const char* n) : parent(std::move(p)), name(n) {}
+  Name(const Name&) = delete;
+  Name& operator=(const Name&) = delete;
+  // Iterative: dropping the last reference to a chain 100,000 deep must not recurse once per level.
+  ~Name() {
+    std::shared_ptr<Name> p = std::move(parent);
+    while (p && p.use_count() == 1) p = std::move(p->parent);
   }
-  UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
-  size_t start = 0;
-  while (cur) {
-    size_t slash = rel.find('/', start);
-    std::string comp = rel.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
-    cur.reset(openat(cur.get(), comp.c_str(), kDirFlags));
-    if (slash == std::string::npos) break;
-    start = slash + 1;
+};
+using NameRef = std::shared_ptr<Name>;
+
+// What an error or a hard link names: the entry `leaf` of the directory `dir` (null: the roots), or with a null
+// `leaf` the directory itself.
+struct Rel {
+  const Name* dir = nullptr;
+  const char* leaf = nullptr;
+};
+
+// `rel` as a path below `root` ("" for a path relative to the roots).
+std::string joinPath(const std::string& root, const Rel& rel) {
+  std::vector<const Name*> chain;
+  for (const Name* n = rel.dir; n; n = n->parent.get()) chain.push_back(n);
+  std::string p = root;
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    if (!p.empty()) p += '/';
+    p += (*it)->name;
   }
-  return cur.release();
+  if (rel.leaf) {
+    if (!p.empty()) p += '/';
+    p += rel.leaf;
+  }
+  return p;
 }
 
-// The walk. Each directory is a task: its entries are recreated by whichever thread takes it, regular files
-// (reflink or copy) inline, subdirectories made and queued as new tasks. Up to kMaxThreads threads take tasks
-// (the calling thread plus helpers started once there is queued work): the per-file cost is kernel work
-// (openat(O_CREAT) and FICLONE take most of it), so the walk scales with cores, not with fewer syscalls.
-// Tasks hold no fds while queued (they reopen their directory beneath the roots), so a wide tree cannot run
-// out of descriptors. A directory's mode and times are set when it and every directory below it are done.
+// What new entries in a destination directory are owned by (see TreeCloner::subdirectory).
 struct Owner {
   uid_t uid;
   gid_t gid;
 };
 
+// A source directory's mode and times, set on its clone once everything in it is written.
+struct DirMeta {
+  mode_t mode;
+  struct timespec atime, mtime;
+};
+
+DirMeta metaOf(const struct stat& st) { return DirMeta{st.st_mode, st.st_atim, st.st_mtim}; }
+
+// The walk: depth first, each thread over a stack of directories (a source DIR and a destination fd each) of
+// which only the kMaxOpenFrames deepest are open; the ones above are closed and, when the walk climbs back,
+// reopened through ".." (checked by device and inode, so a rename meanwhile cannot redirect the walk) and their
+// readdir resumed where it stopped (seekdir to the telldir cookie: the d_off that getdents(2) reports, stable
+// across opens on the file systems NFS can export, which is what nfsd relies on). So memory is proportional to
+// depth (a name and a few numbers per level), fds are bounded and time is linear in entries, at any depth.
+// Up to kMaxThreads threads share the work (the per-file cost is kernel work: openat(O_CREAT) and FICLONE): a
+// thread that finds a subdirectory while the queue has room hands it over, already opened, instead of entering
+// it. When no thread can be started (EAGAIN at RLIMIT_NPROC) the calling thread walks alone.
+// A directory's mode and times are set when its own entries are done: what is written below it later (by
+// another thread, through fds it already holds) changes neither its mtime nor needs a permission of it.
 class TreeCloner {
  public:
   static constexpr unsigned kMaxThreads = 4;
+  static constexpr size_t kMaxOpenFrames = 16;  // per thread: 2 fds each
 
   TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
              std::string dstRoot)
@@ -78,28 +109,26 @@ class TreeCloner {
         dstRoot_(std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()) {
     unsigned cores = std::thread::hardware_concurrency();
     maxThreads_ = std::max(1u, std::min(kMaxThreads, cores ? cores : 1u));
+    helpers_.reserve(kMaxThreads);
   }
 
-  ~TreeCloner() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : helpers_) t.join();
-  }
+  ~TreeCloner() { joinHelpers(); }
 
   // Fills the (empty) destination root with the contents of the source root. Throws the first error.
   void cloneContents() {
-    struct stat st;
-    if (fstat(dstRootFd_, &st) == 0) skip_ = {st.st_dev, st.st_ino};  // never walk into the tree being built
     auto root = std::make_unique<Task>();
-    root->applyMeta = false;
-    Task* r = root.get();
+    struct stat s, d;
+    if (fstat(srcRootFd_, &s) != 0) throwErrno(errno, "fstat", srcRoot_);
+    if (fstat(dstRootFd_, &d) != 0) throwErrno(errno, "fstat", dstRoot_);
+    skip_ = {d.st_dev, d.st_ino};  // never walk into the tree being built
+    root->src.reset(fcntl(srcRootFd_, F_DUPFD_CLOEXEC, 0));
+    if (!root->src) throwErrno(errno, "fcntl", srcRoot_);
+    root->dst.reset(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
+    if (!root->dst) throwErrno(errno, "fcntl", dstRoot_);
+    root->dir = Dir{nullptr, {s.st_dev, s.st_ino}, {d.st_dev, d.st_ino}, metaOf(s), createdIn(d), false};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(root));
-      queue_.push_back(r);
+      queue_.push_back(std::move(root));
     }
     work();
     {
@@ -107,58 +136,101 @@ class TreeCloner {
       cv_.wait(lock, [&] { return active_ == 0; });
       stop_ = true;
     }
-    cv_.notify_all();
-    for (auto& t : helpers_) t.join();
-    helpers_.clear();
+    joinHelpers();
     if (failed_) throw firstError_;
   }
 
   // Applies a source directory's metadata to a destination directory (the root of a tree clone).
-  void copyDirMeta(int srcFd, int dstFd, const struct stat& st, const std::string& rel) {
+  void copyDirMeta(int srcFd, int dstFd, const struct stat& st) {
     struct stat now;
-    if (fstat(dstFd, &now) != 0) throwErrno(errno, "fstat", dstPath(rel));
-    copyOwnerXattrs(srcFd, dstFd, st, rel, {now.st_uid, now.st_gid});
-    setModeTimes(dstFd, st, rel);
+    if (fstat(dstFd, &now) != 0) throwErrno(errno, "fstat", dstPath(Rel{}));
+    copyOwnerXattrs(srcFd, dstFd, st, Rel{}, {now.st_uid, now.st_gid});
+    setModeTimes(dstFd, metaOf(st), Rel{});
   }
 
   CloneSummary summary;  // complete after cloneContents returns
 
  private:
-  struct Task {
-    std::string rel;   // below the roots ("" for the roots)
-    struct stat st{};  // the source directory's
-    bool applyMeta = true;
-    Task* parent = nullptr;
-    std::atomic<int> pending{1};  // its own entries, plus each subdirectory not yet complete
+  // A directory of the walk: what finishing it and climbing back into it need.
+  struct Dir {
+    NameRef name;  // null for the roots
+    InodeKey srcId, dstId;
+    DirMeta meta;
+    Owner created;
+    bool applyMeta;
   };
 
-  std::string srcPath(const std::string& rel) const { return rel.empty() ? srcRoot_ : srcRoot_ + "/" + rel; }
-  std::string dstPath(const std::string& rel) const { return rel.empty() ? dstRoot_ : dstRoot_ + "/" + rel; }
+  // A directory handed to whichever thread is free, with its fds (the queue is bounded, and so are they).
+  struct Task {
+    UniqueFd src, dst;
+    Dir dir;
+  };
 
-  // The loop of every thread: take a task, do it, until no task is queued and none is running.
+  struct Frame {
+    DIR* src = nullptr;  // null (and dst -1) while closed: above the kMaxOpenFrames deepest of its stack
+    int dst = -1;
+    long pos = 0;  // telldir(src) when it was closed: where its readdir resumes
+    Dir dir;
+  };
+
+  // One thread's directories, its task's root first. Closes what is open, deepest first (so that the names are
+  // freed one at a time, never as a chain).
+  struct Stack {
+    std::deque<Frame> frames;
+    Stack() = default;
+    Stack(const Stack&) = delete;
+    Stack& operator=(const Stack&) = delete;
+    ~Stack() {
+      while (!frames.empty()) pop();
+    }
+    void pop() {
+      Frame& f = frames.back();
+      if (f.src) closedir(f.src);
+      if (f.dst >= 0) ::close(f.dst);
+      frames.pop_back();
+    }
+  };
+
+  std::string srcPath(const Rel& rel) const { return joinPath(srcRoot_, rel); }
+  std::string dstPath(const Rel& rel) const { return joinPath(dstRoot_, rel); }
+  static Rel self(const Frame& f) { return Rel{f.dir.name.get(), nullptr}; }
+
+  // New entries are owned by our uid, and our gid or the directory's where it is setgid (mkdir(2)/open(2)
+  // inherit the group of a setgid directory).
+  Owner createdIn(const struct stat& dst) const { return Owner{euid_, (dst.st_mode & S_ISGID) ? dst.st_gid : egid_}; }
+
+  void joinHelpers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : helpers_) t.join();
+    helpers_.clear();
+  }
+
+  // The loop of every thread: take a task, walk it, until no task is queued and none is running.
   void work() {
     CloneSummary local;
     for (;;) {
-      Task* t;
+      std::unique_ptr<Task> t;
       {
         std::unique_lock<std::mutex> lock(mu_);
+        idle_++;
         cv_.wait(lock, [&] { return stop_ || !queue_.empty() || active_ == 0; });
+        idle_--;
         if (stop_ || queue_.empty()) break;
-        t = queue_.back();  // LIFO: depth first, so directories complete (and are finished) early
+        t = std::move(queue_.back());
         queue_.pop_back();
         active_++;
       }
       try {
-        directory(t, local);
-        complete(t);
-      } catch (const Error& e) {
-        fail(e);
-      } catch (const std::bad_alloc&) {
-        Error e;
-        e.err = ENOMEM;
-        e.syscall = "malloc";
-        fail(e);
+        walk(*t, local);
+      } catch (...) {
+        // Whatever it is (an Error, bad_alloc, system_error): the clone fails with it, no thread ends on it.
+        fail(currentError());
       }
+      t.reset();
       {
         std::lock_guard<std::mutex> lock(mu_);
         active_--;
@@ -195,70 +267,128 @@ class TreeCloner {
     cv_.notify_all();
   }
 
-  void enqueue(std::unique_ptr<Task> task) {
-    bool spawn = false;
+  // Queues `task` for another thread when the queue has room, starting a helper if none is free; false (the
+  // caller walks it itself) otherwise.
+  bool handOff(std::unique_ptr<Task>& task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(task.get());
-      tasks_.push_back(std::move(task));
-      spawn = queue_.size() > 1 && helpers_.size() + 1 < maxThreads_ && !stop_;
-      if (spawn) helpers_.emplace_back([this] { work(); });
+      if (maxThreads_ < 2 || stop_ || queue_.size() >= maxThreads_) return false;
+      queue_.push_back(std::move(task));
+      if (idle_ < queue_.size() && helpers_.size() + 1 < maxThreads_) {
+        try {
+          helpers_.emplace_back([this] { work(); });
+        } catch (const std::system_error&) {
+          // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the threads there are do the work.
+          maxThreads_ = static_cast<unsigned>(helpers_.size()) + 1;
+        }
+      }
     }
     cv_.notify_one();
+    return true;
   }
 
-  // A task's own entries are done, or one of its subdirectories completed: when nothing is left, set its mode
-  // and times (post-order) and tell its parent.
-  void complete(Task* t) {
-    while (t && t->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      if (t->applyMeta) {
-        UniqueFd dst(openDirBeneath(dstRootFd_, t->rel));
-        if (!dst) throwErrno(errno, "open", dstPath(t->rel));
-        setModeTimes(dst.get(), t->st, t->rel);
-      }
-      t = t->parent;
-    }
-  }
-
-  void directory(Task* t, CloneSummary& local) {
-    UniqueFd src(openDirBeneath(srcRootFd_, t->rel));
-    if (!src) throwErrno(errno, "open", srcPath(t->rel), dstPath(t->rel));
-    UniqueFd dst(openDirBeneath(dstRootFd_, t->rel));
-    if (!dst) throwErrno(errno, "open", srcPath(t->rel), dstPath(t->rel));
-    // Owner and xattrs now; mode and times once everything below is written (complete()).
-    struct stat dstSt;
-    if (fstat(dst.get(), &dstSt) != 0) throwErrno(errno, "fstat", dstPath(t->rel));
-    if (t->applyMeta && copyOwnerXattrs(src.get(), dst.get(), t->st, t->rel, {dstSt.st_uid, dstSt.st_gid}) &&
-        fstat(dst.get(), &dstSt) != 0)
-      throwErrno(errno, "fstat", dstPath(t->rel));
-    // What new entries here are owned by: our uid, and our gid, or the directory's where it is setgid
-    // (mkdir(2)/open(2) inherit the group of a setgid directory).
-    Owner created{euid_, (dstSt.st_mode & S_ISGID) ? dstSt.st_gid : egid_};
-    int sfd = src.get();
-    DIR* dir = fdopendir(src.release());
-    if (!dir) {
-      int err = errno;
-      ::close(sfd);
-      throwErrno(err, "opendir", srcPath(t->rel));
-    }
-    std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
-    for (;;) {
+  void walk(Task& task, CloneSummary& local) {
+    Stack stack;
+    push(stack, std::move(task.src), std::move(task.dst), std::move(task.dir));
+    while (!stack.frames.empty()) {
+      Frame& top = stack.frames.back();
       errno = 0;
-      struct dirent* de = readdir(dir);
+      struct dirent* de = readdir(top.src);
       if (!de) {
-        if (errno) throwErrno(errno, "readdir", srcPath(t->rel));
-        return;
+        if (errno) throwErrno(errno, "readdir", srcPath(self(top)));
+        finish(stack);
+        continue;
       }
       const char* name = de->d_name;
       if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
       if (stop_ || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
-        throwErrno(ECANCELED, "clone", srcPath(t->rel), dstPath(t->rel));
-      entry(t, sfd, dst.get(), name, created, local);
+        throwErrno(ECANCELED, "clone", srcPath(self(top)), dstPath(self(top)));
+      entry(stack, top, name, local);
     }
   }
 
-  void entry(Task* t, int sdir, int ddir, const char* name, Owner created, CloneSummary& local) {
-    std::string rel = t->rel.empty() ? std::string(name) : t->rel + "/" + name;
+  // Enters a directory (its fds taken over); closes the one kMaxOpenFrames above it.
+  void push(Stack& stack, UniqueFd src, UniqueFd dst, Dir dir) {
+    stack.frames.emplace_back();
+    Frame& f = stack.frames.back();
+    f.dir = std::move(dir);
+    f.dst = dst.release();
+    f.src = fdopendir(src.get());
+    if (!f.src) throwErrno(errno, "opendir", srcPath(self(f)));
+    src.release();
+    if (stack.frames.size() > kMaxOpenFrames) {
+      Frame& old = stack.frames[stack.frames.size() - kMaxOpenFrames - 1];
+      if (old.src) closeFrame(old);
+    }
+  }
+
+  // The top directory's entries are done: reopen its parent if it was closed (while this one still has the
+  // permissions that ".." needs), set its mode and times, and leave it.
+  void finish(Stack& stack) {
+    Frame& top = stack.frames.back();
+    if (stack.frames.size() > 1) {
+      Frame& parent = stack.frames[stack.frames.size() - 2];
+      if (!parent.src) reopen(stack, parent, top);
+    }
+    if (top.dir.applyMeta) setModeTimes(top.dst, top.dir.meta, self(top));
+    stack.pop();
+  }
+
+  // openat(2) that, under a low RLIMIT_NOFILE (EMFILE, ENFILE), closes the shallowest open directory of the
+  // thread's stack but the top one and tries again: the walk needs six fds (a directory and its child on both
+  // sides, and a file), not kMaxOpenFrames.
+  int openIn(Stack& stack, int dirFd, const char* name, int flags, mode_t mode = 0) {
+    for (;;) {
+      int fd = openat(dirFd, name, flags, mode);
+      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+      int err = errno;
+      if (!closeShallowest(stack)) {
+        errno = err;
+        return -1;
+      }
+    }
+  }
+
+  // Only the kMaxOpenFrames + 1 deepest frames can be open (push closes the one above them).
+  static bool closeShallowest(Stack& stack) {
+    size_t n = stack.frames.size();
+    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
+      if (stack.frames[i].src) {
+        closeFrame(stack.frames[i]);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  static void closeFrame(Frame& f) {
+    f.pos = telldir(f.src);
+    closedir(f.src);
+    f.src = nullptr;
+    ::close(f.dst);
+    f.dst = -1;
+  }
+
+  void reopen(Stack& stack, Frame& parent, const Frame& child) {
+    UniqueFd src(openIn(stack, dirfd(child.src), "..", kDirFlags));
+    UniqueFd dst(openIn(stack, child.dst, "..", kDirFlags));
+    struct stat s, d;
+    if (!src || fstat(src.get(), &s) != 0 || !(InodeKey{s.st_dev, s.st_ino} == parent.dir.srcId))
+      throwErrno(src ? ESTALE : errno, "open", srcPath(self(parent)));
+    if (!dst || fstat(dst.get(), &d) != 0 || !(InodeKey{d.st_dev, d.st_ino} == parent.dir.dstId))
+      throwErrno(dst ? ESTALE : errno, "open", dstPath(self(parent)));
+    DIR* dir = fdopendir(src.get());
+    if (!dir) throwErrno(errno, "opendir", srcPath(self(parent)));
+    src.release();
+    seekdir(dir, parent.pos);
+    parent.src = dir;
+    parent.dst = dst.release();
+  }
+
+  void entry(Stack& stack, Frame& top, const char* name, CloneSummary& local) {
+    int sdir = dirfd(top.src), ddir = top.dst;
+    Owner created = top.dir.created;
+    Rel rel{top.dir.name.get(), name};
     struct stat st;
     if (fstatat(sdir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) return;  // removed from the source since readdir
@@ -269,16 +399,11 @@ class TreeCloner {
         if (st.st_dev == skip_.dev && st.st_ino == skip_.ino) return;
         if (mkdirat(ddir, name, 0700) != 0) throwErrno(errno, "mkdir", srcPath(rel), dstPath(rel));
         local.dirs++;
-        auto child = std::make_unique<Task>();
-        child->rel = std::move(rel);
-        child->st = st;
-        child->parent = t;
-        t->pending.fetch_add(1, std::memory_order_relaxed);
-        enqueue(std::move(child));
+        subdirectory(stack, top, name);
         return;
       }
       case S_IFREG:
-        regular(sdir, ddir, name, rel, st, created, local);
+        regular(stack, sdir, ddir, name, top.dir.name, rel, st, created, local);
         return;
       case S_IFLNK: {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
@@ -316,16 +441,53 @@ class TreeCloner {
     }
   }
 
-  void regular(int sdir, int ddir, const char* name, const std::string& rel, const struct stat& st, Owner created,
-               CloneSummary& local) {
+  // The directory `name` of `top`, just made in the destination: opened on both sides, its owner and xattrs
+  // set (mode and times come in finish()), then handed to another thread or entered.
+  void subdirectory(Stack& stack, Frame& top, const char* name) {
+    auto task = std::make_unique<Task>();
+    NameRef node = std::make_shared<Name>(top.dir.name, name);
+    Rel rel{node.get(), nullptr};
+    task->src.reset(openIn(stack, dirfd(top.src), name, kDirFlags));
+    if (!task->src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
+    task->dst.reset(openIn(stack, top.dst, name, kDirFlags));
+    if (!task->dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
+    // The metadata of the directory opened (not of the name as fstatat saw it: it may have been replaced).
+    struct stat st, dst;
+    if (fstat(task->src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath(rel));
+    if (st.st_dev == skip_.dev && st.st_ino == skip_.ino) return;
+    if (fstat(task->dst.get(), &dst) != 0) throwErrno(errno, "fstat", dstPath(rel));
+    if (copyOwnerXattrs(task->src.get(), task->dst.get(), st, rel, {dst.st_uid, dst.st_gid}) &&
+        fstat(task->dst.get(), &dst) != 0)
+      throwErrno(errno, "fstat", dstPath(rel));
+    task->dir = Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst),
+                    true};
+    if (handOff(task)) return;
+    push(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
+  }
+
+  // Links `name` in `ddir` to the clone `target` made earlier (paths relative to the destination root).
+  void linkTo(const Name& target, int ddir, const char* name, const Rel& rel) {
+    std::string path = joinPath(std::string(), Rel{&target, nullptr});
+    if (linkat(dstRootFd_, path.c_str(), ddir, name, 0) == 0) return;
+    if (errno != ENAMETOOLONG) throwErrno(errno, "link", srcPath(rel), dstPath(rel));
+    // Deeper than PATH_MAX: open the target's directory one component at a time.
+    std::vector<const Name*> chain;
+    for (const Name* n = target.parent.get(); n; n = n->parent.get()) chain.push_back(n);
+    UniqueFd dir(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
+    for (auto it = chain.rbegin(); dir && it != chain.rend(); ++it) dir.reset(openat(dir.get(), (*it)->name.c_str(), kDirFlags));
+    if (!dir || linkat(dir.get(), target.name.c_str(), ddir, name, 0) != 0)
+      throwErrno(errno, "link", srcPath(rel), dstPath(rel));
+  }
+
+  void regular(Stack& stack, int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel, const struct stat& st,
+               Owner created, CloneSummary& local) {
     std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
     if (st.st_nlink > 1) {
       // Hard-linked files are cloned once, under a lock so that two threads never both clone one inode.
       linkLock.lock();
       auto it = links_.find({st.st_dev, st.st_ino});
       if (it != links_.end()) {
-        if (linkat(dstRootFd_, it->second.c_str(), ddir, name, 0) != 0)
-          throwErrno(errno, "link", srcPath(rel), dstPath(rel));
+        linkTo(*it->second, ddir, name, rel);
         local.hardlinks++;
         return;
       }
@@ -335,14 +497,14 @@ class TreeCloner {
     // clone of it then fails: FICLONE and lseek refuse a fifo).
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
-    UniqueFd src(openat(sdir, name, flags));
-    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openat(sdir, name, flags & ~O_NOATIME));
+    UniqueFd src(openIn(stack, sdir, name, flags));
+    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openIn(stack, sdir, name, flags & ~O_NOATIME));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     // Created with its final permission bits where the umask keeps them, saving an fchmod per file; the
     // tree is private until published (its root is 0700).
     mode_t perm = st.st_mode & 0777;
     bool exact = (perm & umask_) == 0 && (st.st_mode & 07000) == 0;
-    UniqueFd dst(openat(ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
+    UniqueFd dst(openIn(stack, ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     CloneFileResult data;
     try {
@@ -362,7 +524,7 @@ class TreeCloner {
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
     if (opts_.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath(rel));
-    if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, rel);
+    if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, std::make_shared<Name>(dir, name));
     (data.method == CloneMethod::Reflink ? local.reflinked : local.copied)++;
     local.files++;
     local.bytes += data.bytes;
@@ -377,7 +539,7 @@ class TreeCloner {
   // then be set again). Where the owner (group) could not be kept, *dropSetId (when given) receives the set-user-ID
   // (set-group-ID) bit to leave out of the mode, and security.capability is not copied: privileges of the
   // source's owner are never handed to another (as cp(1) does).
-  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const std::string& rel, Owner now,
+  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const Rel& rel, Owner now,
                        mode_t* dropSetId = nullptr) {
     bool chowned = false, kept = true;
     if (st.st_uid != now.uid || st.st_gid != now.gid) {
@@ -396,14 +558,14 @@ class TreeCloner {
     return chowned;
   }
 
-  void setModeTimes(int dfd, const struct stat& st, const std::string& rel) {
-    if (fchmod(dfd, st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
-    struct timespec times[2] = {st.st_atim, st.st_mtim};
+  void setModeTimes(int dfd, const DirMeta& st, const Rel& rel) {
+    if (fchmod(dfd, st.mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    struct timespec times[2] = {st.atime, st.mtime};
     if (futimens(dfd, times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
   }
 
   // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
-  void nodeMeta(int ddir, const char* name, const struct stat& st, const std::string& rel, Owner created,
+  void nodeMeta(int ddir, const char* name, const struct stat& st, const Rel& rel, Owner created,
                 bool symlink) {
     mode_t mode = st.st_mode & 07777;
     if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
@@ -418,7 +580,7 @@ class TreeCloner {
   }
 
   // `capability`: whether security.capability is copied (only where the owner is kept).
-  void copyXattrs(int sfd, int dfd, const std::string& rel, bool capability) {
+  void copyXattrs(int sfd, int dfd, const Rel& rel, bool capability) {
     char names[4096];
     ssize_t len = flistxattr(sfd, names, sizeof names);
     std::unique_ptr<char[]> big;
@@ -463,21 +625,21 @@ class TreeCloner {
   uid_t euid_;
   gid_t egid_;
   mode_t umask_;
-  unsigned maxThreads_;
+  unsigned maxThreads_;  // lowered (under mu_) when a thread cannot be started
   InodeKey skip_{0, 0};
 
   std::mutex mu_;  // guards everything below it but the atomics
   std::condition_variable cv_;
-  std::vector<Task*> queue_;
-  std::vector<std::unique_ptr<Task>> tasks_;  // every task, freed with the cloner
+  std::vector<std::unique_ptr<Task>> queue_;  // at most maxThreads_
   std::vector<std::thread> helpers_;
   unsigned active_ = 0;
+  size_t idle_ = 0;  // threads waiting for a task
   std::atomic<bool> stop_{false};  // also read without the lock, between entries
   bool failed_ = false;
   Error firstError_;
 
   std::mutex linkMu_;
-  std::unordered_map<InodeKey, std::string, InodeHash> links_;  // source inode -> its clone's path below dstRoot
+  std::unordered_map<InodeKey, NameRef, InodeHash> links_;  // source inode -> its clone's name below dstRoot
 };
 
 void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
@@ -551,7 +713,7 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
     if (!root) throwErrno(errno, "open", dstPath);
     TreeCloner cloner(options, progress, src.get(), root.get(), srcPath, dstPath);
     cloner.cloneContents();
-    cloner.copyDirMeta(src.get(), root.get(), st, "");
+    cloner.copyDirMeta(src.get(), root.get(), st);
     if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
       int err = errno;
@@ -574,7 +736,7 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   } catch (...) {
     try {
       removeTreeNoFollow(dstDirFd, tmp, tmpPath);
-    } catch (const Error&) {
+    } catch (...) {
       // The original error is the one to report; what is left carries a .vmspace-tmp- name.
     }
     throw;
