@@ -177,13 +177,13 @@ for (const fsys of systems) {
       await withPool(base, async (pool, root) => {
         const ws = await pool.allocate()
         // Enough entries that the allocates are still reading when the replace lands.
-        for (let d = 0; d < 10; d++) {
+        for (let d = 0; d < 5; d++) {
           fs.mkdirSync(path.join(ws.path, `d${d}`))
           for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `old ${d}/${i}`)
         }
         const oldTree = contentTree(ws.path)
         const old = await pool.commit(ws, { name: 'base' })
-        for (let d = 0; d < 10; d++) for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `new ${d}/${i}`)
+        for (let d = 0; d < 5; d++) for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `new ${d}/${i}`)
         const newTree = contentTree(ws.path)
         const readers = Array.from({ length: 8 }, () => pool.allocate({ from: 'base' }))
         const replaced = await pool.commit(ws, { name: 'base', replace: true })
@@ -480,6 +480,34 @@ describe('the vmspace command and templates', () => {
       await ws.dispose()
     } finally {
       await pool.close()
+    }
+  })
+})
+
+describe('templates of deep trees', () => {
+  test('commit and allocate from a chain 5000 directories deep (far past PATH_MAX): the bottom file comes back with its mode', async () => {
+    const dir = freshDir(mounts.scratch, 'tpldeep')
+    const build = new Child(path.join(fixtures, 'faults-child.cjs'), [JSON.stringify({ op: 'build', dir, depth: 5000 })])
+    build.proc.stdin!.end()
+    expect((await build.next()).event).toBe('result')
+    await build.exited
+    const pool = await openPool(path.join(dir, 'pool'))
+    try {
+      const ws = await pool.allocate({ template: path.join(dir, 'chain') })
+      const t = await pool.commit(ws, { name: 'deep' })
+      expect(t.usage!.files).toBe(1)
+      const child = await pool.allocate({ from: 'deep' })
+      const found = runCommand('find', [child.path, '-type', 'f', '-printf', '%d %m %s\n']).stdout.trim()
+      expect(found).toBe('5001 644 6')
+      const tfound = runCommand('find', [t.path, '-type', 'f', '-printf', '%d %m\n']).stdout.trim()
+      expect(tfound).toBe('5001 444')
+      await child.dispose()
+      await ws.dispose()
+      expect(await pool.removeTemplate('deep')).toEqual({ id: t.id, removed: true })
+      noLeftovers(path.join(dir, 'pool'))
+    } finally {
+      await pool.close()
+      runCommand('rm', ['-rf', '--one-file-system', path.join(dir, 'chain')])
     }
   })
 })

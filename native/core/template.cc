@@ -156,47 +156,81 @@ void writeNewFile(int dirFd, const char* name, const std::string& data, mode_t m
   if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
 }
 
+// The mode list (`modes` in a template): the write bits a commit removed, as a walk of the tree replays them.
+// Records, each ending in NUL: "m<3 octal digits><name>" (an entry of the current directory had those write
+// bits), "d<name>" (into that subdirectory), "u" (back to the parent), "r<3 octal digits>" (the root's own).
+// Relative to the walk, never full paths: the list grows with the entries, not with depth times entries.
+
+// Moves `cur` to its parent, checked to be the directory `expect` (device and inode) that the walk came from.
+void walkUp(UniqueFd& cur, const struct stat& expect, const std::string& shown) {
+  UniqueFd up(openat(cur.get(), "..", kDirFlags));
+  if (!up) throwErrno(errno, "open", shown);
+  struct stat st;
+  if (fstat(up.get(), &st) != 0) throwErrno(errno, "fstat", shown);
+  if (st.st_dev != expect.st_dev || st.st_ino != expect.st_ino) throwErrno(ESTALE, "open", shown);
+  cur = std::move(up);
+}
+
 // Removes the write bits of every entry of the private tree `rootFd` but symlinks (whose mode means nothing),
-// recording them in `manifest` as "<octal bits> <relative path>\0" ("" for the root), so that a clone can get
-// them back (restoreModes). Adds the tree's allocated bytes (st_blocks * 512, hard links once) to *allocated.
-// One directory fd is open at a time (directories to visit are kept as relative paths), so a deep tree costs
-// memory for its paths, not descriptors. The tree is our own build in staging: nothing else changes it.
+// recording them in `manifest` (the mode list above), so that a clone can get them back (restoreModes). Adds the
+// tree's allocated bytes (st_blocks * 512, hard links once) to *allocated. One directory fd is open at a time
+// (the walk goes down by name and up through "..", checked by device and inode), and memory holds the names of
+// one directory per level: any depth a clone handles, this handles. The tree is our own build in staging.
 void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated) {
   std::set<std::pair<dev_t, ino_t>> linked;  // inodes with several links already counted
-  auto record = [&](mode_t bits, const std::string& rel) {
-    if (fprintf(manifest, "%03o ", static_cast<unsigned>(bits)) < 0 ||
-        fwrite(rel.c_str(), 1, rel.size() + 1, manifest) != rel.size() + 1)
+  auto put = [&](char kind, mode_t bits, const std::string& name) {
+    bool ok = kind == 'm' || kind == 'r' ? fprintf(manifest, "%c%03o", kind, static_cast<unsigned>(bits)) == 4
+                                         : fputc(kind, manifest) != EOF;
+    if (!ok || fwrite(name.c_str(), 1, name.size() + 1, manifest) != name.size() + 1)
       throwErrno(errno ? errno : EIO, "write", shown);
   };
-  struct stat rootSt;
-  if (fstat(rootFd, &rootSt) != 0) throwErrno(errno, "fstat", shown);
+  struct Level {
+    std::vector<std::pair<std::string, unsigned char>> names;
+    size_t next = 0;
+    struct stat st;
+  };
+  std::vector<Level> stack(1);
+  std::string rel;  // of `cur` below the root, for errors only (grows with depth, not with entries)
+  UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
+  if (!cur) throwErrno(errno, "fcntl", shown);
+  if (fstat(cur.get(), &stack[0].st) != 0) throwErrno(errno, "fstat", shown);
+  const struct stat rootSt = stack[0].st;
   *allocated += static_cast<uint64_t>(rootSt.st_blocks) * 512;
-  std::vector<std::string> todo{""};
-  while (!todo.empty()) {
-    std::string rel = std::move(todo.back());
-    todo.pop_back();
-    std::string dirShown = rel.empty() ? shown : shown + "/" + rel;
-    UniqueFd dir(rel.empty() ? fcntl(rootFd, F_DUPFD_CLOEXEC, 0) : openat(rootFd, rel.c_str(), kDirFlags));
-    if (!dir) throwErrno(errno, "open", dirShown);
-    for (auto& entry : readNames(dir.get(), dirShown)) {
-      const std::string& name = entry.first;
-      std::string child = rel.empty() ? name : rel + "/" + name;
-      struct stat st;
-      if (fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
-        throwErrno(errno, "stat", shown + "/" + child);
-      if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
-      *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
-      if (S_ISLNK(st.st_mode)) continue;
-      if (st.st_mode & 0222) {
-        record(st.st_mode & 0222, child);
-        if (fchmodat(dir.get(), name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
-          throwErrno(errno, "chmod", shown + "/" + child);
-      }
-      if (S_ISDIR(st.st_mode)) todo.push_back(std::move(child));
+  stack[0].names = readNames(cur.get(), shown);
+  while (!stack.empty()) {
+    Level& top = stack.back();
+    if (top.next == top.names.size()) {
+      stack.pop_back();
+      if (stack.empty()) break;
+      walkUp(cur, stack.back().st, shown + rel);
+      rel.erase(rel.rfind('/'));
+      put('u', 0, "");
+      continue;
     }
+    const std::string name = top.names[top.next++].first;
+    struct stat st;
+    if (fstatat(cur.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "stat", shown + rel + "/" + name);
+    if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
+    *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
+    if (S_ISLNK(st.st_mode)) continue;
+    if (st.st_mode & 0222) {
+      put('m', st.st_mode & 0222, name);
+      if (fchmodat(cur.get(), name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
+        throwErrno(errno, "chmod", shown + rel + "/" + name);
+    }
+    if (!S_ISDIR(st.st_mode)) continue;
+    UniqueFd down(openat(cur.get(), name.c_str(), kDirFlags));
+    if (!down) throwErrno(errno, "open", shown + rel + "/" + name);
+    Level level;
+    level.st = st;
+    level.names = readNames(down.get(), shown + rel + "/" + name);
+    cur = std::move(down);
+    rel += "/" + name;
+    put('d', 0, name);
+    stack.push_back(std::move(level));
   }
   if (rootSt.st_mode & 0222) {
-    record(rootSt.st_mode & 0222, "");
+    put('r', rootSt.st_mode & 0222, "");
     if (fchmod(rootFd, rootSt.st_mode & 07777 & ~0222) != 0) throwErrno(errno, "fchmod", shown);
   }
 }
@@ -406,8 +440,15 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
   char* line = nullptr;
   size_t cap = 0;
   std::unique_ptr<char, void (*)(void*)> freeLine(nullptr, free);
-  std::string parentRel = "\x01";  // none open yet
-  UniqueFd parent;
+  // The walk of the mode list: one directory fd, down by name, up through ".." (checked against the way down).
+  UniqueFd cur(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
+  if (!cur) throwErrno(errno, "fcntl", wsPath);
+  std::vector<struct stat> trail(1);
+  std::string rel;  // of `cur` below the workspace, for errors only (grows with depth, not with entries)
+  if (fstat(cur.get(), &trail[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  auto corrupt = [&] {
+    throwCode("ERR_CORRUPT_METADATA", "a record of the template's mode list does not parse", EINVAL, "read", shown);
+  };
   for (;;) {
     errno = 0;
     ssize_t n = getdelim(&line, &cap, '\0', f);
@@ -417,29 +458,41 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
       if (errno) throwErrno(errno, "read", shown);
       break;
     }
-    char* end = nullptr;
-    long bits = strtol(line, &end, 8);
-    if (end != line + 3 || *end != ' ' || bits < 0 || (bits & ~0222) || line[n - 1] != '\0')
-      throwCode("ERR_CORRUPT_METADATA", "a record of the template's mode list does not parse", EINVAL, "read", shown);
-    std::string rel(end + 1);
-    if (rel.empty()) continue;  // the root: the workspace directory keeps the mode allocate gave it
-    size_t slash = rel.rfind('/');
-    std::string dirRel = slash == std::string::npos ? "" : rel.substr(0, slash);
-    std::string leaf = slash == std::string::npos ? rel : rel.substr(slash + 1);
-    if (dirRel != parentRel) {
-      // The clone is ours, private in staging, and its directories are the template's: no symlink on the way.
-      parent.reset(dirRel.empty() ? fcntl(wsFd, F_DUPFD_CLOEXEC, 0) : openat(wsFd, dirRel.c_str(), kDirFlags));
-      if (!parent) throwErrno(errno, "open", wsPath + "/" + dirRel);
-      parentRel = dirRel;
+    if (line[n - 1] != '\0') corrupt();
+    char kind = line[0];
+    if (kind == 'u') {
+      if (trail.size() < 2) corrupt();
+      trail.pop_back();
+      walkUp(cur, trail.back(), wsPath + rel);
+      rel.erase(rel.rfind('/'));
+      continue;
     }
+    if (kind == 'd') {
+      UniqueFd down(openat(cur.get(), line + 1, kDirFlags));
+      if (!down) throwErrno(errno, "open", wsPath + rel + "/" + (line + 1));
+      struct stat st;
+      if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath + rel + "/" + (line + 1));
+      trail.push_back(st);
+      cur = std::move(down);
+      rel += std::string("/") + (line + 1);
+      continue;
+    }
+    if ((kind != 'm' && kind != 'r') || n < 5) corrupt();
+    char digits[4] = {line[1], line[2], line[3], 0};
+    char* end = nullptr;
+    long bits = strtol(digits, &end, 8);
+    if (end != digits + 3 || bits < 0 || (bits & ~0222)) corrupt();
+    if (kind == 'r') continue;  // the workspace directory keeps the mode allocate gave it
+    const char* leaf = line + 4;
+    if (!*leaf) corrupt();
     struct stat st;
-    if (fstatat(parent.get(), leaf.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (fstatat(cur.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) continue;  // not recreated (a socket, a device without CAP_MKNOD)
-      throwErrno(errno, "stat", wsPath + "/" + rel);
+      throwErrno(errno, "stat", wsPath + rel + "/" + leaf);
     }
     if (S_ISLNK(st.st_mode)) continue;
-    if (fchmodat(parent.get(), leaf.c_str(), (st.st_mode & 07777) | static_cast<mode_t>(bits), 0) != 0)
-      throwErrno(errno, "chmod", wsPath + "/" + rel);
+    if (fchmodat(cur.get(), leaf, (st.st_mode & 07777) | static_cast<mode_t>(bits), 0) != 0)
+      throwErrno(errno, "chmod", wsPath + rel + "/" + leaf);
   }
   // The last-used time (TemplateListing.lastUsedMs): informative only, so a refusal (a pool shared by a group,
   // whose member does not own the file: EPERM) does not fail the allocate.
