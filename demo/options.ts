@@ -42,6 +42,9 @@ Options:
                    disposed, those they published but could not report (known by
                    the pid in their metadata), and the staging entries of builds
                    they were in. Use it only on a pool nobody else is using.
+  --fork N         instead of the workers: one parent workspace, committed and
+                   forked into N children (pool.fork); each child writes its own
+                   marker, isolation is checked, the time per child reported
   -h, --help       show this help
 
 Exit status: 0 all checks passed, 1 a check failed, 2 bad arguments,
@@ -59,6 +62,8 @@ export interface Options {
   templateDir?: string
   /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
   chaos?: { count: number } | { percent: number }
+  /** --fork N: fork one parent into N children instead of running the workers. */
+  fork?: number
 }
 
 export class UsageError extends Error {}
@@ -100,6 +105,7 @@ export function parseOptions(argv: string[]): Options | 'help' {
         base: { type: 'string' },
         'template-dir': { type: 'string' },
         chaos: { type: 'string' },
+        fork: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
       strict: true,
@@ -160,6 +166,10 @@ export function parseOptions(argv: string[]): Options | 'help' {
       const n = positiveInt('chaos', c.slice(0, -1), 25, 100)
       opts.chaos = { percent: n }
     } else opts.chaos = { count: positiveInt('chaos', c, 1, 256) }
+  }
+  if (v.fork !== undefined) {
+    if (opts.chaos) throw new UsageError('--fork and --chaos exclude each other')
+    opts.fork = positiveInt('fork', v.fork, 1, 4096)
   }
   if (opts.workers > opts.vms) opts.workers = opts.vms
   return opts

@@ -484,6 +484,22 @@ describe('the vmspace command and templates', () => {
   })
 })
 
+describe('the demo with --fork', () => {
+  test('vmspace demo --fork 4: one parent, 4 children, isolation checked, time per child reported, exit 0, nothing left', () => {
+    const dir = freshDir(mounts.xfs ?? mounts.scratch, 'tpldemo')
+    const base = path.join(dir, 'base.img')
+    writeRandomFile(base, 64 * 1024)
+    const root = path.join(dir, 'pool')
+    const r = runCommand(process.execPath, [path.join(__dirname, '..', 'dist', 'cli', 'vmspace.js'), 'demo', '--fork', '4', '--root', root, '--base', base])
+    expect(r.status, r.stderr).toBe(0)
+    expect(r.stdout).toMatch(/^fork: 4 children of one parent in [\d.]+ ms: [\d.]+ ms per child .*; isolation ok$/m)
+    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+    expect(publishedIds(root)).toEqual([])
+    const bad = runCommand(process.execPath, [path.join(__dirname, '..', 'dist', 'cli', 'vmspace.js'), 'demo', '--fork', '0'])
+    expect(bad.status).toBe(2)
+  })
+})
+
 describe('templates of deep trees', () => {
   test('commit and allocate from a chain 5000 directories deep (far past PATH_MAX): the bottom file comes back with its mode', async () => {
     const dir = freshDir(mounts.scratch, 'tpldeep')
