@@ -31,6 +31,8 @@ import { forkPhase } from './fork.js'
 
 /** Runs the demo with `argv` (its options, without the command); resolves to the exit status. */
 export async function main(argv: string[]): Promise<number> {
+  // `--boot N`: real guests under QEMU instead of worker processes (demo/boot/, issue 10), with its own options.
+  if (argv.some((a) => a === '--boot' || a.startsWith('--boot='))) return (await import('./boot/main.js')).main(argv)
   let opts: Options | 'help'
   try {
     opts = parseOptions(argv)

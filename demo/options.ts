@@ -45,6 +45,9 @@ Options:
   --fork N         instead of the workers: one parent workspace, committed and
                    forked into N children (pool.fork); each child writes its own
                    marker, isolation is checked, the time per child reported
+  --boot N         boot N real virtual machines under QEMU instead, each on its own
+                   workspace whose lease QEMU holds (vmspace demo --boot 1 --help
+                   lists that mode's options)
   -h, --help       show this help
 
 Exit status: 0 all checks passed, 1 a check failed, 2 bad arguments,

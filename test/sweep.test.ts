@@ -354,3 +354,21 @@ describe('openPool of another on-disk format', () => {
     },
   )
 })
+
+describe('what a killed openPool leaves', () => {
+  test('its RENAME_NOREPLACE probe files in .vmspace/ are kept while young and removed by a sweep past graceMs', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const state = path.join(pool.root, '.vmspace')
+    for (const n of ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b']) fs.writeFileSync(path.join(state, n), '')
+    fs.writeFileSync(path.join(state, 'unrelated'), 'keep')
+    await pool.sweep()  // default grace: an opener may still be probing
+    expect(fs.readdirSync(state).sort()).toEqual(
+      ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b', 'meta', 'staging', 'trash', 'unrelated', 'version'].sort(),
+    )
+    await pool.sweep({ dryRun: true, graceMs: 0 })
+    expect(fs.readdirSync(state)).toContain('.noreplace-probe-0123456789ab')
+    await pool.sweep({ graceMs: 0 })
+    expect(fs.readdirSync(state).sort()).toEqual(['meta', 'staging', 'trash', 'unrelated', 'version'])
+    await pool.close()
+  })
+})

@@ -206,12 +206,14 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
   }
 }
 
+constexpr char kNoReplaceProbe[] = ".noreplace-probe-";  // the sweep removes ownerless ones
+
 // Whether the pool's file system takes renameat2(RENAME_NOREPLACE): 0, or the errno with which it refuses the flag
 // (EINVAL, ENOSYS: FUSE without rename2, some network file systems). Asked once, by renaming an empty probe file
 // in `dirFd` (.vmspace/, which no sweep reads: a sweep of meta/ or staging/ would count a probe it removed).
 // Where no probe can be made (read-only, no permission) it counts as supported: nothing can be published there.
 int probeNoReplace(int dirFd) {
-  std::string probe = ".noreplace-probe-" + randomHex(6), moved = probe + "-b";
+  std::string probe = kNoReplaceProbe + randomHex(6), moved = probe + "-b";
   UniqueFd fd(openat(dirFd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!fd) return 0;
   fd.reset();
@@ -843,6 +845,16 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       }
     }
     report.metaRemoved++;
+  }
+
+  // Probe files of openPool's RENAME_NOREPLACE check (probeNoReplace) that a killed opener left in .vmspace/: a
+  // probe lives for microseconds, so one older than the grace period has no owner left.
+  if (!dryRun) {
+    for (auto& [file, type] : readNames(stateFd_.get(), root_ + "/.vmspace")) {
+      if (file.compare(0, sizeof kNoReplaceProbe - 1, kNoReplaceProbe) != 0 || type == DT_DIR) continue;
+      if (ageMs(stateFd_.get(), file) < graceMs) continue;
+      unlinkat(stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
+    }
   }
   return report;
 }
