@@ -374,11 +374,19 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
     throw;
   }
   if (!res.replacedId.empty()) {
-    // Marked before the removal is tried, so that a reader holding it removes it when it is done.
-    UniqueFd marker(openat(retiredFd_.get(), res.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
-    if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + res.replacedId);
-    marker.reset();
-    res.replacedRemoved = removeIfFree(res.replacedId, -1);
+    // The new template is published and named: the commit has succeeded whatever happens to the old one here.
+    // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
+    // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
+    // removeTemplate or pruneTemplates removes it).
+    try {
+      UniqueFd marker(openat(retiredFd_.get(), res.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+      if (marker) {
+        marker.reset();
+        res.replacedRemoved = removeIfFree(res.replacedId, -1);
+      }
+    } catch (const Error&) {
+      res.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
+    }
   }
   return res;
 }
