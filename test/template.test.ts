@@ -176,26 +176,25 @@ for (const fsys of systems) {
     test('replace swaps the name while 8 allocates read the old template: each gets a whole old or a whole new tree', async () => {
       await withPool(base, async (pool, root) => {
         const ws = await pool.allocate()
-        // Enough entries that the allocates are still reading when the replace lands.
-        for (let d = 0; d < 5; d++) {
+        // Entries enough that allocates may still be reading when the replace lands (the held-reader case is
+        // made certain by the next test).
+        for (let d = 0; d < 2; d++) {
           fs.mkdirSync(path.join(ws.path, `d${d}`))
           for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `old ${d}/${i}`)
         }
         const oldTree = contentTree(ws.path)
         const old = await pool.commit(ws, { name: 'base' })
-        for (let d = 0; d < 5; d++) for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `new ${d}/${i}`)
+        for (let d = 0; d < 2; d++) for (let i = 0; i < 100; i++) fs.writeFileSync(path.join(ws.path, `d${d}`, `f${i}`), `new ${d}/${i}`)
         const newTree = contentTree(ws.path)
         const readers = Array.from({ length: 8 }, () => pool.allocate({ from: 'base' }))
         const replaced = await pool.commit(ws, { name: 'base', replace: true })
         const children = await Promise.all(readers)
         expect(replaced.replaced?.id).toBe(old.id)
-        let olds = 0
         for (const c of children) {
           const tree = contentTree(c.path)
           if (tree['d0/f0'] === oldTree['d0/f0']) {
             expect(tree).toEqual(oldTree)
             expect(c.templateId).toBe(old.id)
-            olds++
           } else {
             expect(tree).toEqual(newTree)
             expect(c.templateId).toBe(replaced.id)
@@ -205,10 +204,9 @@ for (const fsys of systems) {
         expect(publishedIds(root)).toEqual([replaced.id])
         noLeftovers(root)
         expect((await pool.templates()).map((t) => [t.id, t.name, t.current])).toEqual([[replaced.id, 'base', true]])
-        expect(olds).toBeGreaterThanOrEqual(0)
         for (const c of [ws, ...children]) await c.dispose()
       })
-    })
+    }, 300_000) // copies of 9 trees on a busy ext4: no timing is asserted, only a bound against hangs
 
     test('a template replaced while a reader holds it stays (retired) until the reader is gone; then a sweep removes it', async () => {
       await withPool(base, async (pool, root) => {
