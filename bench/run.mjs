@@ -3,6 +3,7 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
+//   npm run bench -- --only trace [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -24,7 +25,10 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | tree | index | lease
+    only: { type: 'string' }, // allocate | tree | index | lease | trace | warm
+    baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
+    'warm-rounds': { type: 'string', default: '20' },
+    'warm-count': { type: 'string', default: '2' },
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
@@ -213,9 +217,196 @@ if (want('lease')) {
   await pool.close()
 }
 
+// 5. The warm reserve and the writeback stall, on ext4 (no reflink: every template clone is a copy). A VM image
+// cloned by copy is dirty page cache, all of it, and the VM's first fsync pays for writing it back. Compared in the
+// same run: allocate({ template: image }) built on the caller's path (writeback 'none', and 'start'), against one
+// served by a reserve of `--warm-count` entries (openPool's warm), the caller pacing itself at the refill rate
+// (it allocates once the reserve is full again: "while the reserve keeps up"). Each allocate starts after a sync,
+// so that none pays for the one before it; its workspace's image is then fsynced once (the VM's first fsync).
+// Two images: the demo's (a 256 MiB ext4 file system of Node's npm package and headers, sparse) and 256 MiB of
+// random data (dense). On a 4 GiB loop-mounted ext4 when root (mounted without `discard`: on the root file system
+// here every dispose's discards stall the journal, and with it the next allocate's metadata, whatever allocate
+// does); else --dir, else os.tmpdir().
+if (want('warm')) {
+  let base = args.dir ? targets[0].dir : work
+  if (!args.dir && process.getuid?.() === 0) {
+    try {
+      base = loopMount('ext4-warm', 4096)
+    } catch (e) {
+      console.error(`no ext4 loop mount for the warm reserve (${e.message.split('\n')[0]}): ${base}`)
+    }
+  }
+  const fsType = sh('findmnt', ['-no', 'FSTYPE', '-T', base]).trim()
+  const rounds = Number(args['warm-rounds'])
+  const count = Number(args['warm-count'])
+  const images = []
+  // The demo's image (demo/base.ts builds and caches it with this name), else one built the same way now.
+  const demoImage = path.join(os.tmpdir(), `vmspace-demo-base-node-${process.version}-${process.arch}.ext4`)
+  const demoCopy = path.join(base, 'demo.ext4')
+  // Copied with its holes (copyFileSync would fill them).
+  if (fs.existsSync(demoImage) && fs.statSync(demoImage).size === 256 * 1024 * 1024)
+    await vmspace.clone(demoImage, demoCopy, { reflink: 'never', writeback: 'wait' })
+  else {
+    const prefix = path.resolve(path.dirname(fs.realpathSync(process.execPath)), '..')
+    const src = path.join(prefix, 'lib', 'node_modules')
+    try {
+      sh('mkfs.ext4', ['-q', '-F', '-t', 'ext4', '-d', src, demoCopy, '262144k'])
+    } catch (e) {
+      console.error(`no demo image (${e.message.split('\n')[0]}): dense image only`)
+    }
+  }
+  if (fs.existsSync(demoCopy)) images.push({ what: 'demo image', file: demoCopy })
+  const dense = path.join(base, 'dense.img')
+  {
+    const fd = fs.openSync(dense, 'w')
+    const chunk = Buffer.alloc(4 * 1024 * 1024)
+    for (let i = 0; i < 64; i++) fs.writeSync(fd, require('node:crypto').randomFillSync(chunk))
+    fs.closeSync(fd)
+  }
+  images.push({ what: 'dense 256 MiB', file: dense })
+  const fsyncMs = (file) => {
+    const fd = fs.openSync(file, 'r+')
+    try {
+      const t0 = process.hrtime.bigint()
+      fs.fsyncSync(fd)
+      return ms(t0)
+    } finally {
+      fs.closeSync(fd)
+    }
+  }
+  // Nearest-rank percentile.
+  const pct = (xs, p) => [...xs].sort((a, b) => a - b)[Math.max(0, Math.ceil((p / 100) * xs.length) - 1)]
+  const rows = []
+  const summary = []
+  for (const img of images) {
+    sh('sync', [])
+    const dataMiB = (fs.statSync(img.file).blocks * 512) / 2 ** 20
+    const template = { 'rootfs.ext4': img.file }
+    const runs = {}
+    // `bootMs`: the VM's first fsync comes that long after the allocate (a boot), not at once.
+    const once = async (pool, key, { bootMs = 0, ...opts } = {}) => {
+      sh('sync', [])
+      const t0 = process.hrtime.bigint()
+      const ws = await pool.allocate({ template, ...opts }) // opts.template: undefined for an empty workspace
+      const a = ms(t0)
+      if (bootMs) await new Promise((r) => setTimeout(r, bootMs))
+      const f = ws.template.length ? fsyncMs(path.join(ws.path, 'rootfs.ext4')) : NaN
+      ;(runs[key] ??= { allocate: [], fsync: [], method: ws.template[0]?.method ?? '-' }).allocate.push(a)
+      runs[key].fsync.push(f)
+      await ws.dispose()
+    }
+    const fresh = await vmspace.openPool(path.join(base, 'pool-fresh'))
+    const warm = await vmspace.openPool(path.join(base, 'pool-warm'), { warm: { template, count } })
+    const full = async () => {
+      while (warm.warmStats().ready < count) {
+        if (warm.warmStats().lastError) throw warm.warmStats().lastError
+        await new Promise((r) => setTimeout(r, 5))
+      }
+    }
+    // Interleaved, so that drifting load weighs on every mode alike.
+    for (let i = 0; i < rounds; i++) {
+      await once(fresh, 'fresh, writeback none')
+      await once(fresh, "fresh, writeback 'start'", { writeback: 'start' })
+      await once(fresh, 'fresh, writeback none, fsync 250 ms later', { bootMs: 250 })
+      await once(fresh, "fresh, writeback 'start', fsync 250 ms later", { writeback: 'start', bootMs: 250 })
+      await full()
+      // The floor of any allocate: an empty workspace (name, lease, metadata, publish), same pool, no refill running.
+      await once(warm, 'empty workspace (no template; the floor)', { template: undefined })
+      await once(warm, `warm reserve (count ${count})`)
+    }
+    await full()
+    const ws = warm.warmStats()
+    await warm.close()
+    await fresh.close()
+    if (ws.hits !== rounds) throw new Error(`the reserve served ${ws.hits} of ${rounds}`)
+    const rate = (ws.built / ws.buildMs) * 1000
+    for (const [mode, r] of Object.entries(runs))
+      rows.push({
+        image: `${img.what} (${dataMiB.toFixed(0)} MiB data)`,
+        allocate: mode,
+        method: r.method,
+        'allocate p50 ms': median(r.allocate).toFixed(1),
+        'allocate p99 ms': pct(r.allocate, 99).toFixed(1),
+        'first fsync p50 ms': r.method === '-' ? '-' : median(r.fsync).toFixed(1),
+        'first fsync p99 ms': r.method === '-' ? '-' : pct(r.fsync, 99).toFixed(1),
+      })
+    const warmRun = runs[`warm reserve (count ${count})`]
+    const freshRun = runs['fresh, writeback none']
+    summary.push({
+      image: img.what,
+      'fresh p99 ms': pct(freshRun.allocate, 99).toFixed(1),
+      'warm p99 ms': pct(warmRun.allocate, 99).toFixed(1),
+      'goal warm p99 < 5 ms': pct(warmRun.allocate, 99) < 5 ? 'met' : 'not met',
+      'fresh / warm (p50)': (median(freshRun.allocate) / median(warmRun.allocate)).toFixed(0),
+      'refill: entries/s': rate.toFixed(2),
+      'refill: MiB/s of data': (rate * dataMiB).toFixed(0),
+      'first fsync fresh / warm (p50)': (median(freshRun.fsync) / median(warmRun.fsync)).toFixed(0),
+    })
+  }
+  const vm = (k) => fs.readFileSync(`/proc/sys/vm/${k}`, 'utf8').trim()
+  console.log(`\nwarm reserve and writeback stall on ${fsType} (${base}; ${rounds} rounds, nearest-rank p99 = the worst of fewer than 100)`)
+  console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs while the reserve refills`)
+  console.table(rows)
+  console.table(summary)
+}
+
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
 if (want('index')) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
   process.stdout.write(execFileSync(process.execPath, [path.join(here, 'index.mjs'), '--dir', t.dir]))
+}
+
+// 5. Tracing costs nothing unless someone listens: allocate+dispose with no subscriber, with a subscriber on the
+// vmspace:allocate and vmspace:dispose tracing channels, and (--baseline DIR) an earlier version of the code, which
+// had no tracing, with none. The variants alternate round by round on one file system; medians of the rounds.
+if (want('trace')) {
+  const dc = await import('node:diagnostics_channel')
+  const t = targets[0]
+  const variants = [
+    { name: 'no subscriber', lib: vmspace },
+    { name: 'subscriber (allocate, dispose)', lib: vmspace, subscribe: true },
+  ]
+  if (args.baseline) {
+    const dir = path.resolve(args.baseline)
+    variants.push({ name: `baseline (${path.basename(dir)}), no subscriber`, lib: require(path.join(dir, 'dist', 'index.js')) })
+  }
+  const handlers = { start() {}, end() {}, asyncStart() {}, asyncEnd() {}, error() {} }
+  const channels = ['vmspace:allocate', 'vmspace:dispose'].map((n) => dc.tracingChannel(n))
+  const hooks = {
+    beforeAll: () => channels.forEach((c) => c.subscribe(handlers)),
+    afterAll: () => channels.forEach((c) => c.unsubscribe(handlers)),
+  }
+  const pools = []
+  for (const [i, v] of variants.entries()) pools.push(await v.lib.openPool(path.join(t.dir, `trace-${i}`)))
+  const samples = variants.map(() => [])
+  for (let round = 0; round < Number(args.rounds); round++) {
+    const bench = new Bench({ time: timeMs / 2, warmupTime: 200 })
+    // The order rotates each round, so that no variant always runs first (or last) on a warm or busy machine.
+    const order = variants.map((_, k) => (k + round) % variants.length)
+    for (const i of order) {
+      const v = variants[i]
+      const task = async () => {
+        const ws = await pools[i].allocate()
+        await ws.dispose()
+      }
+      bench.add(v.name, task, v.subscribe ? hooks : {})
+    }
+    await bench.run()
+    for (const [k, x] of bench.tasks.entries()) {
+      if (x.result.error) throw x.result.error
+      samples[order[k]].push(x.result.latency.p50 * 1e3) // ms -> µs
+    }
+  }
+  const base = median(samples[0])
+  console.log(`\ntracing: allocate+dispose on ${t.fs} (median of ${args.rounds} rounds of per-round medians, µs)`)
+  console.table(
+    variants.map((v, i) => ({
+      variant: v.name,
+      'µs': median(samples[i]).toFixed(1),
+      '/ no subscriber': (median(samples[i]) / base).toFixed(3),
+      'rounds (µs)': samples[i].map((x) => x.toFixed(0)).join(' '),
+    })),
+  )
+  for (const p of pools) await p.close()
 }

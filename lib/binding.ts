@@ -14,6 +14,15 @@ export type NativeCloneResult = Omit<CloneResult, 'path'>
 
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 
+/** writeback option as the binding takes it. */
+export const enum WritebackCode {
+  None = 0,
+  Start = 1,
+  Wait = 2,
+}
+
+export type WarmHandle = { readonly __brand: 'WarmHandle' }
+
 export interface NativeListEntry {
   name: string
   live: boolean
@@ -66,8 +75,25 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
+    writeback?: WritebackCode,
     fromTemplate?: string,
   ): Promise<NativeAllocateResult>
+  /** A staged, leased workspace built from allocate's arguments (infoJson unused), its copies written back. */
+  warmBuild(
+    handle: PoolHandle,
+    prefix: string,
+    mode: number,
+    templateDir: string,
+    entries: [dest: string, source: string][],
+    infoJson: string,
+    reflink: ReflinkCode,
+    overwrite: boolean,
+    durable: boolean,
+    progress: ProgressHandle | undefined,
+  ): Promise<WarmHandle>
+  /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
+  warmTake(handle: PoolHandle, entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
+  warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
   // Issue 14 (native/core/template.h)
   commitTemplate(
     handle: PoolHandle,
@@ -92,6 +118,7 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
+    writeback?: WritebackCode,
   ): Promise<NativeCloneResult>
   clonePathBeneath(
     baseFd: number,
@@ -102,6 +129,7 @@ export interface Native {
     overwrite: boolean,
     durable: boolean,
     progress: ProgressHandle | undefined,
+    writeback?: WritebackCode,
   ): Promise<NativeCloneResult>
   newProgress(): ProgressHandle
   readProgress(p: ProgressHandle): [files: number, bytes: number]

@@ -1,10 +1,13 @@
 /** Clone options and results, shared by the standalone clone(), Workspace.clone() and templates. */
-import { native, ReflinkCode, type NativeCloneResult, type ProgressHandle } from './binding.js'
+import { native, ReflinkCode, WritebackCode, type NativeCloneResult, type ProgressHandle } from './binding.js'
 import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
 import { AbortError, call, fromNative } from './errors.js'
 
+/** How a clone gets its data: see {@link CloneOptions.reflink}. */
 export type Reflink = 'always' | 'auto' | 'never'
+export type Writeback = 'none' | 'start' | 'wait'
 
+/** Running totals passed to {@link CloneOptions.onProgress}. */
 export interface CloneProgressEvent {
   /** Regular files done so far. */
   files: number
@@ -12,6 +15,7 @@ export interface CloneProgressEvent {
   bytes: number
 }
 
+/** Options of {@link clone}, {@link Workspace.clone} (and, for `reflink`, of templates). */
 export interface CloneOptions {
   /**
    * `'auto'` (default): reflink (ioctl(FICLONE), ioctl_ficlone(2)) where the file system shares extents, otherwise a
@@ -28,6 +32,15 @@ export interface CloneOptions {
   /** fsync each new file before it is published and the directory after. Default false. */
   durable?: boolean
   /**
+   * What a copy (never a reflink, whose data is the source's) does about the dirty page cache it leaves: a copied
+   * 256 MiB image is 256 MiB to write back, and the first `fsync` after the clone (the VM's) pays for all of it.
+   * `'start'` queues that writeback as each file is copied (sync_file_range(2) `SYNC_FILE_RANGE_WRITE`), without
+   * waiting for it, so that the disk works on it while the caller goes on; `'wait'` also waits until it is
+   * written back (`SYNC_FILE_RANGE_WAIT_BEFORE|WRITE|WAIT_AFTER`; data only: unlike `durable`, no fsync of
+   * metadata or the device cache). Default `'none'`. Errors of sync_file_range (`EIO`, `ENOSPC`) fail the clone.
+   */
+  writeback?: Writeback
+  /**
    * Called with running totals at most every 100 ms while a clone runs. An exception it throws (or, for an async
    * callback, a rejection that comes while the clone runs) cancels the clone like an abort: the call rejects with
    * that exception and what was built is removed (unless the clone had already completed, then the destination
@@ -38,7 +51,9 @@ export interface CloneOptions {
   signal?: AbortSignal
 }
 
+/** What a clone made. */
 export interface CloneResult {
+  /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** How the data arrived: shared extents, a copy, or (trees) both. */
   method: 'reflink' | 'copy' | 'mixed'
@@ -50,18 +65,33 @@ export interface CloneResult {
   bytes: number
   /** Regular files whose extents are shared with the source / that were copied. */
   reflinked: number
+  /** Regular files whose data was copied. */
   copied: number
   /** Trees: entries recreated by kind. */
   dirs?: number
+  /** Trees: symlinks recreated. */
   symlinks?: number
+  /** Trees: hard links recreated (links to a file cloned once). */
   hardlinks?: number
+  /** Trees: fifos recreated. */
   fifos?: number
+  /** Trees: device nodes recreated. */
   devices?: number
   /** Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted. */
-  skipped?: { sockets: number; devices: number }
+  skipped?: {
+    /** Sockets (never recreated: a socket is a live endpoint, not data). */
+    sockets: number
+    /** Device nodes mknod(2) refused (`EPERM` without CAP_MKNOD). */
+    devices: number
+  }
 }
 
 export const reflinkValues = ['always', 'auto', 'never'] as const
+export const writebackValues = ['none', 'start', 'wait'] as const
+
+export function writebackCode(w: Writeback): WritebackCode {
+  return w === 'start' ? WritebackCode.Start : w === 'wait' ? WritebackCode.Wait : WritebackCode.None
+}
 
 export function reflinkCode(r: Reflink): ReflinkCode {
   return r === 'always' ? ReflinkCode.Always : r === 'never' ? ReflinkCode.Never : ReflinkCode.Auto
@@ -71,18 +101,20 @@ export interface CheckedCloneOptions {
   reflink: ReflinkCode
   overwrite: boolean
   durable: boolean
+  writeback: WritebackCode
   onProgress?: (p: CloneProgressEvent) => void
   signal?: AbortSignal
 }
 
 export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): CheckedCloneOptions {
   const o = optionsObject<CloneOptions>('options', value, {
-    reflink: true, overwrite: true, durable: true, onProgress: true, signal: true,
+    reflink: true, overwrite: true, durable: true, writeback: true, onProgress: true, signal: true,
   })
   return {
     reflink: reflinkCode(oneOf('options.reflink', o.reflink, reflinkValues, defaultReflink)),
     overwrite: boolean('options.overwrite', o.overwrite, false),
     durable: boolean('options.durable', o.durable, false),
+    writeback: writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none')),
     onProgress: func('options.onProgress', o.onProgress),
     signal: abortSignal('options.signal', o.signal),
   }

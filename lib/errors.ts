@@ -25,6 +25,25 @@ export type VmspaceErrorCode =
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
 
 /**
+ * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system
+ * can return that its table lacks (`'EUCLEAN'`, `'ENOKEY'`, … on the architectures with asm-generic numbering), and
+ * `'EUNKNOWN'` for a number neither names.
+ */
+export type SystemErrorCode =
+  | 'E2BIG' | 'EACCES' | 'EADDRINUSE' | 'EADDRNOTAVAIL' | 'EAFNOSUPPORT' | 'EAGAIN' | 'EALREADY' | 'EBADF'
+  | 'EBADMSG' | 'EBUSY' | 'ECANCELED' | 'ECHILD' | 'ECONNABORTED' | 'ECONNREFUSED' | 'ECONNRESET' | 'EDEADLK'
+  | 'EDESTADDRREQ' | 'EDOM' | 'EDQUOT' | 'EEXIST' | 'EFAULT' | 'EFBIG' | 'EHOSTUNREACH' | 'EIDRM' | 'EILSEQ'
+  | 'EINPROGRESS' | 'EINTR' | 'EINVAL' | 'EIO' | 'EISCONN' | 'EISDIR' | 'ELOOP' | 'EMFILE' | 'EMLINK' | 'EMSGSIZE'
+  | 'EMULTIHOP' | 'ENAMETOOLONG' | 'ENETDOWN' | 'ENETRESET' | 'ENETUNREACH' | 'ENFILE' | 'ENOBUFS' | 'ENODATA'
+  | 'ENODEV' | 'ENOENT' | 'ENOEXEC' | 'ENOLCK' | 'ENOLINK' | 'ENOMEM' | 'ENOMSG' | 'ENOPROTOOPT' | 'ENOSPC' | 'ENOSR'
+  | 'ENOSTR' | 'ENOSYS' | 'ENOTCONN' | 'ENOTDIR' | 'ENOTEMPTY' | 'ENOTSOCK' | 'ENOTSUP' | 'ENOTTY' | 'ENXIO'
+  | 'EOPNOTSUPP' | 'EOVERFLOW' | 'EPERM' | 'EPIPE' | 'EPROTO' | 'EPROTONOSUPPORT' | 'EPROTOTYPE' | 'ERANGE' | 'EROFS'
+  | 'ESPIPE' | 'ESRCH' | 'ESTALE' | 'ETIME' | 'ETIMEDOUT' | 'ETXTBSY' | 'EWOULDBLOCK' | 'EXDEV'
+  | 'ENOTBLK' | 'EBADE' | 'EBADR' | 'EXFULL' | 'EREMOTE' | 'EBADFD' | 'EUCLEAN' | 'EREMOTEIO' | 'ENOMEDIUM'
+  | 'EMEDIUMTYPE' | 'ENOKEY' | 'EKEYEXPIRED' | 'EKEYREVOKED' | 'EKEYREJECTED' | 'EOWNERDEAD' | 'ENOTRECOVERABLE'
+  | 'EUNKNOWN'
+
+/**
  * The fields the native binding rejects with (see native/binding.cc, errorObject): `code` for vmspace's own
  * conditions, `errno` (negative) for a system error, or both; the errno's name is added here.
  */
@@ -41,17 +60,23 @@ interface NativeError {
   mode?: number
 }
 
+/** A failed file-system operation, shaped like Node's fs errors (see the module comment). */
 export class VmspaceError extends Error {
   /** errno name (`'ENOENT'`, …) or a vmspace code (`'ERR_…'`). */
-  declare readonly code: string
+  declare readonly code: VmspaceErrorCode | SystemErrorCode
   /** Negative errno, as in Node's fs errors; absent for conditions without one. */
   declare readonly errno?: number
+  /** The system call that failed (`'openat'`, `'renameat2'`, …). */
   declare readonly syscall?: string
+  /** The path the error is about. */
   declare readonly path?: string
+  /** The second path of a two-path operation (a clone's or rename's destination). */
   declare readonly dest?: string
   /** `ERR_POOL_UNSAFE`: owner, group and permission bits (`st_mode & 0o7777`) of the entry at `path`. */
   declare readonly uid?: number
+  /** `ERR_POOL_UNSAFE`: the group of the entry at `path`. */
   declare readonly gid?: number
+  /** `ERR_POOL_UNSAFE`: the permission bits (`st_mode & 0o7777`) of the entry at `path`. */
   declare readonly mode?: number
 
   constructor(
@@ -70,7 +95,7 @@ export class VmspaceError extends Error {
   ) {
     super(message, fields.cause === undefined ? undefined : { cause: fields.cause })
     this.name = 'VmspaceError'
-    this.code = fields.code
+    this.code = fields.code as VmspaceError['code']
     if (fields.errno !== undefined) this.errno = fields.errno
     if (fields.syscall !== undefined) this.syscall = fields.syscall
     if (fields.path !== undefined) this.path = fields.path
@@ -173,6 +198,7 @@ export function errnoError(errno: number, syscall: string, path?: string): Vmspa
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */
 export class AbortError extends Error {
+  /** Always `'ABORT_ERR'`, as Node's own AbortError. */
   readonly code = 'ABORT_ERR'
   constructor(cause?: unknown) {
     super('The operation was aborted', cause === undefined ? undefined : { cause })

@@ -1,8 +1,9 @@
 /** The primitives on their own, outside any pool: clone, safe removal, renames that never replace. */
 import { native } from './binding.js'
-import { absolutePath, invalidValue } from './args.js'
-import { call } from './errors.js'
+import { absolutePath, boolean, invalidValue, optionsObject } from './args.js'
+import { call, VmspaceError } from './errors.js'
 import { cloneOptions, toResult, withProgress, type CloneOptions, type CloneResult } from './clone.js'
+import { cloneChannel, cloneResult, traced } from './trace.js'
 
 /**
  * Clones `source`, a regular file or a directory tree, to `dest` (see {@link CloneOptions}). The destination
@@ -18,23 +19,43 @@ import { cloneOptions, toResult, withProgress, type CloneOptions, type CloneResu
  * RENAME_NOREPLACE, an AbortError on `signal`, or the errno of the entry that failed (`path`: that source entry,
  * `dest`: its destination).
  */
-export async function clone(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
+export function clone(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
+  return traced(cloneChannel, () => ({ source, dest }), () => cloneUntraced(source, dest, options), cloneResult)
+}
+
+async function cloneUntraced(source: string, dest: string, options: CloneOptions | undefined): Promise<CloneResult> {
   const src = absolutePath('source', source)
   const dst = absolutePath('dest', dest)
   const opts = cloneOptions(options)
-  const r = await withProgress(opts, (p) => native.clonePath(src, dst, opts.reflink, opts.overwrite, opts.durable, p))
+  const r = await withProgress(opts, (p) => native.clonePath(src, dst, opts.reflink, opts.overwrite, opts.durable, p, opts.writeback))
   return toResult(r, dst)
+}
+
+/** Options of removeTree(). */
+export interface RemoveTreeOptions {
+  /**
+   * Resolve instead of failing with `ENOENT` when `path` itself does not exist (a missing parent included), as
+   * `fs.rm`'s `force` does. Any other error, and `ENOENT` of an entry below `path`, still rejects. Default false.
+   */
+  force?: boolean
 }
 
 /**
  * Removes `path` and everything below it without following a symlink (a symlink is removed, never its target)
  * and without entering another mount: a mount point below gives `EBUSY` and is left as it is, with the
- * directories above it. `ENOENT` when `path` does not exist. Refuses the root directory.
+ * directories above it. `ENOENT` when `path` does not exist (unless `force`). Refuses the root directory.
  */
-export async function removeTree(path: string): Promise<void> {
+export async function removeTree(path: string, options?: RemoveTreeOptions): Promise<void> {
   const p = absolutePath('path', path)
   if (p === '/') throw invalidValue('path', 'a path other than the root directory', path)
-  await call(native.removeTree(p))
+  const force = boolean('options.force', optionsObject<RemoveTreeOptions>('options', options, { force: true }).force, false)
+  try {
+    await call(native.removeTree(p))
+  } catch (e) {
+    // Only the path itself missing is forgiven; the binding names the path its errno is about.
+    if (force && e instanceof VmspaceError && e.code === 'ENOENT' && e.path === p) return
+    throw e
+  }
 }
 
 /**

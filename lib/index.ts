@@ -7,17 +7,59 @@ export type {
   AllocateOptions,
   WorkspaceInfo,
   PoolStats,
+  WarmOptions,
+  WarmStats,
   SweepOptions,
   SweepReport,
   SweepEntry,
+  SweepFailure,
   TemplateSource,
   JsonObject,
   JsonValue,
 } from './pool.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
-export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink } from './clone.js'
+export type { RemoveTreeOptions } from './fs.js'
+export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, Writeback } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'
-export type { VmspaceErrorCode } from './errors.js'
+export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, updateJsonFile, FileLock } from './lock.js'
 export type { LockOptions, UpdateJsonOptions } from './lock.js'
 export type { Template, TemplateUsage, CommitResult, PruneOptions } from './template.js'
+export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'
+
+import { AbortError, VmspaceError } from './errors.js'
+import { clone, exchange, removeTree, renameNoReplace } from './fs.js'
+import { FileLock, lockFile, updateJsonFile } from './lock.js'
+import { openPool, Pool, Workspace } from './pool.js'
+
+/**
+ * The whole API as one object, for `import vmspace from 'vmspace'`: the same functions and classes as the named
+ * exports, from ES modules and from TypeScript's CommonJS output (`require('vmspace').default`) alike.
+ */
+const vmspace = {
+  /** {@link openPool} */
+  openPool,
+  /** {@link Pool} */
+  Pool,
+  /** {@link Workspace} */
+  Workspace,
+  /** {@link clone} */
+  clone,
+  /** {@link removeTree} */
+  removeTree,
+  /** {@link renameNoReplace} */
+  renameNoReplace,
+  /** {@link exchange} */
+  exchange,
+  /** {@link VmspaceError} */
+  VmspaceError,
+  /** {@link AbortError} */
+  AbortError,
+  /** {@link lockFile} */
+  lockFile,
+  /** {@link updateJsonFile} */
+  updateJsonFile,
+  /** {@link FileLock} */
+  FileLock,
+}
+export default vmspace

@@ -6,9 +6,12 @@
  */
 import { TextDecoder } from 'node:util'
 import { native, type WaitHandle } from './binding.js'
+import { performance } from 'node:perf_hooks'
 import { abortSignal, absolutePath, boolean, func, integerIn, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
 import { AbortError, call, errnoError, vmspaceError, VmspaceError } from './errors.js'
+import { lockChannel, traced, type LockTrace } from './trace.js'
 
+/** Options of {@link lockFile}. */
 export interface LockOptions {
   /** A shared (read) lock: shared locks coexist; an exclusive one excludes all others. Default false. */
   shared?: boolean
@@ -22,13 +25,15 @@ export interface LockOptions {
 
 /** A held flock(2) lock. Released by release(), `await using`, or the kernel when the process dies. */
 export class FileLock implements AsyncDisposable {
+  /** Absolute path of the lock file. */
   readonly path: string
+  /** Whether the lock is shared (else exclusive). */
   readonly shared: boolean
   #fd: number
   #released: Promise<void> | undefined
 
-  /** @internal Use lockFile(). */
-  constructor(path: string, shared: boolean, fd: number) {
+  // Private in the published types (locks come from lockFile()); lib/ makes them through newFileLock.
+  private constructor(path: string, shared: boolean, fd: number) {
     this.path = path
     this.shared = shared
     this.#fd = fd
@@ -40,10 +45,14 @@ export class FileLock implements AsyncDisposable {
     return this.#released
   }
 
+  /** release(), for `await using lock = await lockFile(…)`. */
   [Symbol.asyncDispose](): Promise<void> {
     return this.release()
   }
 }
+
+const newFileLock = (path: string, shared: boolean, fd: number) =>
+  new (FileLock as unknown as new (path: string, shared: boolean, fd: number) => FileLock)(path, shared, fd)
 
 const CANCEL_REPEAT_MS = 10
 
@@ -61,9 +70,25 @@ function timeoutOption(value: unknown): number | undefined {
  * held still lets the next caller in beside its holder: keep tmp cleaners away from lock files.
  * Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`, an AbortError, the errno of open/flock (`ESTALE` when
  * the file was replaced 64 times in a row as it was locked), of fstat/stat, or `EAGAIN` (syscall
- * `pthread_create`) when no thread can be started for a wait (RLIMIT_NPROC).
+ * `pthread_create`) when no thread can be started for a wait (RLIMIT_NPROC). Unknown option keys are
+ * `ERR_INVALID_ARG_VALUE`.
+ *
+ * The first lockFile call that has to wait installs a handler (empty, without `SA_RESTART`) for one real-time
+ * signal, the first of `SIGRTMIN+4`…`SIGRTMAX` with no handler yet, process-wide and for the process's life:
+ * cancelling a wait (abort, `timeoutMs`) sends it to the waiting thread so that its flock(2) returns `EINTR`.
+ * To keep a real-time signal for yourself, install its handler before the first wait; with none free, waits
+ * poll every 2 ms instead (README, "The lock-wait signal").
  */
-export async function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
+export function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
+  return traced(lockChannel, () => ({ path, options }), (t) => lockFileUntraced(path, options, t))
+}
+
+async function lockFileUntraced(path: string, options: LockOptions | undefined, t: LockTrace | undefined): Promise<FileLock> {
+  const t0 = t && performance.now()
+  // The grant's fields for the trace: whether it had to wait, and how long the call took to get it.
+  const granted = (waited: boolean) => {
+    if (t) Object.assign(t, { waited, waitMs: performance.now() - t0! })
+  }
   const p = absolutePath('path', path)
   const o = optionsObject<LockOptions>('options', options, { shared: true, wait: true, timeoutMs: true, signal: true })
   const shared = boolean('options.shared', o.shared, false)
@@ -78,7 +103,8 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
       await call(native.lockRelease(fd))
       throw new AbortError(signal.reason)
     }
-    return new FileLock(p, shared, fd)
+    granted(false)
+    return newFileLock(p, shared, fd)
   }
   if (!wait || timeoutMs === 0) {
     await call(native.lockRelease(fd))
@@ -108,7 +134,10 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
       clearTimeout(timer)
       clearInterval(repeat)
       signal?.removeEventListener('abort', onAbort)
-      if (errno === 0 && !cancelledBy) return resolve(new FileLock(p, shared, held))
+      if (errno === 0 && !cancelledBy) {
+        granted(true)
+        return resolve(newFileLock(p, shared, held))
+      }
       // Granted just as it was cancelled, or failed.
       void releaseAndReject(held, () =>
         cancelledBy === 'abort'
@@ -132,6 +161,7 @@ export async function lockFile(path: string, options?: LockOptions): Promise<Fil
   })
 }
 
+/** Options of {@link updateJsonFile}. */
 export interface UpdateJsonOptions {
   /** fsync the directory after the rename too (the file itself is always fsynced before it). Default false. */
   durable?: boolean
@@ -143,6 +173,13 @@ export interface UpdateJsonOptions {
    * (`ERR_INVALID_RETURN_VALUE`). Nothing is written in either case.
    */
   create?: 'object' | 'array'
+  /**
+   * Aborts the update: while waiting for the lock (as lockFile's `signal`), or up to the moment the write starts
+   * (an abort during `mutate` is seen when it returns); the call then rejects with an AbortError and the file is
+   * as it was. Once the write has started it completes (temp file and rename: the index is never partial) and the
+   * call resolves with what was written.
+   */
+  signal?: AbortSignal
 }
 
 const utf8 = new TextDecoder('utf-8', { fatal: true })
@@ -159,8 +196,9 @@ const utf8 = new TextDecoder('utf-8', { fatal: true })
  * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is
  * replaced by a file: give the real path.
  * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`
- * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing. The lock is
- * released on every path.
+ * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing, and so does an
+ * abort before the write starts (AbortError; see {@link UpdateJsonOptions.signal}). The lock is released on
+ * every path. Unknown option keys are `ERR_INVALID_ARG_VALUE`.
  */
 export async function updateJsonFile<T>(
   path: string,
@@ -170,12 +208,13 @@ export async function updateJsonFile<T>(
   const p = absolutePath('path', path)
   const fn = func<(current: T | undefined) => T | Promise<T>>('mutate', mutate)
   if (!fn) throw invalidType('mutate', 'a function', mutate)
-  const o = optionsObject<UpdateJsonOptions>('options', options, { durable: true, timeoutMs: true, create: true })
+  const o = optionsObject<UpdateJsonOptions>('options', options, { durable: true, timeoutMs: true, create: true, signal: true })
   const durable = boolean('options.durable', o.durable, false)
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
+  const signal = abortSignal('options.signal', o.signal)
 
-  const lock = await lockFile(p + '.lock', { timeoutMs })
+  const lock = await lockFile(p + '.lock', { timeoutMs, signal })
   try {
     let bytes: Buffer | undefined
     try {
@@ -186,7 +225,10 @@ export async function updateJsonFile<T>(
       throw e
     }
     const current = bytes === undefined ? undefined : parseIndex(bytes, p, kind)
+    if (signal?.aborted) throw new AbortError(signal.reason)
     const next = await fn(current as T | undefined)
+    // The last point where an abort leaves the file as it was; the write below is all or nothing.
+    if (signal?.aborted) throw new AbortError(signal.reason)
     if (next === undefined) return current as T
     // Checked as the JSON that would be written (toJSON, Dates and the like change the type).
     let text: string | undefined

@@ -18,8 +18,21 @@ import {
   relativePath,
 } from './args.js'
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import { cloneOptions, reflinkCode, reflinkValues, toResult, withProgress, type CloneOptions, type CloneResult, type Reflink } from './clone.js'
-import type { NativeCloneResult } from './binding.js'
+import {
+  cloneOptions,
+  reflinkCode,
+  reflinkValues,
+  toResult,
+  withProgress,
+  writebackCode,
+  writebackValues,
+  type CloneOptions,
+  type CloneResult,
+  type Reflink,
+  type Writeback,
+} from './clone.js'
+import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
+import { WarmReserve, type WarmStats } from './warm.js'
 import {
   listTemplates,
   parseTemplateMeta,
@@ -32,9 +45,15 @@ import {
   type Template,
 } from './template.js'
 
+export type { WarmStats } from './warm.js'
+import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
+
+/** A value JSON can hold (what `JSON.parse` returns). */
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
+/** A JSON object: workspace metadata (`meta`) and the like. */
 export type JsonObject = { [key: string]: JsonValue }
 
+/** Options of {@link openPool}. */
 export interface PoolOptions {
   /** Make the root and `.vmspace/` when missing. Default true. */
   create?: boolean
@@ -52,8 +71,24 @@ export interface PoolOptions {
    * mode 0o2770. Default: none.
    */
   sharedGroup?: number
+  /**
+   * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
+   * allocate() of that template only publishes one. Default: none.
+   */
+  warm?: WarmOptions
 }
 
+export interface WarmOptions {
+  /** As AllocateOptions.template. allocate() calls with this template (a map's entries in any order) and `mode`
+   * are served from the reserve; any other allocate() builds its workspace as without a reserve. */
+  template: string | Record<string, string>
+  /** Workspaces kept built: 1–64. */
+  count: number
+  /** As AllocateOptions.mode. Default 0o700. */
+  mode?: number
+}
+
+/** Options of {@link Pool.allocate}. */
 export interface AllocateOptions {
   /**
    * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
@@ -77,35 +112,57 @@ export interface AllocateOptions {
    * rejects with an AbortError (also when the abort comes just after the workspace was published).
    */
   signal?: AbortSignal
+  /**
+   * For template files that are copied (no reflink): start their writeback as they are copied, `'start'`, or
+   * also wait for it, `'wait'` (see CloneOptions.writeback). Default `'none'`. A workspace from the warm reserve
+   * is always written back already.
+   */
+  writeback?: Writeback
 }
 
+/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
 export interface TemplateSource {
   /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
   dest: string
+  /** Absolute path of the source file or directory. */
   source: string
+  /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
   dev: string
+  /** The source's inode number (decimal string). */
   ino: string
+  /** The source's size in bytes (a tree: its directory's st_size). */
   size: number
+  /** The source's modification time in ns since the epoch (decimal string). */
   mtimeNs: string
+  /** How its data arrived in the workspace. */
   method: 'reflink' | 'copy' | 'mixed'
 }
 
+/** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */
 export interface WorkspaceInfo {
+  /** 32 lowercase hex characters (the whole name when it does not have the `<prefix>-<id>` shape). */
   id: string
+  /** The directory's name in the pool root. */
   name: string
+  /** Absolute path of the workspace directory. */
   path: string
   /** True while some process holds the lease (judged by a non-blocking shared flock probe). */
   live: boolean
   /** ms since the epoch. */
   createdAt?: number
+  /** The `meta` given to allocate(). */
   meta?: JsonObject
+  /** What the template cloned into it, with each source's identity at that time. */
   template?: TemplateSource[]
   /** Issue 14: the template it was allocated from (`allocate({ from })`). */
   templateId?: string
+  /** Process id of the allocating process. */
   pid?: number
+  /** Host name of the allocating machine. */
   hostname?: string
+  /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
   bootId?: string
   /**
    * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
@@ -115,6 +172,7 @@ export interface WorkspaceInfo {
   error?: VmspaceError
 }
 
+/** Options of {@link Pool.sweep}. */
 export interface SweepOptions {
   /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
   dryRun?: boolean
@@ -127,8 +185,11 @@ export interface SweepOptions {
   graceMs?: number
 }
 
+/** One entry a sweep reclaimed (or failed to). */
 export interface SweepEntry {
+  /** The workspace's id (the whole name for an entry without the `<prefix>-<id>` shape). */
   id: string
+  /** The entry's directory name. */
   name: string
   /**
    * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
@@ -139,7 +200,17 @@ export interface SweepEntry {
   bytes: number
 }
 
+/** An entry whose handling failed in a sweep ({@link SweepReport.failed}). */
+export interface SweepFailure extends SweepEntry {
+  /** `error.code`. */
+  code: VmspaceError['code']
+  /** Why the entry failed. */
+  error: VmspaceError
+}
+
+/** What {@link Pool.sweep} did. */
 export interface SweepReport {
+  /** Entries removed (with `dryRun`: that would be removed). */
   reclaimed: SweepEntry[]
   /** Published workspaces left alone because a process holds their lease. */
   live: number
@@ -150,20 +221,28 @@ export interface SweepReport {
    * unknown: it is neither counted `live` nor touched). What is left stays for a later sweep. An entry that a
    * concurrent dispose, allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
-  failed: (SweepEntry & { code: string; error: VmspaceError })[]
+  failed: SweepFailure[]
   /** Metadata files removed because no workspace has them. */
   metadataRemoved: number
 }
 
+/** Counters of {@link Pool.stats}. */
 export interface PoolStats {
+  /** Workspaces allocated. */
   allocated: number
+  /** Workspaces disposed. */
   disposed: number
   /** allocate calls that failed (and rolled back). */
   failed: number
   /** Names drawn again because the one drawn existed. */
   nameRetries: number
   /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
-  clones: { reflink: number; copy: number }
+  clones: {
+    /** Files whose extents are shared with their source. */
+    reflink: number
+    /** Files whose data was copied. */
+    copy: number
+  }
   /** Their logical bytes. */
   bytesCloned: number
 }
@@ -172,6 +251,12 @@ const MAX_META_BYTES = 64 * 1024
 const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
 const NAME = /^(.+)-([0-9a-f]{32})$/
 const constructing = Symbol('vmspace.internal')
+
+// The constructors of Pool and Workspace, which their types declare private.
+const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
+const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
+type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
+type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number]
 
 /** Calls still running, so that close()/dispose() wait for them before the fds they use are closed. */
 class InFlight {
@@ -201,7 +286,7 @@ class InFlight {
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
-    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true,
+    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, warm: true,
   })
   const create = boolean('options.create', o.create, true)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
@@ -210,26 +295,44 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const reflink = oneOf('options.reflink', o.reflink, reflinkValues, 'auto')
   const durable = boolean('options.durable', o.durable, false)
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
+  const warm = warmOptions(o.warm)
   const { handle, bootId } = await call(native.openPool(dir, create, sharedGroup))
-  return new Pool(constructing, handle, dir, prefix, reflink, durable, bootId)
+  const pool = newPool(constructing, handle, dir, prefix, reflink, durable, bootId)
+  if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
+  return pool
 }
 
-export class Pool {
+function warmOptions(value: unknown) {
+  if (value === undefined) return undefined
+  const w = optionsObject<WarmOptions>('options.warm', value, { template: true, count: true, mode: true })
+  if (w.template === undefined) throw invalidType('options.warm.template', 'a directory path or a plain object mapping workspace paths to sources', undefined)
+  if (w.count === undefined) throw invalidType('options.warm.count', 'an integer', undefined)
+  const { dir, entries } = templateEntries(w.template, 'options.warm.template')
+  if (!dir && entries.length === 0) throw invalidValue('options.warm.template', 'at least one template entry', w.template)
+  const count = integerIn('options.warm.count', w.count, 1, 64, 1)
+  const mode = integerIn('options.warm.mode', w.mode, 0, 0o7777, 0o700)
+  return { dir, entries, count, mode }
+}
+
+/** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
+export class Pool implements AsyncDisposable {
   /** Absolute path of the pool's root directory. */
   readonly root: string
+  /** Workspace names are `${prefix}-${id}` ({@link PoolOptions.prefix}). */
   readonly prefix: string
   readonly #handle: PoolHandle
   readonly #reflink: Reflink
   readonly #durable: boolean
   readonly #bootId: string
   readonly #inFlight = new InFlight()
+  #warm: WarmReserve | undefined
   #closed = false
   #handleClosed = false
   #open = 0 // workspaces of this pool not yet disposed
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
-  /** @internal Use openPool(). */
-  constructor(token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string) {
+  // Private in the published types (pools come from openPool()); lib/ makes pools through newPool.
+  private constructor(...[token, handle, root, prefix, reflink, durable, bootId]: PoolArgs) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
     this.#handle = handle
     this.root = root
@@ -247,12 +350,19 @@ export class Pool {
    * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, `ERR_RENAME_NOREPLACE_UNSUPPORTED` (the pool's
    * file system refuses renameat2(RENAME_NOREPLACE), as openPool found; nothing made), or an AbortError.
    */
-  async allocate(options?: AllocateOptions): Promise<Workspace> {
-    const o = optionsObject<AllocateOptions>('options', options, { template: true, from: true, meta: true, mode: true, signal: true })
+  allocate(options?: AllocateOptions): Promise<Workspace> {
+    return traced(allocateChannel, () => ({ root: this.root, prefix: this.prefix }), (t) => this.#allocate(options, t))
+  }
+
+  async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
+    const o = optionsObject<AllocateOptions>('options', options, {
+      template: true, from: true, meta: true, mode: true, signal: true, writeback: true,
+    })
     const { dir, entries } = templateEntries(o.template)
     const from = templateRef('options.from', o.from)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
+    const writeback = writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none'))
     // The caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
     const info = `${JSON.stringify({
       format: 1,
@@ -264,11 +374,17 @@ export class Pool {
     this.#assertOpen()
     // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
     this.#open++
-    let r
+    let r: NativeAllocateResult | undefined
     try {
-      r = await this.#inFlight.track(
+      if (signal?.aborted) throw new AbortError(signal.reason)
+      // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
+      if ((dir || entries.length) && from === undefined) {
+        const warm = this.#warm
+        if (warm?.matches(WarmReserve.key(dir, entries, mode))) r = await warm.take(info)
+      }
+      r ??= await this.#inFlight.track(
         withProgress({ signal }, (p) =>
-          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, from),
+          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, writeback, from),
         ),
       )
     } catch (e) {
@@ -278,7 +394,7 @@ export class Pool {
     }
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    const ws = new Workspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
     ws.template = r.clones.map((c) => {
       this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
@@ -293,6 +409,7 @@ export class Pool {
         throw parsed.error
       }
     }
+    if (t) allocateResult(t, ws, r.retries)
     if (signal?.aborted) {
       await ws.dispose()
       throw new AbortError(signal.reason)
@@ -365,7 +482,7 @@ export class Pool {
       await this._forget()
       throw e
     }
-    const ws = new Workspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
+    const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
     ws.info = this.#info(name, true, r.metaText, r.metaError)
     ws.templateId = ws.info.templateId
     return ws
@@ -377,7 +494,11 @@ export class Pool {
    * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
    * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
    */
-  async sweep(options?: SweepOptions): Promise<SweepReport> {
+  sweep(options?: SweepOptions): Promise<SweepReport> {
+    return traced(sweepChannel, () => ({ root: this.root, options }), () => this.#sweep(options), sweepResult)
+  }
+
+  async #sweep(options: SweepOptions | undefined): Promise<SweepReport> {
     const o = optionsObject<SweepOptions>('options', options, { dryRun: true, graceMs: true })
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
@@ -561,19 +682,53 @@ export class Pool {
     return { removed, deferred }
   }
 
+  /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */
+  warmStats(): WarmStats | undefined {
+    return this.#warm?.stats()
+  }
+
+  /** @internal Starts the warm reserve (openPool's `warm`); it counts as an open workspace until close(). */
+  _startWarm(dir: string, entries: [string, string][], mode: number, count: number): void {
+    this.#open++
+    const reflink = reflinkCode(this.#reflink)
+    this.#warm = new WarmReserve(
+      {
+        build: () =>
+          call(this.#inFlight.track(native.warmBuild(this.#handle, this.prefix, mode, dir, entries, '', reflink, false, this.#durable, undefined))),
+        take: (entry, infoJson) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, infoJson))),
+        discard: (entry) => call(this.#inFlight.track(native.warmDiscard(this.#handle, entry))),
+      },
+      WarmReserve.key(dir, entries, mode),
+      count,
+    )
+    this.#warm.refill()
+  }
+
   /** Counters since the pool was opened in this process (a copy). */
   stats(): PoolStats {
     return { ...this.#stats, clones: { ...this.#stats.clones } }
   }
 
   /**
-   * Stops new allocate()/list() calls (`ERR_POOL_CLOSED`) and waits for running ones. Workspaces still open keep
-   * working; the pool's directory fds are released once the last of them is disposed. Idempotent.
+   * Stops new allocate()/list() calls (`ERR_POOL_CLOSED`) and waits for running ones; stops the warm reserve's
+   * refill and removes its entries. Workspaces still open keep working; the pool's directory fds are released
+   * once the last of them is disposed. Idempotent.
    */
   async close(): Promise<void> {
     this.#closed = true
+    const warm = this.#warm
+    if (warm) {
+      this.#warm = undefined
+      await warm.close()
+      await this._forget()
+    }
     await this.#inFlight.idle()
     await this.#releaseIfIdle()
+  }
+
+  /** close(), for `await using pool = await openPool(…)`. */
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close()
   }
 
   /** @internal */
@@ -613,6 +768,7 @@ export class Pool {
   }
 }
 
+/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
 export class Workspace implements AsyncDisposable {
   /** 32 lowercase hex characters: 128 bits from getrandom(2). */
   readonly id: string
@@ -637,8 +793,8 @@ export class Workspace implements AsyncDisposable {
   readonly #pool: Pool
   readonly #inFlight = new InFlight()
 
-  /** @internal Workspaces come from Pool.allocate(). */
-  constructor(token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number) {
+  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
+  private constructor(...[token, pool, id, name, wsPath, leaseFd]: WorkspaceArgs) {
     if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
     this.#pool = pool
     this.id = id
@@ -667,7 +823,12 @@ export class Workspace implements AsyncDisposable {
    * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
    * clone() does, and `ERR_DISPOSED` after dispose().
    */
-  async clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
+    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
+  }
+
+  async #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
     const src = absolutePath('source', source)
     const rel = relativePath('dest', dest ?? path.basename(src))
     const opts = cloneOptions(options)
@@ -675,7 +836,7 @@ export class Workspace implements AsyncDisposable {
       throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
     const r = await this.#inFlight.track(
       withProgress(opts, (p) =>
-        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p),
+        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p, opts.writeback),
       ),
     )
     this.#pool._countClone(r)
@@ -692,7 +853,8 @@ export class Workspace implements AsyncDisposable {
     this.#disposing ??= (async () => {
       await this.#inFlight.idle()
       try {
-        await this.#pool._dispose(this, this.leaseFd)
+        const pool = this.#pool
+        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, this.leaseFd))
         this.#status = 'disposed'
       } catch (e) {
         this.#status = 'unrecoverable'
@@ -721,23 +883,24 @@ export class Workspace implements AsyncDisposable {
     await this.#pool._forget()
   }
 
+  /** dispose(), for `await using ws = await pool.allocate()`. */
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
 }
 
-function templateEntries(template: unknown): { dir: string; entries: [string, string][] } {
+function templateEntries(template: unknown, name = 'options.template'): { dir: string; entries: [string, string][] } {
   if (template === undefined) return { dir: '', entries: [] }
-  if (typeof template === 'string') return { dir: absolutePath('options.template', template), entries: [] }
+  if (typeof template === 'string') return { dir: absolutePath(name, template), entries: [] }
   const proto = typeof template === 'object' && template !== null ? Object.getPrototypeOf(template) : undefined
   if (proto !== Object.prototype && proto !== null)
-    throw invalidType('options.template', 'a directory path or a plain object mapping workspace paths to sources', template)
+    throw invalidType(name, 'a directory path or a plain object mapping workspace paths to sources', template)
   const seen = new Set<string>()
   const entries = Object.entries(template as Record<string, unknown>).map(([dest, source]): [string, string] => {
-    const rel = relativePath(`options.template[${JSON.stringify(dest)}]`, dest)
-    if (seen.has(rel)) throw invalidValue('options.template', 'each destination once', dest)
+    const rel = relativePath(`${name}[${JSON.stringify(dest)}]`, dest)
+    if (seen.has(rel)) throw invalidValue(name, 'each destination once', dest)
     seen.add(rel)
-    return [rel, absolutePath(`options.template[${JSON.stringify(dest)}]`, source)]
+    return [rel, absolutePath(`${name}[${JSON.stringify(dest)}]`, source)]
   })
   return { dir: '', entries }
 }

@@ -28,6 +28,7 @@
 #include "core/rename.h"
 #include "core/template.h"
 #include "core/tree.h"
+#include "core/warm.h"
 
 namespace {
 
@@ -174,6 +175,13 @@ vmspace::CloneOptions cloneOptionsArg(const Napi::CallbackInfo& info, size_t i) 
   return o;
 }
 
+// 0 none, 1 start, 2 wait (CloneOptions.writeback); missing: none.
+vmspace::Writeback writebackArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsNumber()) return vmspace::Writeback::None;
+  int64_t w = info[i].As<Napi::Number>().Int64Value();
+  return w == 1 ? vmspace::Writeback::Start : w == 2 ? vmspace::Writeback::Wait : vmspace::Writeback::None;
+}
+
 struct PoolRef {
   std::shared_ptr<vmspace::Pool> pool;
 };
@@ -240,14 +248,14 @@ Napi::Value ClosePool(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [pool] { pool->close(); });
 }
 
-Napi::Value Allocate(const Napi::CallbackInfo& info) {
-  auto pool = poolArg(info, 0);
+// (prefix, mode, templateDir, entries, infoJson, reflink, overwrite, durable, progress, writeback) from `first` on.
+vmspace::AllocateRequest allocateRequestArg(const Napi::CallbackInfo& info, size_t first, ProgressRef* progress) {
   vmspace::AllocateRequest req;
-  req.prefix = stringArg(info, 1);
-  req.mode = static_cast<mode_t>(intArg(info, 2));
-  req.templateDir = stringArg(info, 3);
-  if (!info[4].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
-  Napi::Array entries = info[4].As<Napi::Array>();
+  req.prefix = stringArg(info, first);
+  req.mode = static_cast<mode_t>(intArg(info, first + 1));
+  req.templateDir = stringArg(info, first + 2);
+  if (!info[first + 3].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
+  Napi::Array entries = info[first + 3].As<Napi::Array>();
   for (uint32_t i = 0; i < entries.Length(); i++) {
     Napi::Value pair = entries.Get(i);
     if (!pair.IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
@@ -257,38 +265,111 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
       throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
     req.entries.push_back({dest.As<Napi::String>().Utf8Value(), source.As<Napi::String>().Utf8Value()});
   }
-  req.infoJson = stringArg(info, 5);
-  req.clone = cloneOptionsArg(info, 6);  // reflink, (overwrite, ignored), durable
-  ProgressRef progress = progressArg(info, 9);
-  req.progress = progress.get();
-  if (info.Length() > 10 && info[10].IsString()) req.fromTemplate = stringArg(info, 10);  // issue 14
+  req.infoJson = stringArg(info, first + 4);
+  req.clone = cloneOptionsArg(info, first + 5);  // reflink, (overwrite, ignored), durable
+  *progress = progressArg(info, first + 8);
+  req.progress = progress->get();
+  req.clone.writeback = writebackArg(info, first + 9);
+  if (info.Length() > first + 10 && info[first + 10].IsString()) req.fromTemplate = stringArg(info, first + 10);  // issue 14
+  return req;
+}
+
+Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmspace::Reflink reflink) {
+  int fd = std::exchange(r.leaseFd, -1);
+  instance(env).leases.insert(fd);
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("id", r.id);
+  o.Set("name", r.name);
+  o.Set("leaseFd", fd);
+  o.Set("retries", r.retries);
+  Napi::Array clones = Napi::Array::New(env, r.clones.size());
+  for (size_t i = 0; i < r.clones.size(); i++) {
+    Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
+    c.Set("dest", r.clones[i].dest);
+    clones.Set(static_cast<uint32_t>(i), c);
+  }
+  o.Set("clones", clones);
+  if (!r.templateId.empty()) {  // issue 14
+    o.Set("templateId", r.templateId);
+    o.Set("templateMeta", r.templateMeta);
+  }
+  return o;
+}
+
+void dropAllocateResult(vmspace::AllocateResult& r) {
+  if (r.leaseFd >= 0) ::close(r.leaseFd);  // the workspace is then an orphan for a sweep
+}
+
+Napi::Value Allocate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  ProgressRef progress;
+  vmspace::AllocateRequest req = allocateRequestArg(info, 1, &progress);
   vmspace::Reflink reflink = req.clone.reflink;
   return Work<vmspace::AllocateResult>::Start(
       info.Env(), [pool, req, progress] { return pool->allocate(req); },
-      [reflink](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
-        int fd = std::exchange(r.leaseFd, -1);
-        instance(env).leases.insert(fd);
-        Napi::Object o = Napi::Object::New(env);
-        o.Set("id", r.id);
-        o.Set("name", r.name);
-        o.Set("leaseFd", fd);
-        o.Set("retries", r.retries);
-        Napi::Array clones = Napi::Array::New(env, r.clones.size());
-        for (size_t i = 0; i < r.clones.size(); i++) {
-          Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
-          c.Set("dest", r.clones[i].dest);
-          clones.Set(static_cast<uint32_t>(i), c);
-        }
-        o.Set("clones", clones);
-        if (!r.templateId.empty()) {  // issue 14
-          o.Set("templateId", r.templateId);
-          o.Set("templateMeta", r.templateMeta);
-        }
-        return o;
+      [reflink](Napi::Env env, vmspace::AllocateResult& r) { return allocateResultObject(env, r, reflink); },
+      dropAllocateResult);
+}
+
+// ---- the warm reserve (core/warm.h); lib/warm.ts keeps the entries and decides when to build ----
+
+using WarmRef = std::shared_ptr<vmspace::WarmEntry>;
+
+WarmRef warmArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsExternal()) throw Napi::TypeError::New(info.Env(), "vmspace binding: not a warm entry handle");
+  return *info[i].As<Napi::External<WarmRef>>().Data();
+}
+
+// warmBuild(pool, ...allocate's arguments): a handle of a staged entry. The handle owns the entry's lease: an
+// entry neither taken nor discarded is closed (left to a sweep) when the handle is collected or the env ends.
+Napi::Value WarmBuild(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  ProgressRef progress;
+  vmspace::AllocateRequest req = allocateRequestArg(info, 1, &progress);
+  auto entry = std::make_shared<vmspace::WarmEntry>();
+  return Work<WarmRef>::Start(
+      info.Env(),
+      [pool, req, progress, entry] {
+        vmspace::buildWarm(*pool, req, entry.get());
+        return entry;
       },
-      [](vmspace::AllocateResult& r) {
-        if (r.leaseFd >= 0) ::close(r.leaseFd);  // the workspace is then an orphan for a sweep
+      [](Napi::Env env, WarmRef& e) -> Napi::Value {
+        return Napi::External<WarmRef>::New(env, new WarmRef(e), [](Napi::Env, WarmRef* ref) { delete ref; });
       });
+}
+
+// warmTake(pool, entry, infoJson): allocate's result, or null when the entry was stale (removed) or used.
+Napi::Value WarmTake(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  WarmRef entry = warmArg(info, 1);
+  std::string infoJson = stringArg(info, 2);
+  struct Taken {
+    bool ok = false;
+    vmspace::AllocateResult result;
+  };
+  vmspace::Reflink reflink = vmspace::Reflink::Auto;
+  {
+    std::lock_guard<std::mutex> lock(entry->mu);  // the build is done (lib awaits it), so this never waits
+    reflink = entry->request.clone.reflink;
+  }
+  return Work<Taken>::Start(
+      info.Env(),
+      [pool, entry, infoJson] {
+        Taken t;
+        t.ok = vmspace::takeWarm(*pool, entry.get(), infoJson, &t.result);
+        return t;
+      },
+      [reflink](Napi::Env env, Taken& t) -> Napi::Value {
+        if (!t.ok) return env.Null();
+        return allocateResultObject(env, t.result, reflink);
+      },
+      [](Taken& t) { dropAllocateResult(t.result); });
+}
+
+Napi::Value WarmDiscard(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  WarmRef entry = warmArg(info, 1);
+  return runVoid(info.Env(), [pool, entry] { vmspace::discardWarm(*pool, entry.get()); });
 }
 
 Napi::Value Dispose(const Napi::CallbackInfo& info) {
@@ -387,6 +468,7 @@ Napi::Value ClonePath(const Napi::CallbackInfo& info) {
   std::string src = stringArg(info, 0), dst = stringArg(info, 1);
   vmspace::CloneOptions opts = cloneOptionsArg(info, 2);
   ProgressRef progress = progressArg(info, 5);
+  opts.writeback = writebackArg(info, 6);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(), [src, dst, opts, progress] { return vmspace::clonePath(src, dst, opts, progress.get()); },
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
@@ -397,6 +479,7 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
   std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
   vmspace::CloneOptions opts = cloneOptionsArg(info, 4);
   ProgressRef progress = progressArg(info, 7);
+  opts.writeback = writebackArg(info, 8);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(),
       [baseFd, basePath, src, rel, opts, progress] {
@@ -796,6 +879,9 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("closePool", Napi::Function::New(env, ClosePool, "closePool"));
   exports.Set("allocate", Napi::Function::New(env, Allocate, "allocate"));
   exports.Set("dispose", Napi::Function::New(env, Dispose, "dispose"));
+  exports.Set("warmBuild", Napi::Function::New(env, WarmBuild, "warmBuild"));
+  exports.Set("warmTake", Napi::Function::New(env, WarmTake, "warmTake"));
+  exports.Set("warmDiscard", Napi::Function::New(env, WarmDiscard, "warmDiscard"));
   exports.Set("list", Napi::Function::New(env, List, "list"));
   exports.Set("adopt", Napi::Function::New(env, Adopt, "adopt"));
   exports.Set("sweep", Napi::Function::New(env, Sweep, "sweep"));

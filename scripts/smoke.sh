@@ -101,8 +101,14 @@ elif [ -d "$work/npm/node_modules/vmspace" ]; then
   # arm64: Debian 12's arm64 nodejs (18.x) under qemu-user, loading the cross-built prebuild.
   if arm=$(scripts/arm64-root.sh); then
     arch=arm64
+    # qemu-user's -L maps an absolute path to the arm64 root's copy wherever one exists, and "/" always does:
+    # openPool walks its root's path from "/" (checking each directory), so it would land inside the arm64 root
+    # while node's own mkdtemp uses the host's /tmp. A temp dir bind-mounted at the same path in both is one dir.
+    armtmp=$(mktemp -d /tmp/vmspace-smoke-arm-XXXXXX)
+    mkdir -p "$arm$armtmp" && mount --bind "$armtmp" "$arm$armtmp"
     elsewhere "arm64 (qemu, node $(qemu-aarch64-static -L "$arm" "$arm/usr/bin/node" -v))" \
-      env -u NODE_EXTRA_CA_CERTS -C "$proj" qemu-aarch64-static -L "$arm" "$arm/usr/bin/node"
+      env -u NODE_EXTRA_CA_CERTS TMPDIR="$armtmp" -C "$proj" qemu-aarch64-static -L "$arm" "$arm/usr/bin/node"
+    umount "$arm$armtmp"; rmdir "$arm$armtmp"; rm -rf "$armtmp"
   else
     bad "arm64 root (scripts/arm64-root.sh)"
   fi

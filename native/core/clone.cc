@@ -217,6 +217,21 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
   return {CloneMethod::Copy, copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, cancel)};
 }
 
+void writeBack(int fd, Writeback writeback, const std::string& path) {
+  if (writeback == Writeback::None) return;
+  // WAIT_BEFORE|WRITE|WAIT_AFTER is the documented "write out and wait" of sync_file_range(2); WRITE alone only
+  // queues the pages (it may block briefly where the device queue is full, never for the whole writeback).
+  unsigned flags = writeback == Writeback::Start
+                       ? SYNC_FILE_RANGE_WRITE
+                       : SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER;
+  for (int attempt = 0;; attempt++) {
+    if (sync_file_range(fd, 0, 0, flags) == 0) return;
+    int err = errno;
+    if (err == ESPIPE || err == EINVAL) return;  // nothing to write back here (a pipe, a pseudo-file)
+    if (!transient(err) || attempt + 1 == kTransientTries) throwErrno(err, "sync_file_range", path);
+  }
+}
+
 void fillIdentity(SourceIdentity* identity, const struct stat& st) {
   if (identity)
     *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
@@ -251,6 +266,7 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
     if (own.st_uid != st.st_uid) mode &= ~S_ISUID;
     if (own.st_gid != st.st_gid) mode &= ~S_ISGID;
     if (fchmod(dst.get(), mode) != 0) throwErrno(errno, "fchmod", dstPath);
+    if (result.method == CloneMethod::Copy) writeBack(dst.get(), options.writeback, dstPath);
     if (options.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath);
     if (options.overwrite) {
       // rename(2) replaces the destination atomically; it refuses (EISDIR) to replace a directory with a file.

@@ -13,11 +13,22 @@ namespace vmspace {
 enum class Reflink { Always, Auto, Never };
 enum class CloneMethod { Reflink, Copy };
 
+// What a copy (not a reflink: its extents are the source's, already on disk) does about the dirty pages it leaves.
+// A copied image is all dirty page cache, and the first fsync after the clone (the VM's) pays for writing all of
+// it back: seconds for hundreds of MiB. Start queues that writeback at once (sync_file_range(2)
+// SYNC_FILE_RANGE_WRITE, which does not wait for it); Wait also waits until the data is written back.
+enum class Writeback { None, Start, Wait };
+
 struct CloneOptions {
   Reflink reflink = Reflink::Auto;
   bool overwrite = false;  // replace an existing destination (atomically, by rename) instead of EEXIST
   bool durable = false;    // fsync the file before publish and the directory after
+  Writeback writeback = Writeback::None;  // for copied files only
 };
+
+// Applies `writeback` to the copied file `fd` (a no-op for None). Errors: the errno of sync_file_range (EIO,
+// ENOSPC, ...); ESPIPE/EINVAL (a file that is no regular file of a page-cache file system) are no error.
+void writeBack(int fd, Writeback writeback, const std::string& path);
 
 struct CloneFileResult {
   CloneMethod method;

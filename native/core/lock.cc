@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -97,9 +98,18 @@ void onCancelSignal(int) {}
 
 int lockCancelSignal() {
   static int sig = [] {
+    // VMSPACE_LOCK_SIGNAL (read once): "0" never installs a handler (waits poll every 2 ms); "N" takes only the
+    // real-time signal N (SIGRTMIN..SIGRTMAX), if it has no handler yet, else polls. Unset: the first free one.
+    int first = SIGRTMIN + 4, last = SIGRTMAX;
+    if (const char* env = std::getenv("VMSPACE_LOCK_SIGNAL")) {
+      char* end = nullptr;
+      long n = std::strtol(env, &end, 10);
+      if (end == env || *end != '\0' || n == 0 || n < SIGRTMIN || n > SIGRTMAX) return 0;
+      first = last = static_cast<int>(n);
+    }
     // A real-time signal no one else in the process handles: glibc keeps the first few for itself and
     // SIGRTMIN already starts after them; we take the first free one from SIGRTMIN + 4.
-    for (int s = SIGRTMIN + 4; s <= SIGRTMAX; s++) {
+    for (int s = first; s <= last; s++) {
       struct sigaction old;
       if (sigaction(s, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
       struct sigaction sa = {};

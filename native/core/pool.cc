@@ -398,7 +398,9 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
   return writeFileNoReplace(metaFd_.get(), name + ".json", json, durable, metaPath(name));
 }
 
-AllocateResult Pool::allocate(const AllocateRequest& req) {
+AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.infoJson, req.clone); }
+
+StagedWorkspace Pool::stage(const AllocateRequest& req) {
   // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
   // (rename(2) replaces an empty directory; link(2) takes no directory). Refused before anything is made.
   if (noReplaceErr_)
@@ -406,7 +408,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
               "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
               "a workspace needs",
               noReplaceErr_, "renameat2", root_);
-  AllocateResult res;
+  StagedWorkspace res;
   // Issue 14: a template is resolved and held for reading (flock LOCK_SH) before anything is made, so an
   // unknown one (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
   TemplateStore* store = nullptr;
@@ -474,12 +476,8 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     if (++reclaimed == kMaxNameTries) throwErrno(ENOENT, "open", shown);
     tries--;  // not a collision
   }
-  std::string stagingName = res.name;
-  std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
-  std::string metaPublished;
-  bool published = false;
+  std::string stagingPath = root_ + "/.vmspace/staging/" + res.name;
   try {
-
     CloneOptions opts = req.clone;
     opts.overwrite = false;
     if (store) {  // issue 14: the committed tree, then the write bits the commit removed
@@ -501,15 +499,58 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
                              &c.identity);
       res.clones.push_back(std::move(c));
     }
+  } catch (...) {
+    try {
+      removeTreeNoFollow(stagingFd_.get(), res.name, stagingPath);
+    } catch (...) {
+      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
+      // whatever the cleanup met (an Error, or bad_alloc).
+    }
+    throw;
+  }
+  res.lease = std::move(lease);
+  res.draws = tries;
+  return res;
+}
 
+void Pool::discard(StagedWorkspace&& staged) {
+  UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
+  removeTreeNoFollow(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
+}
+
+AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& clone) {
+  UniqueFd lease = std::move(staged.lease);
+  AllocateResult res;
+  res.id = std::move(staged.id);
+  res.name = std::move(staged.name);
+  res.retries = staged.retries;
+  res.clones = std::move(staged.clones);
+  res.templateId = std::move(staged.templateId);  // issue 14
+  res.templateMeta = std::move(staged.templateMeta);
+  std::string stagingName = res.name;
+  std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
+  std::string metaPublished;
+  bool published = false;
+  int tries = staged.draws;  // ERR_NAME_EXHAUSTED past kMaxNameTries, counting the stage's draws
+  auto draw = [&] {
+    if (tries == kMaxNameTries)
+      throwCode("ERR_NAME_EXHAUSTED",
+                "every one of " + std::to_string(kMaxNameTries) + " names drawn for a workspace existed already", EEXIST,
+                "mkdir", root_);
+    tries++;
+    std::string prefix = res.name.substr(0, res.name.size() - res.id.size());  // "<prefix>-"
+    res.id = randomId();
+    res.name = prefix + res.id;
+  };
+  try {
     // infoJson is an object from the caller; the name and the template sources are added to it here, where the
     // sources' identity (device, inode, size, mtime at clone time) is known.
     auto metaJson = [&] {
-      std::string json = req.infoJson.empty() ? std::string("{") : req.infoJson.substr(0, req.infoJson.rfind('}'));
+      std::string json = infoJson.empty() ? std::string("{") : infoJson.substr(0, infoJson.rfind('}'));
       if (json.size() > 1) json += ",";
       json += "\"name\":";
       appendJsonString(&json, res.name);
-      if (store) json += ",\"templateId\":\"" + res.templateId + "\"";  // issue 14: the parent of a commit
+      if (!res.templateId.empty()) json += ",\"templateId\":\"" + res.templateId + "\"";  // issue 14: a commit's parent
       json += ",\"template\":[";
       for (size_t i = 0; i < res.clones.size(); i++) {
         const ClonedEntry& c = res.clones[i];
@@ -523,7 +564,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
                 std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" +
                 std::to_string(id.size) + ",\"mtimeNs\":\"" +
                 std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
-                methodName(c.result, req.clone.reflink) + "\"}";
+                methodName(c.result, clone.reflink) + "\"}";
       }
       json += "]}\n";
       return json;
@@ -532,7 +573,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
     // Publish: the metadata name and then the workspace name are each claimed with RENAME_NOREPLACE; an
     // existing entry under either is a collision, answered with a fresh name, never by adopting it.
     for (;;) {
-      if (publishMeta(res.name, metaJson(), req.clone.durable)) {
+      if (publishMeta(res.name, metaJson(), clone.durable)) {
         metaPublished = res.name;
         if (renameat2(stagingFd_.get(), stagingName.c_str(), rootFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0) {
           published = true;
@@ -554,7 +595,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
       stagingName = res.name;
       stagingPath = root_ + "/.vmspace/staging/" + stagingName;
     }
-    if (req.clone.durable) {
+    if (clone.durable) {
       if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
       if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
     }

@@ -54,6 +54,17 @@ struct AllocateResult {
   std::string templateId, templateMeta;  // issue 14: the template cloned (fromTemplate) and its template.json
 };
 
+// A workspace built and leased in .vmspace/staging/<name>, not yet published (Pool::stage). To a sweep it is a build
+// in progress for as long as the lease is held, and a dead build once it is free.
+struct StagedWorkspace {
+  std::string id, name;  // name: of the staging entry, and the one it is published under (unless that collides)
+  UniqueFd lease;
+  int retries = 0;
+  int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
+  std::vector<ClonedEntry> clones;
+  std::string templateId, templateMeta;  // issue 14: as in AllocateResult
+};
+
 struct ListEntry {
   std::string name;
   bool live = false;
@@ -101,6 +112,15 @@ class Pool {
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
   // Any failure removes everything it made and throws. ERR_NAME_EXHAUSTED after kMaxNameTries collisions.
   AllocateResult allocate(const AllocateRequest& request);
+
+  // allocate() in two steps, so that the slow one can run ahead of time (a warm reserve): stage() builds and
+  // leases the workspace in staging (any failure removes it and throws); publish() writes its metadata
+  // (`infoJson`, as AllocateRequest::infoJson; `options` as the build's) and renames it into the root; on
+  // failure it removes the staged workspace and throws. discard() removes a staged workspace that will not be
+  // published, then drops its lease.
+  StagedWorkspace stage(const AllocateRequest& request);
+  AllocateResult publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& options);
+  void discard(StagedWorkspace&& staged);
 
   // Moves workspace `name` into trash, removes it safely, drops its metadata, closes `leaseFd`. The lease fd is
   // closed on every path, so that a sweep can finish what a failed removal left in trash.

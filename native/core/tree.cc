@@ -523,6 +523,7 @@ class TreeCloner {
     if (chmod && fchmod(dst.get(), st.st_mode & 07777 & ~dropSetId) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
+    if (data.method == CloneMethod::Copy) writeBack(dst.get(), opts_.writeback, dstPath(rel));
     if (opts_.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath(rel));
     if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, std::make_shared<Name>(dir, name));
     (data.method == CloneMethod::Reflink ? local.reflinked : local.copied)++;
