@@ -14,7 +14,10 @@
         "native/core/lock.cc",
         "native/core/process.cc",
         "native/core/io.cc",
-        "native/core/template.cc"
+        "native/core/template.cc",
+        "native/core/quota.cc",
+        "native/core/pool_quota.cc",
+        "native/core/usage.cc"
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
       "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "_GNU_SOURCE"],

@@ -23,6 +23,11 @@ export interface WorkspaceJson {
   template: NonNullable<WorkspaceInfo['template']>
   /** st_blocks × 512 over the tree (du -x), or null when the walk failed (see error). */
   allocatedBytes: number | null
+  /** Data only this workspace references, and data shared with other files (reflinks), from Workspace usage (FIEMAP); null where unknown. */
+  exclusiveBytes: number | null
+  sharedBytes: number | null
+  /** The workspace's quota as the kernel reports it (limits 0: none), or null without a quota. */
+  quota: { limitBytes: number; usedBytes: number; limitInodes: number; usedInodes: number } | null
   /** Why the metadata or the walk could not be read. */
   error: { code: string | null; message: string } | null
 }
@@ -56,16 +61,19 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
     method: method(info),
     template: info.template ?? [],
     allocatedBytes: usage?.allocatedBytes ?? null,
+    exclusiveBytes: info.usage?.exclusiveBytes ?? null,
+    sharedBytes: info.usage?.sharedBytes ?? null,
+    quota: info.usage?.quota ?? null,
     error: error === undefined ? null : errorJson(error),
   }
   return { json, usage }
 }
 
-async function listPool(rootArg: string): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
+async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    return { root, infos: await pool.list(), templates: await pool.templates() }
+    return { root, infos: await pool.list({ usage }), templates: await pool.templates() }
   } finally {
     await pool.close()
   }
@@ -108,7 +116,7 @@ function templateJson(t: Template): TemplateJson {
 
 /** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
 export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
-  const { root, infos, templates } = await listPool(rootArg)
+  const { root, infos, templates } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
@@ -120,7 +128,7 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
     const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
     process.stdout.write(
       table(
-        ['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'META'],
+        ['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'],
         rows.map((r) => [
           r.id,
           r.live ? 'live' : 'free',
@@ -129,6 +137,9 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
           cell(r.hostname),
           cell(r.method),
           cell(r.allocatedBytes, humanBytes),
+          cell(r.exclusiveBytes, humanBytes),
+          cell(r.sharedBytes, humanBytes),
+          r.quota === null ? '-' : quotaCell(r.quota),
           r.error ? `error: ${r.error.message}` : r.meta === null ? '-' : JSON.stringify(r.meta),
         ]),
       ),
@@ -155,6 +166,12 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
     }
   }
   return failed ? EXIT_FAILED : EXIT_OK
+}
+
+/** "used/limit" of the quota's bytes (and inodes where limited). */
+function quotaCell(q: NonNullable<WorkspaceJson['quota']>): string {
+  const bytes = `${humanBytes(q.usedBytes)}/${q.limitBytes ? humanBytes(q.limitBytes) : '-'}`
+  return q.limitInodes ? `${bytes},${q.usedInodes}/${q.limitInodes}i` : bytes
 }
 
 const ID = /^[0-9a-f]{32}$/

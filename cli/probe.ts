@@ -7,7 +7,7 @@ import { randomBytes } from 'node:crypto'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { exchange, lockFile, renameNoReplace } from 'vmspace'
+import { exchange, lockFile, probeQuota, renameNoReplace } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, existingDir, humanBytes, printJson } from './common.js'
 import { devParts, fsTypeName, mountOf, type MountInfo } from './fsinfo.js'
 
@@ -64,6 +64,17 @@ async function features(tmp: string): Promise<Record<string, Feature>> {
       return true
     }),
     birthTime: await attempt("sweep's graceMs counted from the birth time (statx STATX_BTIME; else ctime)", () => fs.statSync(a, { bigint: true }).birthtimeNs > 0n),
+    // Asked of the kernel (statfs, btrfs qgroups state, quotactl_fd), not tried: a quota needs a subvolume or a
+    // project id that the probe would have to make and release.
+    quota: await (async (): Promise<Feature> => {
+      const usedFor = "allocate({ quota }): a workspace's own disk limit (btrfs qgroup, XFS/ext4 project quota)"
+      try {
+        const q = await probeQuota(tmp)
+        return { supported: q.supported, usedFor: q.supported ? `${usedFor}: ${q.detail}` : `${usedFor}; ${q.detail}`, code: q.code ?? null }
+      } catch (e) {
+        return { supported: null, usedFor, code: errorJson(e).code }
+      }
+    })(),
     sparseFiles: await attempt('holes kept by copies (SEEK_DATA/SEEK_HOLE) and by reflinks', () => {
       const s = path.join(tmp, 's')
       const fd = fs.openSync(s, 'w')

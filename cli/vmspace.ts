@@ -162,6 +162,7 @@ async function main(): Promise<number> {
   }
 }
 
-main().then((code) => {
+// main() settles with an exit status: it catches every error itself.
+void main().then((code) => {
   process.exitCode = code
 })

@@ -60,6 +60,13 @@ export async function checkWorkspaces(demo: Demo, s: Setup, r: RunResult): Promi
     const shown = [...new Set(failed.map((f) => `${f.stage}: ${f.error}`))].slice(0, 3)
     failures.push(`${failed.length} allocate(s) failed, e.g.:\n    ${shown.join('\n    ')}`)
   }
+  if (demo.opts.quota !== undefined) {
+    const q = r.runaway
+    if (!q) failures.push('--quota: the runaway writer never reported')
+    else if (q.code !== 'EDQUOT')
+      failures.push(`--quota: the runaway writer in ${q.id} met ${q.code ?? 'no refusal'} after ${q.bytes} bytes, not EDQUOT`)
+    else if (q.bytes > demo.opts.quota) failures.push(`--quota: the runaway writer wrote ${q.bytes} bytes, more than the quota (${demo.opts.quota})`)
+  }
   if (lived.length < total)
     failures.push(`only ${lived.length} of ${total} workspaces were made${r.crashSeen || demo.interrupted ? ' (the workers were stopped early)' : ''}`)
   if (isolated.length < lived.length) {

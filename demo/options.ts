@@ -33,6 +33,13 @@ Options:
                    listing, modes, sizes, times and file contents) must be
                    unchanged at the end. On another file system than the pool, DIR
                    is copied into the pool once and the workspaces clone the copy.
+  --quota BYTES    give every workspace a disk quota of BYTES (suffix K, M, G:
+                   binary units), enforced by the kernel (allocate({ quota })):
+                   the pool must be on btrfs with quotas enabled (btrfs quota
+                   enable MNT) or XFS/ext4 with project quotas, as root. The first
+                   workspace of worker 0 then runs a runaway writer that writes
+                   until the kernel refuses: it must get EDQUOT within BYTES, and
+                   every other workspace must still finish.
   --chaos [N|P%]   SIGKILL N workers, or P% of them (default 25%, at least 1),
                    each after it has allocated some of its workspaces. For each
                    one killed, a replacement worker makes the rest of its share,
@@ -63,6 +70,8 @@ export interface Options {
   root?: string
   base?: string
   templateDir?: string
+  /** --quota: bytes per workspace. */
+  quota?: number
   /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
   chaos?: { count: number } | { percent: number }
   /** --fork N: fork one parent into N children instead of running the workers. */
@@ -109,6 +118,7 @@ export function parseOptions(argv: string[]): Options | 'help' {
         'template-dir': { type: 'string' },
         chaos: { type: 'string' },
         fork: { type: 'string' },
+        quota: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
       strict: true,
@@ -161,6 +171,13 @@ export function parseOptions(argv: string[]): Options | 'help' {
     }
     if (statOrUndefined(path.join(opts.templateDir, TREE_MARKER)))
       throw new UsageError(`--template-dir ${opts.templateDir} holds ${TREE_MARKER}, the name of the demo's marker file`)
+  }
+  if (v.quota !== undefined) {
+    const m = /^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$/i.exec(v.quota)
+    const n = m ? Number(m[1]) * 1024 ** 'BKMGT'.indexOf((m[2] || 'B').toUpperCase()) : NaN
+    if (!m || !Number.isSafeInteger(n) || n < 1024 * 1024)
+      throw new UsageError(`--quota must be a size of at least 1M (e.g. 64M, 1G), got ${JSON.stringify(v.quota)}`)
+    opts.quota = n
   }
   if (v.chaos !== undefined) {
     const c = v.chaos.trim()

@@ -28,6 +28,10 @@ export interface WorkerConfig {
   live: number
   /** Test hook: SIGKILL this worker right after its n-th allocate (0: never). */
   crashAfter: number
+  /** --quota: quota.bytes of every workspace (0: none). */
+  quota: number
+  /** --quota: this worker's first workspace runs a runaway writer until the kernel refuses it. */
+  runaway: boolean
 }
 
 /** A template tree as the workers check their clones of it. */
@@ -49,6 +53,7 @@ export type FromWorker =
   | { t: 'ready' }
   | { t: 'allocated'; id: string; name: string; path: string; ms: number; method: string; bytes: number; files: number }
   | { t: 'disposing'; id: string }
+  | { t: 'runaway'; id: string; code: string | null; bytes: number }
   | { t: 'checked'; id: string; marker: boolean; markerFile: boolean; contents: boolean; disposed: boolean; problems: string[] }
   | { t: 'failed'; stage: string; error: string }
   | { t: 'finished'; stats: PoolStats }

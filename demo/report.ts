@@ -63,6 +63,13 @@ function rows(demo: Demo, s: Setup, r: RunResult, c: Checked, chaosRows: [string
       ['isolation checks passed', `${isolated.length}/${lived.length} (own marker only, at offset ${MARKER_OFFSET} and in ${MARKER_FILE})`],
     )
   }
+  if (demo.opts.quota !== undefined) {
+    const q = r.runaway
+    out.push([
+      'quota',
+      `${humanBytes(demo.opts.quota)} per workspace; runaway writer in ${q ? `${q.id.slice(0, 8)}...: ${q.code ?? 'never refused'} after ${humanBytes(q.bytes)}` : '-: never reported'}`,
+    ])
+  }
   out.push(['distinct paths / ids', `${c.distinctPaths}/${records.length} / ${c.distinctIds}/${records.length}`])
   if (tree)
     out.push([

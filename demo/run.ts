@@ -28,6 +28,8 @@ export interface RunResult {
   wall: number
   /** The workers were stopped early (one died, or nothing was heard for STALL_MS). */
   crashSeen: boolean
+  /** --quota: what the runaway writer met (the errno name, null when it was never refused) and wrote. */
+  runaway?: { id: string; code: string | null; bytes: number }
 }
 
 /** "reflink 12 / copy 0". */
@@ -155,6 +157,8 @@ class WorkerRun {
           count,
           live: demo.opts.live,
           crashAfter: index === 0 ? this.#crashAfter : 0,
+          quota: demo.opts.quota ?? 0,
+          runaway: index === 0 && demo.opts.quota !== undefined,
         },
       } satisfies ToWorker,
       () => {},
@@ -186,6 +190,9 @@ class WorkerRun {
         }
         break
       }
+      case 'runaway':
+        r.runaway = { id: m.id, code: m.code, bytes: m.bytes }
+        break
       case 'disposing': {
         const made = this.#byKey.get(`${w.index}:${m.id}`)
         if (made) made.disposing = true

@@ -4,6 +4,7 @@
  */
 import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
+import * as os from 'node:os'
 import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { setImmediate as immediate } from 'node:timers/promises'
@@ -81,6 +82,7 @@ export async function workerMain(): Promise<void> {
         ws = await pool.allocate({
           template: config.tree ? config.tree.dir : { [ROOTFS]: config.base },
           meta: { demo: 'vmspace', worker: config.index, seq, pid: process.pid },
+          ...(config.quota ? { quota: { bytes: config.quota } } : {}),
         })
       } catch (e) {
         await report({ t: 'failed', stage: 'allocate', error: describe(e) })
@@ -99,6 +101,7 @@ export async function workerMain(): Promise<void> {
         files: c?.files ?? 0,
       })
       if (config.crashAfter > 0 && seq + 1 === config.crashAfter) process.kill(process.pid, 'SIGKILL')
+      if (config.runaway && seq === 0) await report({ t: 'runaway', id: ws.id, ...(await runaway(ws)) })
       const checks = config.tree ? await useTree(ws, config.tree) : await useImage(ws, config)
       // Reported (and handed to the kernel) before dispose starts, so that the parent can tell what a worker killed
       // meanwhile may have half-disposed.
@@ -110,6 +113,31 @@ export async function workerMain(): Promise<void> {
   await pool.close()
   await report({ t: 'finished', stats: pool.stats() })
   if (process.connected) process.disconnect()
+}
+
+/**
+ * --quota: a guest gone wild, writing 1 MiB at a time into its workspace until the kernel refuses (EDQUOT where the
+ * quota holds; without one, ENOSPC at the file system's end); the file is removed again, so the workspace passes
+ * its checks as any other.
+ */
+async function runaway(ws: Workspace): Promise<{ code: string | null; bytes: number }> {
+  const file = path.join(ws.path, 'runaway.bin')
+  const chunk = Buffer.alloc(1 << 20, 0x5a)
+  const names = new Map(Object.entries(os.constants.errno).map(([name, n]) => [n, name]))
+  let bytes = 0
+  let code: string | null = null
+  const fh = await fsp.open(file, 'wx')
+  try {
+    for (;;) bytes += (await fh.write(chunk)).bytesWritten
+  } catch (e) {
+    // libuv names EDQUOT 'UNKNOWN' on some versions: the errno number is what counts.
+    const errno = (e as NodeJS.ErrnoException).errno
+    code = typeof errno === 'number' ? (names.get(-errno) ?? String((e as NodeJS.ErrnoException).code)) : describe(e)
+  } finally {
+    await fh.close()
+    await fsp.unlink(file)
+  }
+  return { code, bytes }
 }
 
 interface Checks {

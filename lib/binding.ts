@@ -57,12 +57,38 @@ export interface NativeSweepReport {
   metaRemoved: number
 }
 
+export interface NativeQuotaSupport {
+  supported: boolean
+  backend: 'btrfs-qgroup' | 'project' | 'none'
+  inodes: boolean
+  detail: string
+  code?: string
+}
+
+export interface NativeUsage {
+  allocatedBytes: number
+  exclusiveBytes: number
+  sharedBytes: number
+  logicalBytes: number
+  files: number
+  dirs: number
+  others: number
+  quota?: { limitBytes: number; usedBytes: number; limitInodes: number; usedInodes: number }
+}
+
 export type WaitHandle = { readonly __brand: 'WaitHandle' }
 
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 export interface Native {
-  openPool(root: string, create: boolean, sharedGid: number): Promise<{ handle: PoolHandle; bootId: string }>
+  openPool(
+    root: string,
+    create: boolean,
+    sharedGid: number,
+    minFreeBytes: number,
+    projectIdFirst: number,
+    projectIdLast: number,
+  ): Promise<{ handle: PoolHandle; bootId: string }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(
     handle: PoolHandle,
@@ -76,6 +102,8 @@ export interface Native {
     durable: boolean,
     progress: ProgressHandle | undefined,
     writeback?: WritebackCode,
+    quotaBytes?: number,
+    quotaInodes?: number,
     fromTemplate?: string,
   ): Promise<NativeAllocateResult>
   /** A staged, leased workspace built from allocate's arguments (infoJson unused), its copies written back. */
@@ -131,6 +159,9 @@ export interface Native {
     progress: ProgressHandle | undefined,
     writeback?: WritebackCode,
   ): Promise<NativeCloneResult>
+  probeQuota(path: string): Promise<NativeQuotaSupport>
+  poolSpace(handle: PoolHandle): Promise<{ availableBytes: number; freeBytes: number; totalBytes: number; quota: NativeQuotaSupport }>
+  usage(handle: PoolHandle, name: string, progress: ProgressHandle | undefined): Promise<NativeUsage>
   newProgress(): ProgressHandle
   readProgress(p: ProgressHandle): [files: number, bytes: number]
   cancelProgress(p: ProgressHandle): void

@@ -19,6 +19,7 @@ export {
   lockFile,
   updateJsonFile,
   FileLock,
+  probeQuota,
 } from './index.js'
 export type * from './index.js'
 

@@ -16,7 +16,11 @@ export type {
   TemplateSource,
   JsonObject,
   JsonValue,
+  ListOptions,
+  PoolUsage,
 } from './pool.js'
+export { probeQuota } from './quota.js'
+export type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './quota.js'
 export { clone, removeTree, renameNoReplace, exchange } from './fs.js'
 export type { RemoveTreeOptions } from './fs.js'
 export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, Writeback } from './clone.js'
@@ -31,6 +35,7 @@ import { AbortError, VmspaceError } from './errors.js'
 import { clone, exchange, removeTree, renameNoReplace } from './fs.js'
 import { FileLock, lockFile, updateJsonFile } from './lock.js'
 import { openPool, Pool, Workspace } from './pool.js'
+import { probeQuota } from './quota.js'
 
 /**
  * The whole API as one object, for `import vmspace from 'vmspace'`: the same functions and classes as the named
@@ -61,5 +66,7 @@ const vmspace = {
   updateJsonFile,
   /** {@link FileLock} */
   FileLock,
+  /** {@link probeQuota} */
+  probeQuota,
 }
 export default vmspace

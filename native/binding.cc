@@ -24,6 +24,7 @@
 #include "core/lock.h"
 #include "core/names.h"
 #include "core/pool.h"
+#include "core/quota.h"
 #include "core/remove.h"
 #include "core/rename.h"
 #include "core/template.h"
@@ -227,10 +228,14 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   std::string root = stringArg(info, 0);
   bool create = boolArg(info, 1);
   int64_t sharedGid = intArg(info, 2);  // -1: none
+  // quota (issue 13): minFreeBytes, project id range
+  uint64_t minFreeBytes = static_cast<uint64_t>(intArg(info, 3));
+  vmspace::ProjectIdRange projectIds{static_cast<uint32_t>(intArg(info, 4)), static_cast<uint32_t>(intArg(info, 5))};
   return Work<std::shared_ptr<vmspace::Pool>>::Start(
       info.Env(),
-      [root, create, sharedGid] {
+      [root, create, sharedGid, minFreeBytes, projectIds] {
         auto pool = vmspace::Pool::open(root, create, sharedGid);
+        pool->setSpaceConfig(minFreeBytes, projectIds);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
       },
@@ -270,7 +275,10 @@ vmspace::AllocateRequest allocateRequestArg(const Napi::CallbackInfo& info, size
   *progress = progressArg(info, first + 8);
   req.progress = progress->get();
   req.clone.writeback = writebackArg(info, first + 9);
-  if (info.Length() > first + 10 && info[first + 10].IsString()) req.fromTemplate = stringArg(info, first + 10);  // issue 14
+  // quota (issue 13): allocate only (a warm build has none); 0 or absent: none
+  if (info[first + 10].IsNumber()) req.quota.bytes = static_cast<uint64_t>(intArg(info, first + 10));
+  if (info[first + 11].IsNumber()) req.quota.inodes = static_cast<uint64_t>(intArg(info, first + 11));
+  if (info.Length() > first + 12 && info[first + 12].IsString()) req.fromTemplate = stringArg(info, first + 12);  // issue 14
   return req;
 }
 
@@ -461,6 +469,72 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           out.Set(static_cast<uint32_t>(i), o);
         }
         return out;
+      });
+}
+
+// ---- quotas and space accounting (issue 13) ----
+
+Napi::Object quotaSupportObject(Napi::Env env, const vmspace::QuotaSupport& s) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("supported", s.err == 0);
+  o.Set("backend", s.backend == vmspace::QuotaBackend::Btrfs     ? "btrfs-qgroup"
+                   : s.backend == vmspace::QuotaBackend::Project ? "project"
+                                                                 : "none");
+  o.Set("inodes", s.inodes);
+  o.Set("detail", s.detail);
+  if (s.err) o.Set("code", strerrorname_np(s.err) ? strerrorname_np(s.err) : "EUNKNOWN");
+  return o;
+}
+
+Napi::Value ProbeQuota(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0);
+  return Work<vmspace::QuotaSupport>::Start(
+      info.Env(), [path] { return vmspace::probeQuotaAt(path); },
+      [](Napi::Env env, vmspace::QuotaSupport& s) -> Napi::Value { return quotaSupportObject(env, s); });
+}
+
+Napi::Value PoolSpace(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  struct Space {
+    vmspace::FsSpace space;
+    vmspace::QuotaSupport quota;
+  };
+  return Work<Space>::Start(
+      info.Env(), [pool] { return Space{pool->space(), pool->quotaSupport()}; },
+      [](Napi::Env env, Space& s) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("availableBytes", static_cast<double>(s.space.available));
+        o.Set("freeBytes", static_cast<double>(s.space.free));
+        o.Set("totalBytes", static_cast<double>(s.space.total));
+        o.Set("quota", quotaSupportObject(env, s.quota));
+        return o;
+      });
+}
+
+Napi::Value Usage(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  ProgressRef progress = progressArg(info, 2);  // its cancel flag only
+  return Work<vmspace::UsageReport>::Start(
+      info.Env(), [pool, name, progress] { return pool->usage(name, progress ? &progress->cancel : nullptr); },
+      [](Napi::Env env, vmspace::UsageReport& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
+        o.Set("exclusiveBytes", static_cast<double>(r.exclusiveBytes));
+        o.Set("sharedBytes", static_cast<double>(r.sharedBytes));
+        o.Set("logicalBytes", static_cast<double>(r.logicalBytes));
+        o.Set("files", static_cast<double>(r.files));
+        o.Set("dirs", static_cast<double>(r.dirs));
+        o.Set("others", static_cast<double>(r.others));
+        if (r.quota.set) {
+          Napi::Object q = Napi::Object::New(env);
+          q.Set("limitBytes", static_cast<double>(r.quota.limitBytes));
+          q.Set("usedBytes", static_cast<double>(r.quota.usedBytes));
+          q.Set("limitInodes", static_cast<double>(r.quota.limitInodes));
+          q.Set("usedInodes", static_cast<double>(r.quota.usedInodes));
+          o.Set("quota", q);
+        }
+        return o;
       });
 }
 
@@ -889,6 +963,9 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("commitTemplate", Napi::Function::New(env, CommitTemplate, "commitTemplate"));  // issue 14
   exports.Set("listTemplates", Napi::Function::New(env, ListTemplates, "listTemplates"));
   exports.Set("removeTemplate", Napi::Function::New(env, RemoveTemplate, "removeTemplate"));
+  exports.Set("probeQuota", Napi::Function::New(env, ProbeQuota, "probeQuota"));
+  exports.Set("poolSpace", Napi::Function::New(env, PoolSpace, "poolSpace"));
+  exports.Set("usage", Napi::Function::New(env, Usage, "usage"));
   exports.Set("clonePathBeneath", Napi::Function::New(env, ClonePathBeneath, "clonePathBeneath"));
   exports.Set("newProgress", Napi::Function::New(env, NewProgress, "newProgress"));
   exports.Set("readProgress", Napi::Function::New(env, ReadProgress, "readProgress"));

@@ -107,7 +107,7 @@ elif [ -d "$work/npm/node_modules/vmspace" ]; then
     armtmp=$(mktemp -d /tmp/vmspace-smoke-arm-XXXXXX)
     mkdir -p "$arm$armtmp" && mount --bind "$armtmp" "$arm$armtmp"
     elsewhere "arm64 (qemu, node $(qemu-aarch64-static -L "$arm" "$arm/usr/bin/node" -v))" \
-      env -u NODE_EXTRA_CA_CERTS TMPDIR="$armtmp" -C "$proj" qemu-aarch64-static -L "$arm" "$arm/usr/bin/node"
+      env -u NODE_EXTRA_CA_CERTS -C "$proj" TMPDIR="$armtmp" qemu-aarch64-static -L "$arm" "$arm/usr/bin/node"
     umount "$arm$armtmp"; rmdir "$arm$armtmp"; rm -rf "$armtmp"
   else
     bad "arm64 root (scripts/arm64-root.sh)"

@@ -101,6 +101,9 @@ describe('vmspace ls', () => {
       method: held.template[0].method,
       template: [expect.objectContaining({ dest: 'rootfs.img', source: src, kind: 'file', size: 100_000, method: held.template[0].method })],
       allocatedBytes: allocatedOf(held.path),
+      exclusiveBytes: expect.any(Number),
+      sharedBytes: expect.any(Number),
+      quota: null,
       error: null,
     })
     expect(byId.get(free.id)).toMatchObject({ live: false, meta: { vm: 'free' }, method: null, template: [], allocatedBytes: allocatedOf(free.path), error: null })
@@ -108,7 +111,7 @@ describe('vmspace ls', () => {
     const text = vmspace(['ls', pool.root])
     expect(text.status).toBe(0)
     const lines = text.stdout.trimEnd().split('\n')
-    expect(lines[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'META'])
+    expect(lines[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
     expect(lines.find((l) => l.startsWith(held.id))).toMatch(new RegExp(`^${held.id}\\s+live\\s+\\S+\\s+${process.pid}\\s.*\\{"vm":"held"\\}$`))
     expect(lines.find((l) => l.startsWith(free.id))).toMatch(/\sfree\s.*\{"vm":"free"\}$/)
   })

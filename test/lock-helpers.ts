@@ -25,14 +25,26 @@ export function flocksOn(file: string): FlockEntry[] {
   // The device as /proc/locks prints it, "major:minor" in hex (glibc's gnu_dev_major/gnu_dev_minor split).
   const major = ((st.dev >> 8n) & 0xfffn) | ((st.dev >> 32n) & ~0xfffn)
   const minor = (st.dev & 0xffn) | ((st.dev >> 12n) & ~0xffn)
-  const out: FlockEntry[] = []
-  // "12: FLOCK  ADVISORY  WRITE 1234 fe:00:2146723 0 EOF" and, for a waiter, "12: -> FLOCK  ADVISORY  WRITE …"
-  for (const line of fs.readFileSync('/proc/locks', 'utf8').split('\n')) {
-    const m = /^\d+:\s+(->\s+)?FLOCK\s+\S+\s+(READ|WRITE)\s+(\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s/.exec(line)
-    if (m && BigInt(m[6]!) === st.ino && BigInt(`0x${m[4]}`) === major && BigInt(`0x${m[5]}`) === minor)
-      out.push({ blocked: m[1] !== undefined, shared: m[2] === 'READ', pid: Number(m[3]) })
+  const read = () => {
+    const out: FlockEntry[] = []
+    // "12: FLOCK  ADVISORY  WRITE 1234 fe:00:2146723 0 EOF" and, for a waiter, "12: -> FLOCK  ADVISORY  WRITE …"
+    for (const line of fs.readFileSync('/proc/locks', 'utf8').split('\n')) {
+      const m = /^\d+:\s+(->\s+)?FLOCK\s+\S+\s+(READ|WRITE)\s+(\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s/.exec(line)
+      if (m && BigInt(m[6]!) === st.ino && BigInt(`0x${m[4]}`) === major && BigInt(`0x${m[5]}`) === minor)
+        out.push({ blocked: m[1] !== undefined, shared: m[2] === 'READ', pid: Number(m[3]) })
+    }
+    return out
   }
-  return out
+  // /proc/locks is a seq_file: a long table comes in several read(2)s, each a fresh walk of the kernel's list, so
+  // locks taken or dropped elsewhere between them (other suites, other processes) can repeat or skip entries.
+  // Two reads in a row that agree on this inode are a consistent view of it.
+  let last = read()
+  for (let i = 0; i < 20; i++) {
+    const next = read()
+    if (JSON.stringify(next) === JSON.stringify(last)) return next
+    last = next
+  }
+  return last
 }
 
 /** How many flock requests wait on `file` (of process `pid` only, when given). */

@@ -55,7 +55,7 @@ void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancesto
   const char* reason = untrustedReason(st, t, ancestor);
   if (!reason) return;
   char mode[8];
-  snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));
+  (void)snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(st.st_mode & 07777));  // at most 5 characters
   std::string detail = "'" + shown + "' is " + reason + " (uid " + std::to_string(st.st_uid) + ", gid " +
                        std::to_string(st.st_gid) + ", mode " + mode + "); a pool and the directories above it " +
                        "must be writable only by this process's user (uid " + std::to_string(t.euid) + ") or root";
@@ -408,6 +408,17 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
               "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
               "a workspace needs",
               noReplaceErr_, "renameat2", root_);
+  // Quota and free-space floor (issue 13, quota.h): refused before anything is made.
+  QuotaSupport quotaSupport;
+  if (req.quota.any()) {
+    quotaSupport = probeQuota(rootFd_.get());
+    if (quotaSupport.err) throwCode("ERR_QUOTA_UNSUPPORTED", quotaSupport.detail, quotaSupport.err, "quotactl", root_);
+    if (req.quota.inodes && !quotaSupport.inodes)
+      throwCode("ERR_QUOTA_UNSUPPORTED", "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here",
+                EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", root_);
+  }
+  if (minFreeBytes_ && fsSpace(rootFd_.get(), root_).available < minFreeBytes_) throwErrno(ENOSPC, "statvfs", root_);
+  const bool subvolume = req.quota.any() && quotaSupport.backend == QuotaBackend::Btrfs;
   StagedWorkspace res;
   // Issue 14: a template is resolved and held for reading (flock LOCK_SH) before anything is made, so an
   // unknown one (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
@@ -448,8 +459,8 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
   for (;; res.retries++) {
     draw();
     std::string shown = root_ + "/.vmspace/staging/" + res.name;
-    if (mkdirat(stagingFd_.get(), res.name.c_str(), req.mode) != 0) {
-      if (errno != EEXIST) throwErrno(errno, "mkdir", shown);
+    if (int err = makeWorkspaceDir(stagingFd_.get(), res.name, req.mode, subvolume)) {  // quota: a subvolume
+      if (err != EEXIST) throwErrno(err, subvolume ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", shown);
       continue;
     }
     // Until the lease is ours, a sweep with a grace period shorter than this build's age may reclaim the entry:
@@ -478,6 +489,10 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
   }
   std::string stagingPath = root_ + "/.vmspace/staging/" + res.name;
   try {
+    // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
+    if (req.quota.any())
+      res.quota = applyQuota(lease.get(), stagingPath, quotaSupport, req.quota,
+                             quotaSupport.backend == QuotaBackend::Project ? projectsFd(true) : -1, projectIds_, res.name);
     CloneOptions opts = req.clone;
     opts.overwrite = false;
     if (store) {  // issue 14: the committed tree, then the write bits the commit removed
@@ -501,7 +516,7 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
     }
   } catch (...) {
     try {
-      removeTreeNoFollow(stagingFd_.get(), res.name, stagingPath);
+      removeWorkspace(stagingFd_.get(), res.name, stagingPath);
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
@@ -515,7 +530,7 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
 
 void Pool::discard(StagedWorkspace&& staged) {
   UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
-  removeTreeNoFollow(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
+  removeWorkspace(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
 }
 
 AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& clone) {
@@ -594,6 +609,7 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
       }
       stagingName = res.name;
       stagingPath = root_ + "/.vmspace/staging/" + stagingName;
+      if (staged.quota.projectId) renameProjectClaim(projectsFd(false), staged.quota.projectId, res.name);  // quota
     }
     if (clone.durable) {
       if (fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
@@ -603,9 +619,9 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
     if (!metaPublished.empty()) unlinkat(metaFd_.get(), (metaPublished + ".json").c_str(), 0);
     try {
       if (published)  // only when the final fsync failed
-        removeTreeNoFollow(rootFd_.get(), res.name, path(res.name));
+        removeWorkspace(rootFd_.get(), res.name, path(res.name));
       else
-        removeTreeNoFollow(stagingFd_.get(), stagingName, stagingPath);
+        removeWorkspace(stagingFd_.get(), stagingName, stagingPath);
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
@@ -654,7 +670,7 @@ void Pool::dispose(const std::string& name, int leaseFd) {
     struct stat own;
     inTrash = fstat(lease.get(), &own) == 0 && sameEntry(trashFd_.get(), name, own);
   }
-  if (inTrash) removeTreeNoFollow(trashFd_.get(), name, trashPath);
+  if (inTrash) removeWorkspace(trashFd_.get(), name, trashPath);
   dropMeta(name);
 }
 
@@ -767,7 +783,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     std::string shown = dirPath + "/" + name;
     guarded(name, from, shown, [&] {
       SweepEntry e{name, from, 0, {}};
-      removeTreeNoFollow(dirFd, name, shown, &e.bytes);
+      removeWorkspace(dirFd, name, shown, &e.bytes);
       report.reclaimed.push_back(std::move(e));
     });
   };
@@ -794,8 +810,11 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   };
   // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
   const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
-  for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
-    if (!isWorkspaceEntry(name, type)) continue;
+  // `name` below is a plain reference: a C++17 lambda may not capture a structured binding (GCC allows it, clang
+  // does not).
+  for (auto& entry : readNames(rootFd_.get(), root_)) {
+    const std::string& name = entry.first;
+    if (!isWorkspaceEntry(name, entry.second)) continue;
     guarded(name, "published", path(name), [&] {
       UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
       if (!fd) {
@@ -837,7 +856,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
   };
 
   // Trash: everything not locked by a dispose still removing it.
-  for (auto& [name, type] : readNames(trashFd_.get(), trashDir)) {
+  for (auto& entry : readNames(trashFd_.get(), trashDir)) {
+    const std::string& name = entry.first;
     if (handled.count(name)) continue;  // reported by the pass above, removed or failed
     guarded(name, "trash", trashDir + "/" + name, [&] {
       if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
@@ -846,7 +866,8 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
-  for (auto& [name, type] : readNames(stagingFd_.get(), stagingDir)) {
+  for (auto& entry : readNames(stagingFd_.get(), stagingDir)) {
+    const std::string& name = entry.first;
     guarded(name, "staging", stagingDir + "/" + name, [&] {
       // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
       // disturbed.
@@ -897,6 +918,7 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       unlinkat(stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
     }
   }
+  sweepProjectClaims(dryRun, graceMs);  // quota: project ids of workspaces gone without releasing them
   return report;
 }
 

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -16,7 +17,9 @@
 #include "error.h"
 #include "fd.h"
 #include "template.h"
+#include "quota.h"
 #include "tree.h"
+#include "usage.h"
 
 namespace vmspace {
 
@@ -37,6 +40,7 @@ struct AllocateRequest {
   std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
   std::string fromTemplate;  // issue 14: the id or name of a committed template cloned first ("" none)
+  QuotaLimits quota;     // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
 };
 
 struct ClonedEntry {
@@ -63,6 +67,7 @@ struct StagedWorkspace {
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
   std::string templateId, templateMeta;  // issue 14: as in AllocateResult
+  QuotaRef quota;  // quota.cc: its project id claim follows the name at publish
 };
 
 struct ListEntry {
@@ -138,6 +143,18 @@ class Pool {
   // Published workspaces (every <prefix>-<32 hex> directory of the root) with liveness and metadata text.
   std::vector<ListEntry> list();
 
+  // ---- quotas and space (quota.h, usage.h; issue 13) ----
+  // Set once, right after open and before any operation: allocate refuses (ENOSPC, nothing made) while the file
+  // system has less than `minFreeBytes` available; project ids are claimed from `projectIds`.
+  void setSpaceConfig(uint64_t minFreeBytes, ProjectIdRange projectIds) {
+    minFreeBytes_ = minFreeBytes;
+    projectIds_ = projectIds;
+  }
+  // Space accounting of the published workspace `name` (ENOENT when there is none); `cancel` stops it.
+  UsageReport usage(const std::string& name, const std::atomic<bool>* cancel);
+  FsSpace space() { return fsSpace(rootFd_.get(), root_); }
+  QuotaSupport quotaSupport() { return probeQuota(rootFd_.get()); }
+
   void close();
   const std::string& root() const { return root_; }
   // Issue 14: the pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
@@ -154,6 +171,12 @@ class Pool {
   bool moveToTrash(const std::string& name, int fd);
   // Removes meta/<name>.json (ENOENT is fine; a directory in its place is removed safely).
   void dropMeta(const std::string& name);
+  // removeTreeNoFollow of a workspace, and then its quota released (a btrfs subvolume's qgroup, a project id).
+  void removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
+  // .vmspace/projects/ (project id claims), made on first use; -1 when it does not exist and !create.
+  int projectsFd(bool create);
+  // Releases claims whose workspace is nowhere (staging, root, trash) and older than graceMs (sweep).
+  void sweepProjectClaims(bool dryRun, int64_t graceMs);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
   bool publishMeta(const std::string& name, const std::string& json, bool durable);
 
@@ -165,6 +188,15 @@ class Pool {
   long long sharedGid_ = -1;
   std::mutex templatesMu_;  // guards templates_ while it is made
   std::unique_ptr<TemplateStore> templates_;
+  uint64_t minFreeBytes_ = 0;
+  ProjectIdRange projectIds_;
+  std::mutex projectsMu_;  // guards projectsFd_, opened lazily
+  UniqueFd projectsFd_;
+  // Claims exist only on XFS/ext4 (project quotas): elsewhere a removal never looks for them. -1: not asked yet
+  // (set once by the first caller; a race sets the same value).
+  std::atomic<int> projectFs_{-1};
+  // projectsFd(false) where this pool's file system can have claims; -1 otherwise, and where it cannot be opened.
+  int claimsIfAny();
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).

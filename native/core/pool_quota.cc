@@ -1,0 +1,121 @@
+// The pool's side of quotas and space accounting (issue 13; the kernel side is quota.cc, the walk usage.cc):
+// removal that releases a workspace's quota, the project id claims in .vmspace/projects/, per-workspace usage.
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <ctime>
+
+#include "error.h"
+#include "io.h"
+#include "pool.h"
+#include "remove.h"
+
+namespace vmspace {
+namespace {
+
+constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
+
+int64_t ageMsAt(int dirFd, const char* name) {
+  struct statx stx;
+  if (statx(dirFd, name, AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
+  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
+}
+
+}  // namespace
+
+int Pool::projectsFd(bool create) {
+  std::lock_guard<std::mutex> lock(projectsMu_);
+  if (projectsFd_) return projectsFd_.get();
+  UniqueFd fd(openat(stateFd_.get(), "projects", kDirFlags));
+  if (!fd && errno == ENOENT && create) {
+    if (mkdirat(stateFd_.get(), "projects", 0700) != 0 && errno != EEXIST)
+      throwErrno(errno, "mkdir", root_ + "/.vmspace/projects");
+    fd.reset(openat(stateFd_.get(), "projects", kDirFlags));
+  }
+  if (!fd) {
+    if (errno == ENOENT && !create) return -1;
+    throwErrno(errno, "open", root_ + "/.vmspace/projects");
+  }
+  projectsFd_ = std::move(fd);
+  return projectsFd_.get();
+}
+
+int Pool::claimsIfAny() {
+  int kind = projectFs_.load(std::memory_order_relaxed);
+  if (kind < 0) {
+    struct statfs sfs;
+    kind = fstatfs(rootFd_.get(), &sfs) != 0 || sfs.f_type == XFS_SUPER_MAGIC_ || sfs.f_type == EXT4_SUPER_MAGIC;
+    projectFs_.store(kind, std::memory_order_relaxed);
+  }
+  if (!kind) return -1;
+  try {
+    return projectsFd(false);
+  } catch (const Error&) {
+    return -1;  // unreadable: no claim can be released through it now; a later sweep retries
+  }
+}
+
+void Pool::removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
+  int claims = claimsIfAny();
+  QuotaRef ref = quotaRefOf(parentFd, name, projectIds_, claims >= 0);
+  try {
+    removeTreeNoFollow(parentFd, name, shown, bytes);
+  } catch (const Error& e) {
+    // The walk emptied the subvolume and only its rmdir(2) was refused (kernels before 4.18, or a mount that
+    // refuses it): delete the empty subvolume by ioctl instead. Anything else (EBUSY at a mount inside) stands.
+    bool emptied = ref.subvolId && e.code.empty() && e.syscall == "rmdir" && e.path == shown &&
+                   (e.err == EPERM || e.err == EINVAL);
+    if (!emptied || destroySubvolume(parentFd, name) != 0) throw;
+  }
+  releaseQuota(rootFd_.get(), ref, claims, name);
+}
+
+void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
+  int claims = claimsIfAny();
+  if (claims < 0 || dryRun) return;
+  int fd = openat(claims, ".", kDirFlags);
+  if (fd < 0) return;
+  DIR* dir = fdopendir(fd);
+  if (!dir) {
+    ::close(fd);
+    return;
+  }
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+  std::vector<std::string> files;
+  for (struct dirent* de; (de = readdir(dir));)
+    if (de->d_name[0] >= '0' && de->d_name[0] <= '9') files.push_back(de->d_name);
+  for (const std::string& file : files) {
+    std::string owner;
+    if (readRegularFileAt(claims, file.c_str(), O_NOFOLLOW, 4096, &owner) != 0) continue;
+    while (!owner.empty() && owner.back() == '\n') owner.pop_back();
+    if (owner.empty() || owner.find('/') != std::string::npos || owner[0] == '.') continue;
+    // Staging, then root, then trash: the order a workspace moves in, so one moving meanwhile is never missed.
+    struct stat st;
+    if (fstatat(stagingFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+        fstatat(rootFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+        fstatat(trashFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+      continue;
+    if (ageMsAt(claims, file.c_str()) < graceMs) continue;
+    QuotaRef ref;
+    ref.projectId = static_cast<uint32_t>(strtoul(file.c_str(), nullptr, 10));
+    releaseQuota(rootFd_.get(), ref, claims, owner);
+  }
+}
+
+UsageReport Pool::usage(const std::string& name, const std::atomic<bool>* cancel) {
+  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+  if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
+  QuotaRef ref = quotaRefOf(rootFd_.get(), name, projectIds_, claimsIfAny() >= 0);
+  return workspaceUsage(fd.get(), path(name), ref, cancel);
+}
+
+}  // namespace vmspace
