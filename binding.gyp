@@ -14,6 +14,7 @@
         "native/core/lock.cc",
         "native/core/process.cc",
         "native/core/io.cc",
+        "native/core/template.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",
         "native/core/usage.cc"

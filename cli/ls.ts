@@ -1,7 +1,7 @@
 /** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { openPool, type WorkspaceInfo } from 'vmspace'
+import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 
@@ -69,25 +69,61 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
   return { json, usage }
 }
 
-async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[] }> {
+async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    return { root, infos: await pool.list({ usage }) }
+    return { root, infos: await pool.list({ usage }), templates: await pool.templates() }
   } finally {
     await pool.close()
   }
 }
 
+/** One template in `ls --json` (issue 14; every key always present, null where unknown). */
+export interface TemplateJson {
+  id: string
+  name: string | null
+  current: boolean
+  retired: boolean
+  path: string
+  createdAt: number | null
+  lastUsedAt: number | null
+  parent: string | null
+  meta: Template['meta'] | null
+  method: string | null
+  allocatedBytes: number | null
+  files: number | null
+  error: { code: string | null; message: string } | null
+}
+
+function templateJson(t: Template): TemplateJson {
+  return {
+    id: t.id,
+    name: t.name,
+    current: t.current,
+    retired: t.retired,
+    path: t.path,
+    createdAt: t.createdAt ?? null,
+    lastUsedAt: t.lastUsedAt,
+    parent: t.parent,
+    meta: t.meta ?? null,
+    method: t.method ?? null,
+    allocatedBytes: t.usage?.allocatedBytes ?? null,
+    files: t.usage?.files ?? null,
+    error: t.error ? errorJson(t.error) : null,
+  }
+}
+
 /** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
 export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
-  const { root, infos } = await listPool(rootArg, true)
+  const { root, infos, templates } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
     rows.push((await describeWorkspace(info, now)).json)
-  const failed = rows.filter((r) => r.error !== null).length
-  if (opts.json) printJson({ root, workspaces: rows })
+  const tpl = templates.map(templateJson)
+  const failed = rows.filter((r) => r.error !== null).length + tpl.filter((t) => t.error !== null).length
+  if (opts.json) printJson({ root, workspaces: rows, templates: tpl })
   else {
     const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
     process.stdout.write(
@@ -109,6 +145,25 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
       ),
     )
     if (rows.length === 0) process.stderr.write(`vmspace ls: no workspaces in ${root}\n`)
+    if (tpl.length) {
+      const cell = (v: number | null, f: (x: number) => string) => (v === null ? '-' : f(v))
+      process.stdout.write(
+        '\n' +
+          table(
+            ['TEMPLATE', 'NAME', 'AGE', 'LAST USED', 'PARENT', 'METHOD', 'ALLOCATED', 'META'],
+            tpl.map((t) => [
+              t.id,
+              t.name === null ? '-' : t.retired ? `${t.name} (retired)` : t.current ? t.name : `${t.name} (replaced)`,
+              cell(t.createdAt, (c) => humanAge(now - c)),
+              cell(t.lastUsedAt, (c) => `${humanAge(now - c)} ago`),
+              t.parent ?? '-',
+              t.method ?? '-',
+              cell(t.allocatedBytes, humanBytes),
+              t.error ? `error: ${t.error.message}` : t.meta === null ? '-' : JSON.stringify(t.meta),
+            ]),
+          ),
+      )
+    }
   }
   return failed ? EXIT_FAILED : EXIT_OK
 }

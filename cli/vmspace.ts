@@ -76,6 +76,31 @@ program
   .action(action(async (root: string, o: { dryRun?: boolean; grace?: number; json?: boolean }) => (await import('./sweep.js')).sweep(root, o)))
 
 program
+  .command('commit')
+  .description("commit a workspace's current contents as a template in the pool (pause writers first)")
+  .argument('<root>', 'pool directory')
+  .argument('<id>', 'workspace id (32 hex characters) or name')
+  .option('--name <name>', 'template name (1-128 of [A-Za-z0-9._-]); an existing one fails unless --replace')
+  .option('--replace', 'swap an existing name to the new template atomically')
+  .option('--meta <json>', 'a JSON object kept in the template metadata')
+  .option('--json', 'JSON output (the template)')
+  .action(action(async (root: string, id: string, o: { name?: string; replace?: boolean; meta?: string; json?: boolean }) => (await import('./template.js')).commit(root, id, o)))
+
+program
+  .command('fork')
+  .description('N new workspaces from the current contents of one; left with free leases for pool.adopt()')
+  .argument('<root>', 'pool directory')
+  .argument('<id>', 'workspace id (32 hex characters) or name')
+  .argument('<n>', 'number of children (1-4096)', parser((v: string) => {
+    const n = nonNegativeInt('N', 4096)(v)
+    if (n < 1) throw new UsageError('N must be an integer from 1 to 4096')
+    return n
+  }))
+  .option('--meta <json>', 'a JSON object kept in every child\'s metadata')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, id: string, n: number, o: { meta?: string; json?: boolean }) => (await import('./template.js')).fork(root, id, n, o)))
+
+program
   .command('run')
   .description('allocate a workspace, run CMD in it holding the lease (fd 3), dispose it when CMD exits')
   .requiredOption('--pool <root>', 'pool directory (made if missing)')

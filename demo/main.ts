@@ -27,6 +27,7 @@ import { describeWithStack } from './protocol.js'
 import { report } from './report.js'
 import { runWorkers } from './run.js'
 import { setup } from './setup.js'
+import { forkPhase } from './fork.js'
 
 /** Runs the demo with `argv` (its options, without the command); resolves to the exit status. */
 export async function main(argv: string[]): Promise<number> {
@@ -51,6 +52,16 @@ export async function main(argv: string[]): Promise<number> {
   for (const stream of [process.stdout, process.stderr]) stream.on('error', () => {})
   try {
     const s = await setup(demo)
+    if (opts.fork !== undefined) {
+      // Issue 14: one parent forked into N children instead of the workers (fork.ts).
+      await forkPhase(demo, s, opts.fork)
+      await checkLeftovers(demo, s)
+      for (const f of demo.failures) process.stderr.write(`vmspace demo: FAILED: ${f}\n`)
+      const errors = await demo.cleanup.run()
+      for (const e of errors) process.stderr.write(`vmspace demo: cleanup: ${e}\n`)
+      if (demo.interrupted) return demo.interruptCode
+      return demo.failures.length || errors.length ? 1 : 0
+    }
     const r = await runWorkers(demo, s)
     demo.phase = 'report'
     checkWorkers(demo)

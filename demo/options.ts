@@ -49,6 +49,9 @@ Options:
                    disposed, those they published but could not report (known by
                    the pid in their metadata), and the staging entries of builds
                    they were in. Use it only on a pool nobody else is using.
+  --fork N         instead of the workers: one parent workspace, committed and
+                   forked into N children (pool.fork); each child writes its own
+                   marker, isolation is checked, the time per child reported
   --boot N         boot N real virtual machines under QEMU instead, each on its own
                    workspace whose lease QEMU holds (vmspace demo --boot 1 --help
                    lists that mode's options)
@@ -71,6 +74,8 @@ export interface Options {
   quota?: number
   /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
   chaos?: { count: number } | { percent: number }
+  /** --fork N: fork one parent into N children instead of running the workers. */
+  fork?: number
 }
 
 export class UsageError extends Error {}
@@ -112,6 +117,7 @@ export function parseOptions(argv: string[]): Options | 'help' {
         base: { type: 'string' },
         'template-dir': { type: 'string' },
         chaos: { type: 'string' },
+        fork: { type: 'string' },
         quota: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
@@ -180,6 +186,10 @@ export function parseOptions(argv: string[]): Options | 'help' {
       const n = positiveInt('chaos', c.slice(0, -1), 25, 100)
       opts.chaos = { percent: n }
     } else opts.chaos = { count: positiveInt('chaos', c, 1, 256) }
+  }
+  if (v.fork !== undefined) {
+    if (opts.chaos) throw new UsageError('--fork and --chaos exclude each other')
+    opts.fork = positiveInt('fork', v.fork, 1, 4096)
   }
   if (opts.workers > opts.vms) opts.workers = opts.vms
   return opts

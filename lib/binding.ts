@@ -40,11 +40,14 @@ export interface NativeAllocateResult {
   leaseFd: number
   retries: number
   clones: (NativeCloneResult & { dest: string })[]
+  /** Issue 14: the template cloned (allocate `from`) and its template.json text. */
+  templateId?: string
+  templateMeta?: string
 }
 
 export interface NativeSweepEntry {
   name: string
-  from: 'published' | 'staging' | 'trash'
+  from: 'published' | 'staging' | 'trash' | 'template' | 'template-staging'
   bytes: number
   error?: unknown
 }
@@ -104,6 +107,7 @@ export interface Native {
     writeback?: WritebackCode,
     quotaBytes?: number,
     quotaInodes?: number,
+    fromTemplate?: string,
   ): Promise<NativeAllocateResult>
   /** A staged, leased workspace built from allocate's arguments (infoJson unused), its copies written back. */
   warmBuild(
@@ -121,6 +125,19 @@ export interface Native {
   /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
   warmTake(handle: PoolHandle, entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
   warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
+  // Issue 14 (native/core/template.h)
+  commitTemplate(
+    handle: PoolHandle,
+    sourcePath: string,
+    name: string,
+    infoJson: string,
+    replace: boolean,
+    reflink: ReflinkCode,
+    durable: boolean,
+    progress: ProgressHandle | undefined,
+  ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
+  listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
+  removeTemplate(handle: PoolHandle, idOrName: string): Promise<{ id: string; removed: boolean }>
   dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>

@@ -28,6 +28,7 @@ export { VmspaceError, AbortError } from './errors.js'
 export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, updateJsonFile, FileLock } from './lock.js'
 export type { LockOptions, UpdateJsonOptions } from './lock.js'
+export type { Template, TemplateUsage, CommitResult, PruneOptions } from './template.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'
 
 import { AbortError, VmspaceError } from './errors.js'

@@ -17,7 +17,7 @@ import {
   optionsObject,
   relativePath,
 } from './args.js'
-import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import {
   cloneOptions,
   reflinkCode,
@@ -34,6 +34,17 @@ import {
 import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage, type QuotaOptions, type QuotaSupport, type WorkspaceUsage } from './quota.js'
 import { WarmReserve, type WarmStats } from './warm.js'
+import {
+  listTemplates,
+  parseTemplateMeta,
+  pruneCandidates,
+  TEMPLATE_ID,
+  TEMPLATE_NAME,
+  templateInfo,
+  type CommitResult,
+  type PruneOptions,
+  type Template,
+} from './template.js'
 
 export type { WarmStats } from './warm.js'
 import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
@@ -113,6 +124,13 @@ export interface AllocateOptions {
    * directories (`{ 'rootfs.ext4': '/images/base.ext4' }`; missing parent directories are made).
    */
   template?: string | Record<string, string>
+  /**
+   * Issue 14: the id or name of a committed template (Pool.commit) whose tree becomes the workspace's contents,
+   * before `template` entries. `ERR_TEMPLATE_NOT_FOUND` for none (nothing made); `ERR_CORRUPT_METADATA` (with
+   * `path`) when its template.json does not parse (nothing left). A replace or removal of the template meanwhile
+   * waits for this clone: the workspace gets the whole old tree or the whole new one.
+   */
+  from?: string
   /** A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list(). */
   meta?: JsonObject
   /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
@@ -206,6 +224,8 @@ export interface WorkspaceInfo {
   meta?: JsonObject
   /** What the template cloned into it, with each source's identity at that time. */
   template?: TemplateSource[]
+  /** Issue 14: the template it was allocated from (`allocate({ from })`). */
+  templateId?: string
   /** Process id of the allocating process. */
   pid?: number
   /** Host name of the allocating machine. */
@@ -243,8 +263,11 @@ export interface SweepEntry {
   id: string
   /** The entry's directory name. */
   name: string
-  /** Where it was found: a published workspace whose owner is gone, a dead build, or trash. */
-  from: 'published' | 'staging' | 'trash'
+  /**
+   * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
+   * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`).
+   */
+  from: 'published' | 'staging' | 'trash' | 'template' | 'template-staging'
   /** Space freed (allocated blocks, bytes). */
   bytes: number
 }
@@ -412,10 +435,11 @@ export class Pool implements AsyncDisposable {
 
   async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
     const o = optionsObject<AllocateOptions>('options', options, {
-      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true,
+      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true,
     })
     const [quotaBytes, quotaInodes] = quotaLimits(o.quota)
     const { dir, entries } = templateEntries(o.template)
+    const from = templateRef('options.from', o.from)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none'))
@@ -437,13 +461,13 @@ export class Pool implements AsyncDisposable {
       // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
       // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
       // or with their project id before anything is cloned in).
-      if ((dir || entries.length) && !quotaBytes && !quotaInodes) {
+      if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
         const warm = this.#warm
         if (warm?.matches(WarmReserve.key(dir, entries, mode))) r = await warm.take(info)
       }
       r ??= await this.#inFlight.track(
         withProgress({ signal }, (p) =>
-          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, writeback, quotaBytes, quotaInodes),
+          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, writeback, quotaBytes, quotaInodes, from),
         ),
       )
     } catch (e) {
@@ -458,6 +482,16 @@ export class Pool implements AsyncDisposable {
       this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
     })
+    if (r.templateId !== undefined) {
+      ws.templateId = r.templateId
+      // Read under the template's lock by the same call: a template.json that does not parse refuses it.
+      const metaPath = path.join(this.root, '.vmspace', 'templates', r.templateId, 'template.json')
+      const parsed = parseTemplateMeta(r.templateMeta ?? '', metaPath)
+      if (!parsed.ok) {
+        await ws.dispose()
+        throw parsed.error
+      }
+    }
     if (t) allocateResult(t, ws, r.retries)
     if (signal?.aborted) {
       await ws.dispose()
@@ -560,6 +594,7 @@ export class Pool implements AsyncDisposable {
     if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
     if (isPlainObject(p.meta)) info.meta = p.meta as JsonObject
     if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
+    if (typeof p.templateId === 'string') info.templateId = p.templateId
     if (typeof p.pid === 'number') info.pid = p.pid
     if (typeof p.hostname === 'string') info.hostname = p.hostname
     if (typeof p.bootId === 'string') info.bootId = p.bootId
@@ -588,6 +623,7 @@ export class Pool implements AsyncDisposable {
     }
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
     ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
+    ws.templateId = ws.info.templateId
     return ws
   }
 
@@ -622,6 +658,167 @@ export class Pool implements AsyncDisposable {
       }),
       metadataRemoved: r.metaRemoved,
     }
+  }
+
+  // ---- templates (issue 14; lib/template.ts, native/core/template.h) ----
+
+  /**
+   * Commits the current contents of `ws` as a template: a tree clone (reflink where possible, else a copy;
+   * `clone.method` says which) built in `.vmspace/templates/staging/`, its write bits removed (recorded, and
+   * given back to every workspace allocated from it), published under `.vmspace/templates/<id>/` only complete.
+   * Pause whatever writes in `ws` first: files changing during the walk are cloned as the walk finds them.
+   * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
+   * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
+   * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).
+   * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_DISPOSED`, `ERR_POOL_CLOSED`,
+   * `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on failure.
+   */
+  async commit(
+    ws: Workspace | string,
+    options?: { name?: string; meta?: JsonObject; replace?: boolean; signal?: AbortSignal; onProgress?: (p: { files: number; bytes: number }) => void },
+  ): Promise<CommitResult> {
+    if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
+    if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
+    const o = optionsObject<NonNullable<typeof options>>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
+    let name = ''
+    if (o.name !== undefined) {
+      if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
+      if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
+        throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
+      name = o.name
+    }
+    const replace = boolean('options.replace', o.replace, false)
+    const signal = abortSignal('options.signal', o.signal)
+    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
+    const meta = metaText(o.meta)
+    this.#assertOpen()
+    let source: { path: string; templateId?: string }
+    if (typeof ws === 'string') {
+      // By id (the CLI, another process's workspace): a published workspace of this pool, live or not.
+      const name = `${this.prefix}-${ws}`
+      const found = (await this.list()).find((w) => w.name === name)
+      if (!found) throw errnoError(2, 'open', path.join(this.root, name))
+      source = { path: found.path, templateId: found.templateId }
+    } else {
+      if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
+      source = ws
+    }
+    const info = `${JSON.stringify({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }).slice(0, -1)},"meta":${meta}}`
+    const r = await this.#inFlight.track(
+      withProgress({ signal, onProgress: o.onProgress }, (p) =>
+        native.commitTemplate(this.#handle, source.path, name, info, replace, reflinkCode(this.#reflink), this.#durable, p),
+      ),
+    )
+    this._countClone(r.clone)
+    const metaPath = path.join(this.root, '.vmspace', 'templates', r.id, 'template.json')
+    const base = templateInfo(this.root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+    base.lastUsedAt = base.createdAt ?? null
+    const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
+    if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
+    if (signal?.aborted) {
+      await this.removeTemplate(r.id).catch(() => {})
+      throw new AbortError(signal.reason)
+    }
+    return result
+  }
+
+  /**
+   * `count` new workspaces from the current state of `ws`: one commit (an unnamed template), then `count`
+   * allocates from it at once, then the template is removed. All or nothing: on any failure (or abort) every
+   * workspace made is disposed and the first error is thrown. `onProgress({ done, count })` after each child.
+   * `meta`/`mode` apply to every child. Throws as commit() and allocate() do.
+   */
+  async fork(
+    ws: Workspace | string,
+    count: number,
+    options?: { meta?: JsonObject; mode?: number; signal?: AbortSignal; onProgress?: (p: { done: number; count: number }) => void },
+  ): Promise<Workspace[]> {
+    const n = integerIn('count', count, 1, 4096, 1)
+    const o = optionsObject<NonNullable<typeof options>>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
+    const signal = abortSignal('options.signal', o.signal)
+    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
+    metaText(o.meta)
+    integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
+    const t = await this.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
+    const made: Workspace[] = []
+    let done = 0
+    try {
+      const results = await Promise.allSettled(
+        Array.from({ length: n }, async () => {
+          const child = await this.allocate({ from: t.id, meta: o.meta, mode: o.mode, signal })
+          made.push(child)
+          done++
+          o.onProgress?.({ done, count: n })
+          return child
+        }),
+      )
+      const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected')
+      if (failed) throw failed.reason
+      if (signal?.aborted) throw new AbortError(signal.reason)
+      return results.map((r) => (r as PromiseFulfilledResult<Workspace>).value)
+    } catch (e) {
+      await Promise.allSettled(made.map((w) => w.dispose()))
+      throw e
+    } finally {
+      await this.removeTemplate(t.id).catch(() => {})
+    }
+  }
+
+  /** The pool's templates, oldest first. A template.json that cannot be read or parsed is in `error`, with its path. */
+  async templates(): Promise<Template[]> {
+    this.#assertOpen()
+    return this.#inFlight.track(listTemplates(this.#handle, this.root))
+  }
+
+  /** One template by id or current name; `ERR_TEMPLATE_NOT_FOUND` when there is none. */
+  async template(idOrName: string): Promise<Template> {
+    const ref = templateRef('idOrName', idOrName)!
+    const all = await this.templates()
+    const t = TEMPLATE_ID.test(ref) ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
+    if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(this.root, '.vmspace', 'templates') })
+    return t
+  }
+
+  /**
+   * Removes a template (by id or name): its name goes at once, its tree once no allocate reads it (`removed`
+   * false: the last reader, or a sweep, removes it). Workspaces allocated from it are not affected.
+   * `ERR_TEMPLATE_NOT_FOUND` when there is none.
+   */
+  async removeTemplate(idOrName: string): Promise<{ id: string; removed: boolean }> {
+    const ref = templateRef('idOrName', idOrName)!
+    this.#assertOpen()
+    return call(this.#inFlight.track(native.removeTemplate(this.#handle, ref)))
+  }
+
+  /**
+   * Removes stale templates in one call: those outside the newest `keepNewest` of their name, and/or those not
+   * used (allocated from or committed) for `unusedForMs`. At least one of the two. Returns what it removed
+   * (with `dryRun`, what it would).
+   */
+  async pruneTemplates(options: PruneOptions): Promise<{ removed: Template[]; deferred: Template[] }> {
+    const o = optionsObject<PruneOptions>('options', options, { keepNewest: true, unusedForMs: true, name: true, dryRun: true })
+    const keepNewest = o.keepNewest === undefined ? undefined : integerIn('options.keepNewest', o.keepNewest, 0, 2 ** 31 - 1, 0)
+    const unusedForMs = o.unusedForMs === undefined ? undefined : integerIn('options.unusedForMs', o.unusedForMs, 0, Number.MAX_SAFE_INTEGER, 0)
+    if (keepNewest === undefined && unusedForMs === undefined)
+      throw invalidValue('options', 'keepNewest and/or unusedForMs', options)
+    const name = o.name === undefined ? undefined : templateRef('options.name', o.name)
+    const dryRun = boolean('options.dryRun', o.dryRun, false)
+    const chosen = pruneCandidates(await this.templates(), { keepNewest, unusedForMs, name }, Date.now())
+    const removed: Template[] = []
+    const deferred: Template[] = []
+    for (const t of chosen) {
+      if (dryRun) {
+        removed.push(t)
+        continue
+      }
+      try {
+        const r = await this.removeTemplate(t.id)
+        ;(r.removed ? removed : deferred).push(t)
+      } catch (e) {
+        if ((e as VmspaceError).code !== 'ERR_TEMPLATE_NOT_FOUND') throw e // removed meanwhile by someone else
+      }
+    }
+    return { removed, deferred }
   }
 
   /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */
@@ -725,6 +922,8 @@ export class Workspace implements AsyncDisposable {
   readonly leaseFd: number
   /** What the template cloned into the workspace (allocate only). */
   template: CloneResult[] = []
+  /** Issue 14: the id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
+  templateId?: string
   /** Metadata as recorded on disk (adopt only). */
   info?: WorkspaceInfo
   #status: 'ready' | 'disposed' | 'unrecoverable' | 'released' = 'ready'
@@ -858,6 +1057,14 @@ function templateEntries(template: unknown, name = 'options.template'): { dir: s
     return [rel, absolutePath(`${name}[${JSON.stringify(dest)}]`, source)]
   })
   return { dir: '', entries }
+}
+
+/** An id or a name of a template (checked for shape; existence is the native side's). */
+function templateRef(name: string, value: unknown): string | undefined {
+  if (value === undefined) return undefined
+  if (typeof value !== 'string') throw invalidType(name, 'a template id or name', value)
+  if (!TEMPLATE_NAME.test(value)) throw invalidValue(name, 'a template id (32 hex) or name (1-128 of [A-Za-z0-9._-])', value)
+  return value
 }
 
 let cachedHostname: string | undefined

@@ -27,6 +27,7 @@
 #include "core/quota.h"
 #include "core/remove.h"
 #include "core/rename.h"
+#include "core/template.h"
 #include "core/tree.h"
 #include "core/warm.h"
 
@@ -279,6 +280,7 @@ vmspace::AllocateRequest allocateRequestArg(const Napi::CallbackInfo& info, size
   // quota (issue 13): allocate only (a warm build has none); 0 or absent: none
   if (info[first + 10].IsNumber()) req.quota.bytes = static_cast<uint64_t>(intArg(info, first + 10));
   if (info[first + 11].IsNumber()) req.quota.inodes = static_cast<uint64_t>(intArg(info, first + 11));
+  if (info.Length() > first + 12 && info[first + 12].IsString()) req.fromTemplate = stringArg(info, first + 12);  // issue 14
   return req;
 }
 
@@ -297,6 +299,10 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
     clones.Set(static_cast<uint32_t>(i), c);
   }
   o.Set("clones", clones);
+  if (!r.templateId.empty()) {  // issue 14
+    o.Set("templateId", r.templateId);
+    o.Set("templateMeta", r.templateMeta);
+  }
   return o;
 }
 
@@ -595,6 +601,96 @@ Napi::Value Exchange(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [a, b] { vmspace::exchange(a, b); });
 }
 
+// ---- templates (issue 14; core/template.h) ----
+
+// commitTemplate(pool, sourcePath, name, infoJson, replace, reflink, durable, progress)
+Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  vmspace::CommitRequest req;
+  req.sourcePath = stringArg(info, 1);
+  req.name = stringArg(info, 2);
+  req.infoJson = stringArg(info, 3);
+  req.replace = boolArg(info, 4);
+  int64_t reflink = intArg(info, 5);
+  req.clone.reflink = reflink == 0 ? vmspace::Reflink::Always : reflink == 2 ? vmspace::Reflink::Never : vmspace::Reflink::Auto;
+  req.clone.durable = boolArg(info, 6);
+  ProgressRef progress = progressArg(info, 7);
+  req.progress = progress.get();
+  return Work<vmspace::CommitResult>::Start(
+      info.Env(), [pool, req, progress] { return pool->templates(true)->commit(req); },
+      [reflink = req.clone.reflink](Napi::Env env, vmspace::CommitResult& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("id", r.id);
+        o.Set("metaText", r.metaText);
+        o.Set("clone", summaryObject(env, r.clone, reflink));
+        o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
+        if (!r.replacedId.empty()) {
+          o.Set("replacedId", r.replacedId);
+          o.Set("replacedRemoved", r.replacedRemoved);
+        }
+        return o;
+      });
+}
+
+Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return Work<std::vector<vmspace::TemplateListing>>::Start(
+      info.Env(),
+      [pool] {
+        vmspace::TemplateStore* store = pool->templates(false);
+        return store ? store->list() : std::vector<vmspace::TemplateListing>();
+      },
+      [pool](Napi::Env env, std::vector<vmspace::TemplateListing>& list) -> Napi::Value {
+        Napi::Array out = Napi::Array::New(env, list.size());
+        for (size_t i = 0; i < list.size(); i++) {
+          const vmspace::TemplateListing& t = list[i];
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("id", t.id);
+          o.Set("currentName", t.currentName);
+          o.Set("lastUsedMs", static_cast<double>(t.lastUsedMs));
+          o.Set("retired", t.retired);
+          o.Set("metaPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
+          if (t.metaErrno == 0) {
+            o.Set("metaText", t.metaText);
+          } else {
+            vmspace::Error e;
+            e.err = t.metaErrno;
+            e.syscall = "open";
+            e.path = pool->root() + "/.vmspace/templates/" + t.id + "/template.json";
+            o.Set("metaError", errorObject(env, e));
+          }
+          out.Set(static_cast<uint32_t>(i), o);
+        }
+        return out;
+      });
+}
+
+Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string idOrName = stringArg(info, 1);
+  struct Removed {
+    std::string id;
+    bool removed = false;
+  };
+  return Work<Removed>::Start(
+      info.Env(),
+      [pool, idOrName] {
+        Removed r;
+        vmspace::TemplateStore* store = pool->templates(false);
+        if (!store)
+          vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
+                             "open", pool->root() + "/.vmspace/templates");
+        r.removed = store->remove(idOrName, &r.id);
+        return r;
+      },
+      [](Napi::Env env, Removed& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("id", r.id);
+        o.Set("removed", r.removed);
+        return o;
+      });
+}
+
 // ---- locks ----
 
 Napi::Value LockOpen(const Napi::CallbackInfo& info) {
@@ -868,6 +964,9 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("adopt", Napi::Function::New(env, Adopt, "adopt"));
   exports.Set("sweep", Napi::Function::New(env, Sweep, "sweep"));
   exports.Set("clonePath", Napi::Function::New(env, ClonePath, "clonePath"));
+  exports.Set("commitTemplate", Napi::Function::New(env, CommitTemplate, "commitTemplate"));  // issue 14
+  exports.Set("listTemplates", Napi::Function::New(env, ListTemplates, "listTemplates"));
+  exports.Set("removeTemplate", Napi::Function::New(env, RemoveTemplate, "removeTemplate"));
   exports.Set("probeQuota", Napi::Function::New(env, ProbeQuota, "probeQuota"));
   exports.Set("poolSpace", Napi::Function::New(env, PoolSpace, "poolSpace"));
   exports.Set("usage", Napi::Function::New(env, Usage, "usage"));

@@ -411,7 +411,15 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
     if (!*sub.fd) throwErrno(ENOENT, "open", shown);
   }
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
+  pool->sharedGid_ = sharedGid;
   return pool;
+}
+
+// Issue 14: templates/ is made on the first commit, so pools without templates stay as older code made them.
+TemplateStore* Pool::templates(bool create) {
+  std::lock_guard<std::mutex> hold(templatesMu_);
+  if (!templates_) templates_ = TemplateStore::open(stateFd_.get(), root_ + "/.vmspace", trashFd_.get(), create, sharedGid_);
+  return templates_.get();
 }
 
 bool Pool::publishMeta(const std::string& name, const std::string& json, bool durable) {
@@ -440,6 +448,27 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
   if (minFreeBytes_ && fsSpace(rootFd_.get(), root_).available < minFreeBytes_) throwErrno(ENOSPC, "statvfs", root_);
   const bool subvolume = req.quota.any() && quotaSupport.backend == QuotaBackend::Btrfs;
   StagedWorkspace res;
+  // Issue 14: a template is resolved and held for reading (flock LOCK_SH) before anything is made, so an
+  // unknown one (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
+  TemplateStore* store = nullptr;
+  TemplateReader reader;
+  struct ReleaseReader {
+    TemplateStore*& store;
+    TemplateReader& reader;
+    ~ReleaseReader() {
+      if (store) store->release(reader);
+    }
+  } releaseReader{store, reader};
+  if (!req.fromTemplate.empty()) {
+    TemplateStore* s = templates(false);
+    if (!s)
+      throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req.fromTemplate + "'", ENOENT,
+                "open", root_ + "/.vmspace/templates");
+    reader = s->acquire(req.fromTemplate);
+    store = s;
+    res.templateId = reader.id;
+    res.templateMeta = reader.metaText;
+  }
   int tries = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
   int reclaimed = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
   auto draw = [&] {
@@ -494,6 +523,12 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
                              quotaSupport.backend == QuotaBackend::Project ? projectsFd(true) : -1, projectIds_, res.name);
     CloneOptions opts = req.clone;
     opts.overwrite = false;
+    if (store) {  // issue 14: the committed tree, then the write bits the commit removed
+      ClonedEntry c{"", reader.treePath, {}, {}};
+      c.result = cloneTreeInto(reader.treePath, lease.get(), path(res.name), opts, req.progress, &c.identity);
+      store->restoreModes(reader, lease.get(), stagingPath);
+      res.clones.push_back(std::move(c));
+    }
     if (!req.templateDir.empty()) {
       ClonedEntry c{"", req.templateDir, {}, {}};
       c.result = cloneTreeInto(req.templateDir, lease.get(), path(res.name), opts, req.progress, &c.identity);
@@ -533,6 +568,8 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
   res.name = std::move(staged.name);
   res.retries = staged.retries;
   res.clones = std::move(staged.clones);
+  res.templateId = std::move(staged.templateId);  // issue 14
+  res.templateMeta = std::move(staged.templateMeta);
   std::string stagingName = res.name;
   std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
   std::string metaPublished;
@@ -556,6 +593,7 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
       if (json.size() > 1) json += ",";
       json += "\"name\":";
       appendJsonString(&json, res.name);
+      if (!res.templateId.empty()) json += ",\"templateId\":\"" + res.templateId + "\"";  // issue 14: a commit's parent
       json += ",\"template\":[";
       for (size_t i = 0; i < res.clones.size(); i++) {
         const ClonedEntry& c = res.clones[i];
@@ -913,6 +951,9 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
     });
   }
 
+  // Issue 14: half-built templates, retired templates no one reads, names of commits that died.
+  if (TemplateStore* store = templates(false)) store->sweep(dryRun, graceMs, report);
+
   // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
   // (".<name>.json.tmp-<hex>", writeFileNoReplace) of a workspace still being built is a write in progress.
   for (auto& [file, type] : readNames(metaFd_.get(), root_ + "/.vmspace/meta")) {
@@ -983,6 +1024,7 @@ std::vector<ListEntry> Pool::list() {
 }
 
 void Pool::close() {
+  templates_.reset();
   metaFd_.reset();
   trashFd_.reset();
   stagingFd_.reset();

@@ -16,6 +16,7 @@
 #include "clone.h"
 #include "error.h"
 #include "fd.h"
+#include "template.h"
 #include "quota.h"
 #include "tree.h"
 #include "usage.h"
@@ -44,6 +45,7 @@ struct AllocateRequest {
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
   std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
+  std::string fromTemplate;  // issue 14: the id or name of a committed template cloned first ("" none)
   QuotaLimits quota;     // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
 };
 
@@ -59,6 +61,7 @@ struct AllocateResult {
   int leaseFd = -1;  // O_RDONLY|O_DIRECTORY|O_CLOEXEC fd of the workspace, holding flock(LOCK_EX): the lease
   int retries = 0;   // names drawn again: the one drawn existed, or a sweep reclaimed its entry before the lease
   std::vector<ClonedEntry> clones;
+  std::string templateId, templateMeta;  // issue 14: the template cloned (fromTemplate) and its template.json
 };
 
 // A workspace built and leased in .vmspace/staging/<name>, not yet published (Pool::stage). To a sweep it is a build
@@ -69,6 +72,7 @@ struct StagedWorkspace {
   int retries = 0;
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
+  std::string templateId, templateMeta;  // issue 14: as in AllocateResult
   QuotaRef quota;  // quota.cc: its project id claim follows the name at publish
 };
 
@@ -164,6 +168,9 @@ class Pool {
   void close();
   const std::string& root() const { return root_; }
   int format() const { return format_; }
+  // Issue 14: the pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
+  // pool has none and `create` is false.
+  TemplateStore* templates(bool create);
   // The metadata file of workspace `name`, as errors show it.
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
@@ -192,6 +199,9 @@ class Pool {
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
+  long long sharedGid_ = -1;
+  std::mutex templatesMu_;  // guards templates_ while it is made
+  std::unique_ptr<TemplateStore> templates_;
   uint64_t minFreeBytes_ = 0;
   ProjectIdRange projectIds_;
   std::mutex projectsMu_;  // guards projectsFd_, opened lazily

@@ -1,0 +1,650 @@
+#include "template.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+#include "error.h"
+#include "io.h"
+#include "names.h"
+#include "pool.h"
+#include "remove.h"
+#include "rename.h"
+#include "statx.h"
+
+namespace vmspace {
+namespace {
+
+constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+constexpr size_t kMaxTemplateMetaBytes = 16 << 20;
+constexpr int kMaxResolveTries = 16;  // a name swapped or removed under a reader this often in a row: not found
+
+bool isHexId(const std::string& s) {
+  if (s.size() != static_cast<size_t>(kIdHexChars)) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
+
+bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
+  struct stat at;
+  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
+         at.st_dev == own.st_dev;
+}
+
+bool exists(int dirFd, const std::string& name) {
+  struct stat st;
+  return fstatat(dirFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+// Milliseconds since the entry was made (birth time where recorded, else ctime), as the pool's sweep counts.
+int64_t ageMs(int dirFd, const std::string& name) {
+  struct statx stx;
+  if (statx(dirFd, name.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
+  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
+}
+
+std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
+  std::vector<std::pair<std::string, unsigned char>> out;
+  int fd = openat(dirFd, ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  DIR* dir = fdopendir(fd);
+  if (!dir) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "opendir", shown);
+  }
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+  for (;;) {
+    errno = 0;
+    struct dirent* de = readdir(dir);
+    if (!de) {
+      if (errno) throwErrno(errno, "readdir", shown);
+      return out;
+    }
+    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+    out.emplace_back(de->d_name, de->d_type);
+  }
+}
+
+// The target of the symlink `name` in dirFd; false (errno set) when it is none.
+bool readLink(int dirFd, const std::string& name, std::string* target) {
+  char buf[PATH_MAX];
+  ssize_t n = readlinkat(dirFd, name.c_str(), buf, sizeof buf);
+  if (n < 0) return false;
+  if (static_cast<size_t>(n) == sizeof buf) {
+    errno = ENAMETOOLONG;
+    return false;
+  }
+  target->assign(buf, static_cast<size_t>(n));
+  return true;
+}
+
+void appendJsonString(std::string* out, const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  out->push_back('"');
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(static_cast<char>(c));
+    } else if (c < 0x20) {
+      out->append("\\u00");
+      out->push_back(kHex[c >> 4]);
+      out->push_back(kHex[c & 15]);
+    } else {
+      out->push_back(static_cast<char>(c));
+    }
+  }
+  out->push_back('"');
+}
+
+[[noreturn]] void notFound(const std::string& idOrName, const std::string& shown) {
+  throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT, "open", shown);
+}
+
+// Opens (with `create`, makes) the template directory `name` below `at`: exact mode whatever the umask, the
+// pool's shared group where it has one. Refused (ERR_POOL_UNSAFE) when others could write it.
+UniqueFd openStoreDir(int at, const char* name, const std::string& shown, bool create, long long sharedGid) {
+  for (;;) {
+    UniqueFd fd(openat(at, name, kDirFlags));
+    if (fd) {
+      struct stat st;
+      if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", shown);
+      if (st.st_mode & S_IWOTH || (sharedGid < 0 && (st.st_mode & S_IWGRP)))
+        throwCode("ERR_POOL_UNSAFE", "'" + shown + "' is writable by others", 0, "open", shown);
+      return fd;
+    }
+    if (errno != ENOENT) throwErrno(errno, "open", shown);
+    if (!create) return fd;
+    if (mkdirat(at, name, 0700) != 0) {
+      if (errno == EEXIST) continue;  // made meanwhile by another process
+      throwErrno(errno, "mkdir", shown);
+    }
+    UniqueFd made(openat(at, name, kDirFlags));
+    if (!made) throwErrno(errno, "open", shown);
+    if (sharedGid >= 0) {
+      if (fchown(made.get(), static_cast<uid_t>(-1), static_cast<gid_t>(sharedGid)) != 0)
+        throwErrno(errno, "fchown", shown);
+      if (fchmod(made.get(), 02770) != 0) throwErrno(errno, "fchmod", shown);
+    } else if (fchmod(made.get(), 0700) != 0) {
+      throwErrno(errno, "fchmod", shown);
+    }
+  }
+}
+
+// A new file `name` in the private directory `dirFd` with exactly `data` and `mode`.
+void writeNewFile(int dirFd, const char* name, const std::string& data, mode_t mode, bool durable,
+                  const std::string& shown) {
+  UniqueFd fd(openat(dirFd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!fd) throwErrno(errno, "open", shown);
+  if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
+  if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
+  if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
+}
+
+// The mode list (`modes` in a template): the write bits a commit removed, as a walk of the tree replays them.
+// Records, each ending in NUL: "m<3 octal digits><name>" (an entry of the current directory had those write
+// bits), "d<name>" (into that subdirectory), "u" (back to the parent), "r<3 octal digits>" (the root's own).
+// Relative to the walk, never full paths: the list grows with the entries, not with depth times entries.
+
+// Moves `cur` to its parent, checked to be the directory `expect` (device and inode) that the walk came from.
+void walkUp(UniqueFd& cur, const struct stat& expect, const std::string& shown) {
+  UniqueFd up(openat(cur.get(), "..", kDirFlags));
+  if (!up) throwErrno(errno, "open", shown);
+  struct stat st;
+  if (fstat(up.get(), &st) != 0) throwErrno(errno, "fstat", shown);
+  if (st.st_dev != expect.st_dev || st.st_ino != expect.st_ino) throwErrno(ESTALE, "open", shown);
+  cur = std::move(up);
+}
+
+// Removes the write bits of every entry of the private tree `rootFd` but symlinks (whose mode means nothing),
+// recording them in `manifest` (the mode list above), so that a clone can get them back (restoreModes). Adds the
+// tree's allocated bytes (st_blocks * 512, hard links once) to *allocated. One directory fd is open at a time
+// (the walk goes down by name and up through "..", checked by device and inode), and memory holds the names of
+// one directory per level: any depth a clone handles, this handles. The tree is our own build in staging.
+void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated) {
+  std::set<std::pair<dev_t, ino_t>> linked;  // inodes with several links already counted
+  auto put = [&](char kind, mode_t bits, const std::string& name) {
+    bool ok = kind == 'm' || kind == 'r' ? fprintf(manifest, "%c%03o", kind, static_cast<unsigned>(bits)) == 4
+                                         : fputc(kind, manifest) != EOF;
+    if (!ok || fwrite(name.c_str(), 1, name.size() + 1, manifest) != name.size() + 1)
+      throwErrno(errno ? errno : EIO, "write", shown);
+  };
+  struct Level {
+    std::vector<std::pair<std::string, unsigned char>> names;
+    size_t next = 0;
+    struct stat st;
+  };
+  std::vector<Level> stack(1);
+  std::string rel;  // of `cur` below the root, for errors only (grows with depth, not with entries)
+  UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
+  if (!cur) throwErrno(errno, "fcntl", shown);
+  if (fstat(cur.get(), &stack[0].st) != 0) throwErrno(errno, "fstat", shown);
+  const struct stat rootSt = stack[0].st;
+  *allocated += static_cast<uint64_t>(rootSt.st_blocks) * 512;
+  stack[0].names = readNames(cur.get(), shown);
+  while (!stack.empty()) {
+    Level& top = stack.back();
+    if (top.next == top.names.size()) {
+      stack.pop_back();
+      if (stack.empty()) break;
+      walkUp(cur, stack.back().st, shown + rel);
+      rel.erase(rel.rfind('/'));
+      put('u', 0, "");
+      continue;
+    }
+    const std::string name = top.names[top.next++].first;
+    struct stat st;
+    if (fstatat(cur.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "stat", shown + rel + "/" + name);
+    if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
+    *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
+    if (S_ISLNK(st.st_mode)) continue;
+    if (st.st_mode & 0222) {
+      put('m', st.st_mode & 0222, name);
+      if (fchmodat(cur.get(), name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
+        throwErrno(errno, "chmod", shown + rel + "/" + name);
+    }
+    if (!S_ISDIR(st.st_mode)) continue;
+    UniqueFd down(openat(cur.get(), name.c_str(), kDirFlags));
+    if (!down) throwErrno(errno, "open", shown + rel + "/" + name);
+    Level level;
+    level.st = st;
+    level.names = readNames(down.get(), shown + rel + "/" + name);
+    cur = std::move(down);
+    rel += "/" + name;
+    put('d', 0, name);
+    stack.push_back(std::move(level));
+  }
+  if (rootSt.st_mode & 0222) {
+    put('r', rootSt.st_mode & 0222, "");
+    if (fchmod(rootFd, rootSt.st_mode & 07777 & ~0222) != 0) throwErrno(errno, "fchmod", shown);
+  }
+}
+
+}  // namespace
+
+bool isTemplateName(const std::string& name) {
+  if (name.empty() || name.size() > 128 || isHexId(name)) return false;
+  for (size_t i = 0; i < name.size(); i++) {
+    char c = name[i];
+    bool alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+    if (!alnum && (i == 0 || (c != '.' && c != '_' && c != '-'))) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& statePath, int trashFd,
+                                                   bool create, long long sharedGid) {
+  std::unique_ptr<TemplateStore> s(new TemplateStore());
+  s->dir_ = statePath + "/templates";
+  s->trashDir_ = statePath + "/trash";
+  s->trashFd_ = trashFd;
+  s->sharedGid_ = sharedGid;
+  s->fd_ = openStoreDir(stateFd, "templates", s->dir_, create, sharedGid);
+  if (!s->fd_) return nullptr;
+  // The subdirectories are made whenever they are missing: a pool whose templates/ an older build of this
+  // code made (or a process killed between two mkdirs) is completed, never refused.
+  s->stagingFd_ = openStoreDir(s->fd_.get(), "staging", s->dir_ + "/staging", true, sharedGid);
+  s->namesFd_ = openStoreDir(s->fd_.get(), "names", s->dir_ + "/names", true, sharedGid);
+  s->retiredFd_ = openStoreDir(s->fd_.get(), "retired", s->dir_ + "/retired", true, sharedGid);
+  return s;
+}
+
+CommitResult TemplateStore::commit(const CommitRequest& req) {
+  const std::string nameShown = dir_ + "/names/" + req.name;
+  // Refused before anything is built; the symlinkat below decides for real.
+  if (!req.name.empty() && !req.replace && exists(namesFd_.get(), req.name))
+    throwErrno(EEXIST, "symlink", nameShown);
+  CommitResult res;
+  for (int tries = 0;; tries++) {
+    if (tries == kMaxNameTries)
+      throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir", dir_ + "/staging");
+    res.id = randomId();
+    if (mkdirat(stagingFd_.get(), res.id.c_str(), 0700) == 0) break;
+    if (errno != EEXIST) throwErrno(errno, "mkdir", dir_ + "/staging/" + res.id);
+  }
+  const std::string stagingPath = dir_ + "/staging/" + res.id;
+  bool named = false, published = false;
+  try {
+    UniqueFd lease(openat(stagingFd_.get(), res.id.c_str(), kDirFlags));
+    if (!lease) throwErrno(errno, "open", stagingPath);
+    // The build's lease: a sweep reclaims a staging entry only when no one holds it (a probe waits it out here).
+    if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath);
+    if (mkdirat(lease.get(), "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath + "/tree");
+    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+    if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
+    CloneOptions opts = req.clone;
+    opts.overwrite = false;
+    res.clone = cloneTreeInto(req.sourcePath, tree.get(), stagingPath + "/tree", opts, req.progress);
+    res.clone.tree = true;
+
+    {
+      const std::string modesShown = stagingPath + "/modes";
+      int mfd = openat(lease.get(), "modes", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
+      if (mfd < 0) throwErrno(errno, "open", modesShown);
+      FILE* f = fdopen(mfd, "w");
+      if (!f) {
+        int err = errno;
+        ::close(mfd);
+        throwErrno(err, "fdopen", modesShown);
+      }
+      std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
+      stripWriteBits(tree.get(), stagingPath + "/tree", f, &res.allocatedBytes);
+      if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
+      if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
+      if (opts.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
+      FILE* done = closer.release();
+      if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+    }
+
+    std::string json = req.infoJson.empty() ? std::string("{") : req.infoJson.substr(0, req.infoJson.rfind('}'));
+    if (json.size() > 1) json += ",";
+    json += "\"id\":\"" + res.id + "\",\"name\":";
+    if (req.name.empty()) json += "null";
+    else appendJsonString(&json, req.name);
+    json += std::string(",\"method\":\"") + methodName(res.clone, req.clone.reflink) +
+            "\",\"usage\":{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) +
+            ",\"files\":" + std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}}\n";
+    writeNewFile(lease.get(), "template.json", json, 0444, opts.durable, stagingPath + "/template.json");
+    res.metaText = json;
+    writeNewFile(lease.get(), "used", "", 0644, false, stagingPath + "/used");
+    if (opts.durable && (fsync(tree.get()) != 0 || fsync(lease.get()) != 0)) throwErrno(errno, "fsync", stagingPath);
+    if (fchmod(lease.get(), 0555) != 0) throwErrno(errno, "fchmod", stagingPath);
+
+    // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
+    // so a name never points at a template another commit of the same name published.
+    if (!req.name.empty() && !req.replace) {
+      if (symlinkat(res.id.c_str(), namesFd_.get(), req.name.c_str()) != 0)
+        throwErrno(errno, "symlink", nameShown);
+      named = true;
+    }
+    if (renameat2(stagingFd_.get(), res.id.c_str(), fd_.get(), res.id.c_str(), RENAME_NOREPLACE) != 0)
+      throwErrno(errno, "renameat2", stagingPath, path(res.id));
+    published = true;
+    if (opts.durable && fsync(fd_.get()) != 0) throwErrno(errno, "fsync", dir_);
+    if (!req.name.empty() && req.replace) {
+      // The name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template or
+      // the new one, never no name. The swapped-out link tells which template was replaced.
+      std::string tmp = "." + req.name + ".new-" + randomHex(6);
+      if (symlinkat(res.id.c_str(), namesFd_.get(), tmp.c_str()) != 0) throwErrno(errno, "symlink", dir_ + "/names/" + tmp);
+      for (;;) {
+        if (renameat2(namesFd_.get(), tmp.c_str(), namesFd_.get(), req.name.c_str(), RENAME_EXCHANGE) == 0) {
+          named = true;
+          std::string old;
+          if (readLink(namesFd_.get(), tmp, &old) && isHexId(old) && old != res.id) res.replacedId = old;
+          unlinkat(namesFd_.get(), tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
+          break;
+        }
+        if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
+          if (renameat2(namesFd_.get(), tmp.c_str(), namesFd_.get(), req.name.c_str(), RENAME_NOREPLACE) == 0) {
+            named = true;
+            break;
+          }
+          if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
+        }
+        int err = errno;
+        unlinkat(namesFd_.get(), tmp.c_str(), 0);
+        throwErrno(err, "renameat2", dir_ + "/names/" + tmp, nameShown);
+      }
+    }
+  } catch (...) {
+    try {
+      std::string target;
+      if (named && !req.replace && readLink(namesFd_.get(), req.name, &target) && target == res.id)
+        unlinkat(namesFd_.get(), req.name.c_str(), 0);
+      if (published) removeIfFree(res.id, -1);  // never named: no reader can hold it
+      else removeTreeNoFollow(stagingFd_.get(), res.id, stagingPath);
+    } catch (...) {
+      // Left for a sweep; the original error is the one to report.
+    }
+    throw;
+  }
+  if (!res.replacedId.empty()) {
+    // The new template is published and named: the commit has succeeded whatever happens to the old one here.
+    // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
+    // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
+    // removeTemplate or pruneTemplates removes it).
+    try {
+      UniqueFd marker(openat(retiredFd_.get(), res.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+      if (marker) {
+        marker.reset();
+        res.replacedRemoved = removeIfFree(res.replacedId, -1);
+      }
+    } catch (const Error&) {
+      res.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
+    }
+  }
+  return res;
+}
+
+std::string TemplateStore::resolve(const std::string& idOrName, bool* byName) {
+  *byName = !isHexId(idOrName);
+  if (!*byName) return idOrName;
+  std::string shown = dir_ + "/names/" + idOrName;
+  if (!isTemplateName(idOrName)) notFound(idOrName, shown);
+  std::string id;
+  if (!readLink(namesFd_.get(), idOrName, &id)) {
+    if (errno == ENOENT || errno == EINVAL) notFound(idOrName, shown);  // EINVAL: not a symlink, not a name
+    throwErrno(errno, "readlink", shown);
+  }
+  if (!isHexId(id)) notFound(idOrName, shown);
+  return id;
+}
+
+TemplateReader TemplateStore::acquire(const std::string& idOrName) {
+  for (int attempt = 0; attempt < kMaxResolveTries; attempt++) {
+    bool byName;
+    std::string id = resolve(idOrName, &byName);
+    TemplateReader r;
+    r.fd.reset(openat(fd_.get(), id.c_str(), kDirFlags));
+    if (!r.fd) {
+      if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP) throwErrno(errno, "open", path(id));
+      if (byName) continue;  // swapped or removed since the name was read: read it again
+      notFound(idOrName, path(id));
+    }
+    // Blocks only while a removal holds LOCK_EX, which it takes after our open only to move the template away.
+    if (flock(r.fd.get(), LOCK_SH) != 0) throwErrno(errno, "flock", path(id));
+    struct stat own;
+    if (fstat(r.fd.get(), &own) != 0) throwErrno(errno, "fstat", path(id));
+    if (!sameEntry(fd_.get(), id, own) || exists(retiredFd_.get(), id)) {
+      if (byName) continue;
+      notFound(idOrName, path(id));
+    }
+    r.id = id;
+    r.treePath = path(id) + "/tree";
+    r.metaErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.metaText);
+    // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
+    if (r.metaErrno) throwErrno(r.metaErrno, "open", path(id) + "/template.json");
+    return r;
+  }
+  notFound(idOrName, dir_ + "/names/" + idOrName);
+}
+
+void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const std::string& wsPath) {
+  const std::string shown = path(reader.id) + "/modes";
+  int mfd = openat(reader.fd.get(), "modes", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  if (mfd < 0) throwErrno(errno, "open", shown);
+  FILE* f = fdopen(mfd, "r");
+  if (!f) {
+    int err = errno;
+    ::close(mfd);
+    throwErrno(err, "fdopen", shown);
+  }
+  std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
+  char* line = nullptr;
+  size_t cap = 0;
+  std::unique_ptr<char, void (*)(void*)> freeLine(nullptr, free);
+  // The walk of the mode list: one directory fd, down by name, up through ".." (checked against the way down).
+  UniqueFd cur(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
+  if (!cur) throwErrno(errno, "fcntl", wsPath);
+  std::vector<struct stat> trail(1);
+  std::string rel;  // of `cur` below the workspace, for errors only (grows with depth, not with entries)
+  if (fstat(cur.get(), &trail[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  auto corrupt = [&] {
+    throwCode("ERR_CORRUPT_METADATA", "a record of the template's mode list does not parse", EINVAL, "read", shown);
+  };
+  for (;;) {
+    errno = 0;
+    ssize_t n = getdelim(&line, &cap, '\0', f);
+    freeLine.release();
+    freeLine.reset(line);
+    if (n < 0) {
+      if (errno) throwErrno(errno, "read", shown);
+      break;
+    }
+    if (line[n - 1] != '\0') corrupt();
+    char kind = line[0];
+    if (kind == 'u') {
+      if (trail.size() < 2) corrupt();
+      trail.pop_back();
+      walkUp(cur, trail.back(), wsPath + rel);
+      rel.erase(rel.rfind('/'));
+      continue;
+    }
+    if (kind == 'd') {
+      UniqueFd down(openat(cur.get(), line + 1, kDirFlags));
+      if (!down) throwErrno(errno, "open", wsPath + rel + "/" + (line + 1));
+      struct stat st;
+      if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath + rel + "/" + (line + 1));
+      trail.push_back(st);
+      cur = std::move(down);
+      rel += std::string("/") + (line + 1);
+      continue;
+    }
+    if ((kind != 'm' && kind != 'r') || n < 5) corrupt();
+    char digits[4] = {line[1], line[2], line[3], 0};
+    char* end = nullptr;
+    long bits = strtol(digits, &end, 8);
+    if (end != digits + 3 || bits < 0 || (bits & ~0222)) corrupt();
+    if (kind == 'r') continue;  // the workspace directory keeps the mode allocate gave it
+    const char* leaf = line + 4;
+    if (!*leaf) corrupt();
+    struct stat st;
+    if (fstatat(cur.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) continue;  // not recreated (a socket, a device without CAP_MKNOD)
+      throwErrno(errno, "stat", wsPath + rel + "/" + leaf);
+    }
+    if (S_ISLNK(st.st_mode)) continue;
+    if (fchmodat(cur.get(), leaf, (st.st_mode & 07777) | static_cast<mode_t>(bits), 0) != 0)
+      throwErrno(errno, "chmod", wsPath + rel + "/" + leaf);
+  }
+  // The last-used time (TemplateListing.lastUsedMs): informative only, so a refusal (a pool shared by a group,
+  // whose member does not own the file: EPERM) does not fail the allocate.
+  if (utimensat(reader.fd.get(), "used", nullptr, AT_SYMLINK_NOFOLLOW) != 0) {
+    // deliberately ignored: see above
+  }
+}
+
+void TemplateStore::release(TemplateReader& reader) noexcept {
+  if (!reader.fd) return;
+  try {
+    if (exists(retiredFd_.get(), reader.id)) removeIfFree(reader.id, reader.fd.get());
+  } catch (...) {
+    // Left retired: a sweep removes it.
+  }
+  reader.fd.reset();
+}
+
+bool TemplateStore::removeIfFree(const std::string& id, int fd, uint64_t* bytes) {
+  UniqueFd own;
+  if (fd < 0) {
+    own.reset(openat(fd_.get(), id.c_str(), kDirFlags));
+    if (!own) {
+      if (errno != ENOENT) throwErrno(errno, "open", path(id));
+      unlinkat(retiredFd_.get(), id.c_str(), 0);  // its template is gone already
+      return true;
+    }
+    fd = own.get();
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) return false;
+    throwErrno(errno, "flock", path(id));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) throwErrno(errno, "fstat", path(id));
+  if (!sameEntry(fd_.get(), id, st)) return true;  // moved away by another removal meanwhile
+  // Into the pool's trash first: the id is gone atomically, and a removal that fails partway is finished by
+  // the sweep's trash pass, never left as a partial template.
+  std::string trashName = "template-" + id;
+  if (renameat2(fd_.get(), id.c_str(), trashFd_, trashName.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno == ENOENT) return true;
+    throwErrno(errno, "renameat2", path(id), trashDir_ + "/" + trashName);
+  }
+  unlinkat(retiredFd_.get(), id.c_str(), 0);
+  removeTreeNoFollow(trashFd_, trashName, trashDir_ + "/" + trashName, bytes);
+  return true;
+}
+
+std::vector<TemplateListing> TemplateStore::list() {
+  std::unordered_map<std::string, std::string> names;  // id -> current name
+  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+    std::string id;
+    if (isTemplateName(entry.first) && readLink(namesFd_.get(), entry.first, &id) && isHexId(id))
+      names[id] = entry.first;
+  }
+  std::vector<TemplateListing> out;
+  for (auto& entry : readNames(fd_.get(), dir_)) {
+    if (!isHexId(entry.first)) continue;
+    UniqueFd fd(openat(fd_.get(), entry.first.c_str(), kDirFlags));
+    if (!fd) continue;  // removed meanwhile
+    TemplateListing t;
+    t.id = entry.first;
+    auto it = names.find(t.id);
+    if (it != names.end()) t.currentName = it->second;
+    t.metaErrno = readRegularFileAt(fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &t.metaText);
+    struct statx stx;
+    if (statx(fd.get(), "used", AT_SYMLINK_NOFOLLOW, STATX_MTIME, &stx) == 0)
+      t.lastUsedMs = stx.stx_mtime.tv_sec * 1000 + stx.stx_mtime.tv_nsec / 1000000;
+    t.retired = exists(retiredFd_.get(), t.id);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+bool TemplateStore::remove(const std::string& idOrName, std::string* idOut) {
+  bool byName;
+  std::string id = resolve(idOrName, &byName);
+  if (!exists(fd_.get(), id) || exists(retiredFd_.get(), id)) notFound(idOrName, path(id));
+  *idOut = id;
+  // Retired first, so that a reader resolving the name meanwhile skips it; then every name pointing here goes.
+  UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
+  marker.reset();
+  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+    std::string target;
+    if (readLink(namesFd_.get(), entry.first, &target) && target == id &&
+        unlinkat(namesFd_.get(), entry.first.c_str(), 0) != 0 && errno != ENOENT)
+      throwErrno(errno, "unlink", dir_ + "/names/" + entry.first);
+  }
+  return removeIfFree(id, -1);
+}
+
+void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
+  auto failed = [&](const std::string& name, const char* from, const Error& e) {
+    report.failed.push_back({name, from, 0, e});
+  };
+  // Commits whose builder is gone: a free lease and past the grace period (a build locks its entry at once).
+  for (auto& entry : readNames(stagingFd_.get(), dir_ + "/staging")) {
+    const std::string& id = entry.first;
+    std::string shown = dir_ + "/staging/" + id;
+    try {
+      if (ageMs(stagingFd_.get(), id) < graceMs) continue;
+      UniqueFd fd(openat(stagingFd_.get(), id.c_str(), kDirFlags));
+      if (!fd && errno == ENOENT) continue;
+      if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK) continue;
+        throwErrno(errno, "flock", shown);
+      }
+      SweepEntry e{"template-" + id, "template-staging", 0, {}};
+      if (!dryRun) removeTreeNoFollow(stagingFd_.get(), id, shown, &e.bytes);
+      report.reclaimed.push_back(std::move(e));
+    } catch (const Error& e) {
+      if (!(e.code.empty() && e.err == ENOENT && e.path == shown)) failed("template-" + id, "template-staging", e);
+    }
+  }
+  // Retired templates no reader holds any more (their last reader was killed before it could remove them).
+  for (auto& entry : readNames(retiredFd_.get(), dir_ + "/retired")) {
+    const std::string& id = entry.first;
+    if (!isHexId(id)) continue;
+    try {
+      if (dryRun) {
+        UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
+        if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) == 0) report.reclaimed.push_back({"template-" + id, "template", 0, {}});
+        continue;
+      }
+      SweepEntry e{"template-" + id, "template", 0, {}};
+      if (exists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes)) report.reclaimed.push_back(std::move(e));
+      else if (!exists(fd_.get(), id)) unlinkat(retiredFd_.get(), id.c_str(), 0);
+    } catch (const Error& e) {
+      failed("template-" + id, "template", e);
+    }
+  }
+  // Names of commits that died between claiming the name and publishing, and swap temp links of dead replaces.
+  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+    const std::string& name = entry.first;
+    std::string target;
+    bool temp = !isTemplateName(name);
+    if (!temp && readLink(namesFd_.get(), name, &target) && isHexId(target) &&
+        (exists(stagingFd_.get(), target) || exists(fd_.get(), target)))
+      continue;  // being built (staging is looked at first: a publish moves it from there) or published
+    if (ageMs(namesFd_.get(), name) < graceMs) continue;
+    if (!dryRun && unlinkat(namesFd_.get(), name.c_str(), 0) != 0) continue;  // left for a later sweep
+    report.metaRemoved++;
+  }
+}
+
+}  // namespace vmspace

@@ -1,0 +1,107 @@
+// Templates (issue 14): committed, read-only trees in the pool that workspaces are cloned from.
+//   <root>/.vmspace/templates/            made on first commit (the pool format stays 1: older vmspace ignore it)
+//     staging/<id>/                       a commit being built; its directory fd holds flock(LOCK_EX)
+//     <id>/                               a published template, mode 0555: tree/ (write bits removed),
+//                                         template.json (0444), modes (0444), used (mtime: last allocate)
+//     names/<name> -> <id>                a symlink: the name's current template
+//     retired/<id>                        a marker: the template was replaced or removed while it was read;
+//                                         the last reader, or a sweep, removes it
+// Readers (allocate) hold flock(LOCK_SH) on <id>/ while they clone it; removal takes flock(LOCK_EX) and moves
+// the template into .vmspace/trash/ first, so a reader sees a whole template or none.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "clone.h"
+#include "fd.h"
+#include "tree.h"
+
+namespace vmspace {
+
+struct SweepReport;
+
+struct CommitRequest {
+  std::string sourcePath;  // the workspace directory
+  std::string name;        // "" for an unnamed template; checked by the caller: [A-Za-z0-9][A-Za-z0-9._-]{0,127}
+  std::string infoJson;    // a JSON object from the caller (createdAt, parent, meta); id and usage are added
+  bool replace = false;    // an existing name is swapped to the new template (RENAME_EXCHANGE) instead of EEXIST
+  CloneOptions clone;
+  CloneProgress* progress = nullptr;
+};
+
+struct CommitResult {
+  std::string id;
+  std::string metaText;  // template.json as written
+  CloneSummary clone;
+  uint64_t allocatedBytes = 0;  // st_blocks * 512 over the template's tree, hard links once
+  std::string replacedId;       // with replace: the template the name pointed to before ("" when none)
+  bool replacedRemoved = false;  // it was removed at once (no reader); else the last reader or a sweep does
+};
+
+struct TemplateListing {
+  std::string id;
+  std::string currentName;  // the name whose symlink points here ("" when none: unnamed, replaced, removed)
+  std::string metaText;     // template.json when metaErrno == 0
+  int metaErrno = 0;
+  int64_t lastUsedMs = 0;  // ms since the epoch of the last allocate from it (the mtime of `used`)
+  bool retired = false;
+};
+
+// A template held for reading: LOCK_SH on its directory, checked to be published and not retired.
+struct TemplateReader {
+  UniqueFd fd;
+  std::string id, treePath, metaText;
+  int metaErrno = 0;
+};
+
+class TemplateStore {
+ public:
+  // Opens .vmspace/templates of the pool whose .vmspace is `stateFd` (shown as `statePath`), making it (and its
+  // subdirectories) when `create`; nullptr when it is missing and not made. `trashFd` is the pool's trash.
+  static std::unique_ptr<TemplateStore> open(int stateFd, const std::string& statePath, int trashFd, bool create,
+                                             long long sharedGid);
+
+  // Builds the template in staging (tree clone, write bits removed, metadata), then publishes it: a name is
+  // claimed with symlinkat (EEXIST: nothing changed), or with `replace` swapped by RENAME_EXCHANGE.
+  CommitResult commit(const CommitRequest& request);
+
+  // Resolves `idOrName` and holds the template for reading. ERR_TEMPLATE_NOT_FOUND when there is none.
+  TemplateReader acquire(const std::string& idOrName);
+  // Gives the write bits the template removed back to the clone of its tree in `wsFd` (a private build), and
+  // stamps the template used. Throws the first errno.
+  void restoreModes(const TemplateReader& reader, int wsFd, const std::string& wsPath);
+  // Drops the read lock; a retired template that no one else reads is removed. Never throws.
+  void release(TemplateReader& reader) noexcept;
+
+  std::vector<TemplateListing> list();
+  // Unnames the template and removes it, or marks it retired while readers hold it (false). ERR_TEMPLATE_NOT_FOUND.
+  bool remove(const std::string& idOrName, std::string* id);
+  // Reclaims half-built commits older than `graceMs` whose builder is gone, retired templates no one reads, and
+  // names whose template was never published. Never touches a published template that is not retired.
+  void sweep(bool dryRun, int64_t graceMs, SweepReport& report);
+
+  std::string path(const std::string& id) const { return dir_ + "/" + id; }
+
+ private:
+  TemplateStore() = default;
+  std::string resolve(const std::string& idOrName, bool* byName);
+  // Removes the published template `id` when flock(LOCK_EX|LOCK_NB) gets it (fd: open on it, or -1): moved
+  // into the pool's trash, then removed, then its retired marker dropped. False while readers hold it.
+  bool removeIfFree(const std::string& id, int fd, uint64_t* bytes = nullptr);
+
+  std::string dir_;  // <root>/.vmspace/templates
+  std::string trashDir_;
+  long long sharedGid_ = -1;
+  UniqueFd fd_, stagingFd_, namesFd_, retiredFd_;
+  int trashFd_ = -1;  // the pool's, not owned
+};
+
+// Whether `name` is a template name as the caller checks it (names/ entries of other shapes are ignored).
+bool isTemplateName(const std::string& name);
+
+}  // namespace vmspace
