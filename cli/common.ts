@@ -2,7 +2,7 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 
-/** Exit codes (documented in README.md, "The vmspace CLI"). `run` exits with its command's status instead. */
+/** Exit codes (documented in README.md, "The `vmspace` command"). `run` exits with its command's status instead. */
 export const EXIT_OK = 0
 /** The command ran, and some entries (or the whole operation) failed. */
 export const EXIT_FAILED = 1

@@ -784,7 +784,12 @@ export class Pool implements AsyncDisposable {
    * false: the last reader, or a sweep, removes it). Workspaces allocated from it are not affected.
    * `ERR_TEMPLATE_NOT_FOUND` when there is none.
    */
-  async removeTemplate(idOrName: string): Promise<{ id: string; removed: boolean }> {
+  async removeTemplate(idOrName: string): Promise<{
+    /** The template's id. */
+    id: string
+    /** Whether it is gone already (false: an allocate is reading it; its last reader or a sweep removes it). */
+    removed: boolean
+  }> {
     const ref = templateRef('idOrName', idOrName)!
     this.#assertOpen()
     return call(this.#inFlight.track(native.removeTemplate(this.#handle, ref)))
@@ -795,7 +800,12 @@ export class Pool implements AsyncDisposable {
    * used (allocated from or committed) for `unusedForMs`. At least one of the two. Returns what it removed
    * (with `dryRun`, what it would).
    */
-  async pruneTemplates(options: PruneOptions): Promise<{ removed: Template[]; deferred: Template[] }> {
+  async pruneTemplates(options: PruneOptions): Promise<{
+    /** Templates removed. */
+    removed: Template[]
+    /** Templates retired but still being read (removed by their last reader, or a sweep). */
+    deferred: Template[]
+  }> {
     const o = optionsObject<PruneOptions>('options', options, { keepNewest: true, unusedForMs: true, name: true, dryRun: true })
     const keepNewest = o.keepNewest === undefined ? undefined : integerIn('options.keepNewest', o.keepNewest, 0, 2 ** 31 - 1, 0)
     const unusedForMs = o.unusedForMs === undefined ? undefined : integerIn('options.unusedForMs', o.unusedForMs, 0, Number.MAX_SAFE_INTEGER, 0)

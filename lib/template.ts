@@ -8,17 +8,22 @@ import { isPlainObject } from './args.js'
 import { call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import type { CloneResult } from './clone.js'
 
-type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
-type JsonObject = { [key: string]: JsonValue }
+import type { JsonObject } from './pool.js'
 
+/** The space a template holds, measured at commit. Bytes. */
 export interface TemplateUsage {
   /** st_blocks × 512 over the template's tree at commit (hard links once): the space the template holds. */
   allocatedBytes: number
   /** Regular files, and their logical bytes. */
   files: number
+  /** Logical bytes of the regular files (sum of their sizes). */
   bytes: number
 }
 
+/**
+ * A committed template (`pool.commit`, `pool.templates()`, `pool.template()`): a read-only tree in the pool that
+ * `allocate({ from })` and `fork()` clone into new workspaces.
+ */
 export interface Template {
   /** 32 lowercase hex characters (128 random bits). */
   id: string
@@ -32,9 +37,11 @@ export interface Template {
   createdAt?: number
   /** The template the committed workspace was allocated from (its id), or null. */
   parent: string | null
+  /** The JSON object given to commit() as `meta`. */
   meta?: JsonObject
   /** How the tree arrived from the workspace. */
   method?: 'reflink' | 'copy' | 'mixed'
+  /** What the template holds (at commit). */
   usage?: TemplateUsage
   /** ms since the epoch of the last allocate from it (its commit until then). */
   lastUsedAt: number | null
@@ -44,12 +51,18 @@ export interface Template {
   error?: VmspaceError
 }
 
+/** What {@link Pool.commit} returns: the new template, how it was cloned, and what it replaced. */
 export interface CommitResult extends Template {
   /** How the workspace's tree was cloned. */
   clone: CloneResult
   /** With `replace: true`: the template the name pointed to before, and whether it is gone already (false:
    * allocates were reading it; the last of them, or a sweep, removes it). */
-  replaced?: { id: string; removed: boolean }
+  replaced?: {
+    /** The replaced template's id. */
+    id: string
+    /** Whether it was removed at once (false: still being read; its last reader or a sweep removes it). */
+    removed: boolean
+  }
 }
 
 export interface NativeTemplateListing {
@@ -119,6 +132,7 @@ export async function listTemplates(handle: PoolHandle, root: string): Promise<T
 export const TEMPLATE_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/
 export const TEMPLATE_ID = /^[0-9a-f]{32}$/
 
+/** Options of {@link Pool.pruneTemplates}: which templates to remove. */
 export interface PruneOptions {
   /** Keep the newest N templates (by createdAt) of each name; older ones of that name are removed. */
   keepNewest?: number

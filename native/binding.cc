@@ -466,7 +466,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           if (entries[i].probeErrno) {
             vmspace::Error e;
             e.err = entries[i].probeErrno;
-            e.syscall = "flock";
+            e.syscall = entries[i].probeSyscall;
             e.path = pool->root() + "/" + entries[i].name;
             o.Set("probeError", errorObject(env, e));
           }

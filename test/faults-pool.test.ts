@@ -24,6 +24,7 @@ import {
   tryFlockPath,
   repoRoot,
   snapshotTree,
+  unprivilegedChildren,
 } from './helpers.js'
 
 const NOBODY = 65534
@@ -377,5 +378,29 @@ describe('sweep: one entry fault stays in that entry', () => {
     expect(tryFlockPath(held.path)).toBe(99) // the lease is still its owner's
     expect(await pool.sweep()).toMatchObject({ failed: [], live: 1, reclaimed: [expect.objectContaining({ name: dead.name })] })
     await held.dispose()
+  })
+})
+
+describe.skipIf(!unprivilegedChildren)(`list() never hides a workspace it cannot open ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
+  test('a workspace directory the caller cannot open (EACCES) is listed with that error and counted live', async () => {
+    const dir = freshDir()
+    fs.chmodSync(dir, 0o755)
+    const pool = await openPool(path.join(dir, 'pool'))
+    const hidden = await orphan(pool)
+    await pool.close()
+    // Everything but the workspace (0700, root's) readable by nobody: only its open fails.
+    for (const p of [pool.root, path.join(pool.root, '.vmspace'), ...['staging', 'trash', 'meta'].map((d) => path.join(pool.root, '.vmspace', d))])
+      fs.chmodSync(p, 0o755)
+    const script = `
+      const { vmspace, say } = require(${JSON.stringify(path.join(fixtures, 'unprivileged.cjs'))})
+      vmspace.openPool(process.argv[1], { create: false }).then(async (p) => {
+        const list = await p.list()
+        say(list.map((i) => ({ name: i.name, live: i.live, code: i.error?.code, syscall: i.error?.syscall })))
+        await p.close()
+      }, (e) => say({ error: e.code }))
+    `
+    const r = spawnSync(process.execPath, ['-e', script, pool.root], { encoding: 'utf8' })
+    expect(r.status, r.stderr).toBe(0)
+    expect(JSON.parse(r.stdout)).toEqual([{ name: hidden.name, live: true, code: 'EACCES', syscall: 'open' }])
   })
 })

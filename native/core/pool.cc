@@ -1002,9 +1002,18 @@ std::vector<ListEntry> Pool::list() {
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
     UniqueFd ws(openat(rootFd_.get(), name.c_str(), kDirFlags));
-    if (!ws) continue;  // disposed meanwhile, or not a directory
+    if (!ws && (errno == ENOENT || errno == ENOTDIR || errno == ELOOP)) continue;  // disposed meanwhile, not a dir
     ListEntry entry;
     entry.name = name;
+    if (!ws) {
+      // Any other failure (EACCES, EMFILE, ...) is that entry's error, counted live (never reported reclaimable on
+      // its word): a workspace that cannot be opened is not hidden from the listing.
+      entry.probeErrno = errno;
+      entry.probeSyscall = "open";
+      entry.live = true;
+      out.push_back(std::move(entry));
+      continue;
+    }
     entry.metaErrno = readMeta(ws.get(), name, &entry.metaText, &entry.metaInXattr);
     // A shared probe conflicts with the owner's exclusive lease and with nothing else. It is dropped at once
     // (the close), so an adopt or sweep elsewhere waits out as short a window as possible (tryLease).

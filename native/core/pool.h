@@ -82,7 +82,8 @@ struct ListEntry {
   std::string metaText;  // its metadata (kMetaXattr or meta/<name>.json) when metaErrno == 0
   int metaErrno = 0;
   bool metaInXattr = false;  // metaText, or metaErrno, is of the xattr (else of the file)
-  int probeErrno = 0;  // the lease probe's flock failed with this (not EWOULDBLOCK): liveness undecided, `live` set
+  int probeErrno = 0;  // the lease probe failed with this (not EWOULDBLOCK): liveness undecided, `live` set
+  const char* probeSyscall = "flock";  // of probeErrno: "open" of the workspace directory, or its "flock"
 };
 
 struct AdoptResult {
