@@ -64,7 +64,8 @@ export interface NativeQuotaSupport {
   backend: 'btrfs-qgroup' | 'project' | 'none'
   inodes: boolean
   detail: string
-  code?: string
+  /** The errno (positive) behind a refusal. */
+  errno?: number
 }
 
 export interface NativeUsage {

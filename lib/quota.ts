@@ -4,7 +4,7 @@
  */
 import { native, type NativeQuotaSupport, type NativeUsage } from './binding.js'
 import { absolutePath, integerIn, invalidType, invalidValue, optionsObject } from './args.js'
-import { call } from './errors.js'
+import { call, errnoName } from './errors.js'
 
 /** A workspace's own limit (`allocate({ quota })`), enforced by the kernel: writes past it fail with `EDQUOT`. */
 export interface QuotaOptions {
@@ -91,7 +91,7 @@ export function projectIdRange(value: unknown): [number, number] {
 
 export function toQuotaSupport(s: NativeQuotaSupport): QuotaSupport {
   const out: QuotaSupport = { supported: s.supported, backend: s.backend, inodes: s.inodes, detail: s.detail }
-  if (s.code !== undefined) out.code = s.code
+  if (s.errno !== undefined) out.code = errnoName(s.errno)
   return out
 }
 

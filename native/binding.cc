@@ -486,7 +486,7 @@ Napi::Object quotaSupportObject(Napi::Env env, const vmspace::QuotaSupport& s) {
                                                                  : "none");
   o.Set("inodes", s.inodes);
   o.Set("detail", s.detail);
-  if (s.err) o.Set("code", strerrorname_np(s.err) ? strerrorname_np(s.err) : "EUNKNOWN");
+  if (s.err) o.Set("errno", s.err);  // named on the JS side (errnoName): no glibc-only strerrorname_np here
   return o;
 }
 
