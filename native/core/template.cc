@@ -460,7 +460,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
   for (;;) {
     errno = 0;
     ssize_t n = getdelim(&line, &cap, '\0', f);
-    freeLine.release();
+    (void)freeLine.release();  // getdelim may have moved the buffer (realloc): the old pointer is no longer ours
     freeLine.reset(line);
     if (n < 0) {
       if (errno) throwErrno(errno, "read", shown);
