@@ -4,8 +4,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
+#include <dirent.h>
 
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+#include "error.h"
 #include "fd.h"
 
 namespace vmspace {
@@ -53,6 +58,29 @@ int writeAll(int fd, const std::string& data) {
     done += static_cast<size_t>(n);
   }
   return 0;
+}
+
+std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
+  std::vector<std::pair<std::string, unsigned char>> out;
+  int fd = openat(dirFd, ".", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  DIR* dir = fdopendir(fd);
+  if (!dir) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "opendir", shown);
+  }
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
+  for (;;) {
+    errno = 0;
+    struct dirent* de = readdir(dir);
+    if (!de) {
+      if (errno) throwErrno(errno, "readdir", shown);
+      return out;
+    }
+    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+    out.emplace_back(de->d_name, de->d_type);
+  }
 }
 
 }  // namespace vmspace

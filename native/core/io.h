@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace vmspace {
 
@@ -16,5 +18,9 @@ int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, st
 
 // write(2) until all of `data` is written (EINTR retried).
 int writeAll(int fd, const std::string& data);
+
+// The names and d_type of every entry of the directory `dirFd` (without "." and ".."), read through a fresh open
+// of "." so the caller's fd keeps its position. Throws the errno of open/opendir/readdir, naming `shown`.
+std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown);
 
 }  // namespace vmspace

@@ -771,28 +771,6 @@ AdoptResult Pool::adopt(const std::string& name) {
 namespace {
 
 // Names in a directory, read through a fresh open file description (readdir offsets are per description).
-std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
-  std::vector<std::pair<std::string, unsigned char>> out;
-  int fd = openat(dirFd, ".", kDirFlags);
-  if (fd < 0) throwErrno(errno, "open", shown);
-  DIR* dir = fdopendir(fd);
-  if (!dir) {
-    int err = errno;
-    ::close(fd);
-    throwErrno(err, "opendir", shown);
-  }
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
-  for (;;) {
-    errno = 0;
-    struct dirent* de = readdir(dir);
-    if (!de) {
-      if (errno) throwErrno(errno, "readdir", shown);
-      return out;
-    }
-    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-    out.emplace_back(de->d_name, de->d_type);
-  }
-}
 
 // A published workspace as readdir shows it: a directory (or an entry of unknown type) named <prefix>-<32 hex>.
 bool isWorkspaceEntry(const std::string& name, unsigned char type) {

@@ -58,28 +58,6 @@ int64_t ageMs(int dirFd, const std::string& name) {
   return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
 }
 
-std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
-  std::vector<std::pair<std::string, unsigned char>> out;
-  int fd = openat(dirFd, ".", kDirFlags);
-  if (fd < 0) throwErrno(errno, "open", shown);
-  DIR* dir = fdopendir(fd);
-  if (!dir) {
-    int err = errno;
-    ::close(fd);
-    throwErrno(err, "opendir", shown);
-  }
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
-  for (;;) {
-    errno = 0;
-    struct dirent* de = readdir(dir);
-    if (!de) {
-      if (errno) throwErrno(errno, "readdir", shown);
-      return out;
-    }
-    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-    out.emplace_back(de->d_name, de->d_type);
-  }
-}
 
 // The target of the symlink `name` in dirFd; false (errno set) when it is none.
 bool readLink(int dirFd, const std::string& name, std::string* target) {
