@@ -60,8 +60,9 @@ export interface CloneOptions {
 export interface CloneResult {
   /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
-  /** How the data arrived: shared extents, a copy, or (trees) both. */
-  method: 'reflink' | 'copy' | 'mixed'
+  /** How the data arrived: shared extents, a copy, (trees) both, or (templates on btrfs, issue 14) a subvolume
+   * snapshot, which walks nothing: its counts are 0. */
+  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
   /** Absolute path of the destination. */
   path: string
   /** Regular files (hard links counted once). */

@@ -205,7 +205,7 @@ export interface TemplateSource {
   /** The source's modification time in ns since the epoch (decimal string). */
   mtimeNs: string
   /** How its data arrived in the workspace. */
-  method: 'reflink' | 'copy' | 'mixed'
+  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
 }
 
 /** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */

@@ -39,9 +39,11 @@ export interface Template {
   parent: string | null
   /** The JSON object given to commit() as `meta`. */
   meta?: JsonObject
-  /** How the tree arrived from the workspace. */
-  method?: 'reflink' | 'copy' | 'mixed'
-  /** What the template holds (at commit). */
+  /** How the tree arrived from the workspace: 'snapshot' is a read-only btrfs subvolume snapshot (no walk). */
+  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
+  /** btrfs: the tree is a read-only subvolume (kept modes; allocate and fork snapshot it). Absent elsewhere. */
+  subvolume?: true
+  /** What the template holds (at commit); absent when a snapshot made it (nothing was walked to measure). */
   usage?: TemplateUsage
   /** ms since the epoch of the last allocate from it (its commit until then). */
   lastUsedAt: number | null
@@ -118,7 +120,8 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
   if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
   if (typeof p.parent === 'string') info.parent = p.parent
   if (isPlainObject(p.meta)) info.meta = p.meta as JsonObject
-  if (p.method === 'reflink' || p.method === 'copy' || p.method === 'mixed') info.method = p.method
+  if (p.method === 'reflink' || p.method === 'copy' || p.method === 'mixed' || p.method === 'snapshot') info.method = p.method
+  if (p.subvolume === true) info.subvolume = true
   if (isPlainObject(p.usage)) info.usage = p.usage as unknown as TemplateUsage
   return info
 }

@@ -37,7 +37,7 @@ export interface AllocateTrace extends TraceContext {
   /** Their logical bytes. */
   bytes?: number
   /** How the template's data arrived; absent without a template. */
-  method?: 'reflink' | 'copy' | 'mixed'
+  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
 }
 
 /** `vmspace:clone`: clone() and Workspace.clone(). `path`, `kind`, `method`, `files`, `bytes` are set once it succeeds. */
@@ -55,7 +55,7 @@ export interface CloneTrace extends TraceContext {
   /** A regular file or a directory tree. */
   kind?: 'file' | 'tree'
   /** How the data arrived. */
-  method?: 'reflink' | 'copy' | 'mixed'
+  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
   /** Regular files cloned. */
   files?: number
   /** Their logical bytes. */

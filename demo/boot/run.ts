@@ -56,7 +56,7 @@ export interface VmResult {
   /** QEMU start to guest power-off (ms); absent when the guest did not power off. */
   bootMs?: number
   allocateMs: number
-  method: 'reflink' | 'copy' | 'mixed'
+  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
   /** Allocated bytes of the clone after boot that it still shares with the base / has to itself. */
   sharedBytes?: number
   ownBytes?: number

@@ -484,12 +484,24 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
   // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted. The
   // lease is taken before anything is inside, so a sweep sees a leased staging entry as being built.
   UniqueFd lease;
+  // Issue 14: from a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no
+  // walk); where the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
+  bool snapshot = reader.subvolume && req.clone.reflink != Reflink::Never;
   for (;; res.retries++) {
     draw();
     std::string shown = root_ + "/.vmspace/staging/" + res.name;
-    if (int err = makeWorkspaceDir(stagingFd_.get(), res.name, req.mode, subvolume)) {  // quota: a subvolume
-      if (err != EEXIST) throwErrno(err, subvolume ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", shown);
-      continue;
+    if (snapshot) {
+      int err = makeWorkspaceSnapshot(reader.subvolume.get(), stagingFd_.get(), res.name, req.mode);
+      if (err == EEXIST) continue;
+      if (err != 0 && err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY && err != EOPNOTSUPP)
+        throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", shown);
+      snapshot = err == 0;
+    }
+    if (!snapshot) {
+      if (int err = makeWorkspaceDir(stagingFd_.get(), res.name, req.mode, subvolume)) {  // quota: a subvolume
+        if (err != EEXIST) throwErrno(err, subvolume ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", shown);
+        continue;
+      }
     }
     // Until the lease is ours, a sweep with a grace period shorter than this build's age may reclaim the entry:
     // then it is gone (ENOENT here) or no longer the directory at the name (below), and a fresh name is claimed.
@@ -525,7 +537,14 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
     opts.overwrite = false;
     if (store) {  // issue 14: the committed tree, then the write bits the commit removed
       ClonedEntry c{"", reader.treePath, {}, {}};
-      c.result = cloneTreeInto(reader.treePath, lease.get(), path(res.name), opts, req.progress, &c.identity);
+      if (snapshot) {
+        struct stat st;
+        if (fstat(reader.subvolume.get(), &st) != 0) throwErrno(errno, "fstat", reader.treePath);
+        fillIdentity(&c.identity, st);
+        c.result.tree = c.result.snapshot = true;
+      } else {
+        c.result = cloneTreeInto(reader.treePath, lease.get(), path(res.name), opts, req.progress, &c.identity);
+      }
       store->restoreModes(reader, lease.get(), stagingPath);
       res.clones.push_back(std::move(c));
     }

@@ -67,6 +67,12 @@ int Pool::claimsIfAny() {
 void Pool::removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
   int claims = claimsIfAny();
   QuotaRef ref = quotaRefOf(parentFd, name, projectIds_, claims >= 0);
+  // Issue 14: a template moved into trash (template-<id>, by a removal that did not finish) keeps its tree as a
+  // read-only btrfs subvolume, which the walk could not empty (EROFS): destroyed or made writable first.
+  if (name.compare(0, 9, "template-") == 0) {
+    UniqueFd dir(openat(parentFd, name.c_str(), kDirFlags));
+    if (dir) dropReadOnlySubvolume(dir.get(), "tree");
+  }
   try {
     removeTreeNoFollow(parentFd, name, shown, bytes);
   } catch (const Error& e) {

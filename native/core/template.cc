@@ -3,7 +3,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <climits>
@@ -19,6 +21,7 @@
 #include "io.h"
 #include "names.h"
 #include "pool.h"
+#include "quota.h"
 #include "remove.h"
 #include "rename.h"
 #include "statx.h"
@@ -154,7 +157,8 @@ void walkUp(UniqueFd& cur, const struct stat& expect, const std::string& shown) 
 // tree's allocated bytes (st_blocks * 512, hard links once) to *allocated. One directory fd is open at a time
 // (the walk goes down by name and up through "..", checked by device and inode), and memory holds the names of
 // one directory per level: any depth a clone handles, this handles. The tree is our own build in staging.
-void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated) {
+// With `strip` false (a read-only subvolume, whose modes stay) it only measures.
+void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated, bool strip) {
   std::set<std::pair<dev_t, ino_t>> linked;  // inodes with several links already counted
   auto put = [&](char kind, mode_t bits, const std::string& name) {
     bool ok = kind == 'm' || kind == 'r' ? fprintf(manifest, "%c%03o", kind, static_cast<unsigned>(bits)) == 4
@@ -182,7 +186,7 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
       if (stack.empty()) break;
       walkUp(cur, stack.back().st, shown + rel);
       rel.erase(rel.rfind('/'));
-      put('u', 0, "");
+      if (strip) put('u', 0, "");
       continue;
     }
     const std::string name = top.names[top.next++].first;
@@ -191,7 +195,7 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
     if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
     *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
     if (S_ISLNK(st.st_mode)) continue;
-    if (st.st_mode & 0222) {
+    if (strip && (st.st_mode & 0222)) {
       put('m', st.st_mode & 0222, name);
       if (fchmodat(cur.get(), name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
         throwErrno(errno, "chmod", shown + rel + "/" + name);
@@ -204,16 +208,44 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
     level.names = readNames(down.get(), shown + rel + "/" + name);
     cur = std::move(down);
     rel += "/" + name;
-    put('d', 0, name);
+    if (strip) put('d', 0, name);
     stack.push_back(std::move(level));
   }
-  if (rootSt.st_mode & 0222) {
+  if (strip && (rootSt.st_mode & 0222)) {
     put('r', rootSt.st_mode & 0222, "");
     if (fchmod(rootFd, rootSt.st_mode & 07777 & ~0222) != 0) throwErrno(errno, "fchmod", shown);
   }
 }
 
+// Whether the directory `fd` is on btrfs (where a template's tree is a read-only subvolume).
+bool isSubvolumeFs(int fd) {
+  struct statfs sfs;
+  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
+}
+
+// Snapshots the workspace at `sourcePath` read-only to tree/ below `leaseFd` when it is a subvolume (quota
+// workspaces and workspaces allocated from a subvolume template are) with no subvolume inside (a snapshot would
+// leave those out). False where it is not, or where the kernel refuses the snapshot (EPERM: a source owned by
+// another user; EXDEV: another file system): the caller walks instead. Throws any other errno.
+bool snapshotWorkspace(const std::string& sourcePath, int leaseFd) {
+  UniqueFd src(open(sourcePath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!src) throwErrno(errno, "open", sourcePath);
+  bool nested = true;
+  if (!isSubvolumeRoot(src.get()) || hasChildSubvolumes(src.get(), &nested) != 0 || nested) return false;
+  int err = snapshotSubvolume(src.get(), leaseFd, "tree", true);
+  if (err == 0) return true;
+  if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP) return false;
+  throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", sourcePath);
+}
+
 }  // namespace
+
+void removeTemplateDir(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
+  UniqueFd dir(openat(parentFd, name.c_str(), kDirFlags));
+  if (dir) dropReadOnlySubvolume(dir.get(), "tree");
+  dir.reset();
+  removeTreeNoFollow(parentFd, name, shown, bytes);
+}
 
 bool isTemplateName(const std::string& name) {
   if (name.empty() || name.size() > 128 || isHexId(name)) return false;
@@ -262,13 +294,26 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
     if (!lease) throwErrno(errno, "open", stagingPath);
     // The build's lease: a sweep reclaims a staging entry only when no one holds it (a probe waits it out here).
     if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath);
-    if (mkdirat(lease.get(), "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath + "/tree");
-    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
-    if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
     CloneOptions opts = req.clone;
     opts.overwrite = false;
-    res.clone = cloneTreeInto(req.sourcePath, tree.get(), stagingPath + "/tree", opts, req.progress);
+    // On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a snapshot of a workspace
+    // that is a subvolume, else a subvolume the walk fills and that is then made read-only.
+    const bool subvolume = opts.reflink != Reflink::Never && isSubvolumeFs(lease.get());
+    if (subvolume) res.clone.snapshot = snapshotWorkspace(req.sourcePath, lease.get());
+    if (!res.clone.snapshot) {
+      // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
+      // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
+      bool sub = subvolume && makeWorkspaceDir(lease.get(), "tree", 0700, true) == 0;
+      if (!sub && mkdirat(lease.get(), "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath + "/tree");
+      UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+      if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
+      res.clone = cloneTreeInto(req.sourcePath, tree.get(), stagingPath + "/tree", opts, req.progress);
+      res.readOnlySubvolume = sub;
+    }
     res.clone.tree = true;
+    res.readOnlySubvolume = res.readOnlySubvolume || res.clone.snapshot;
+    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+    if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
 
     {
       const std::string modesShown = stagingPath + "/modes";
@@ -281,7 +326,10 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
         throwErrno(err, "fdopen", modesShown);
       }
       std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
-      stripWriteBits(tree.get(), stagingPath + "/tree", f, &res.allocatedBytes);
+      // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
+      // stays empty, and a walk is made only where one made the tree already (to measure it).
+      if (!res.clone.snapshot)
+        stripWriteBits(tree.get(), stagingPath + "/tree", f, &res.allocatedBytes, !res.readOnlySubvolume);
       if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
       if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
       if (opts.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
@@ -294,13 +342,22 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
     json += "\"id\":\"" + res.id + "\",\"name\":";
     if (req.name.empty()) json += "null";
     else appendJsonString(&json, req.name);
-    json += std::string(",\"method\":\"") + methodName(res.clone, req.clone.reflink) +
-            "\",\"usage\":{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) +
-            ",\"files\":" + std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}}\n";
+    json += std::string(",\"method\":\"") + methodName(res.clone, req.clone.reflink) + "\"";
+    if (res.readOnlySubvolume) json += ",\"subvolume\":true";
+    // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
+    if (!res.clone.snapshot)
+      json += ",\"usage\":{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) + ",\"files\":" +
+              std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}";
+    json += "}\n";
     writeNewFile(lease.get(), "template.json", json, 0444, opts.durable, stagingPath + "/template.json");
     res.metaText = json;
     writeNewFile(lease.get(), "used", "", 0644, false, stagingPath + "/used");
     if (opts.durable && (fsync(tree.get()) != 0 || fsync(lease.get()) != 0)) throwErrno(errno, "fsync", stagingPath);
+    // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
+    if (res.readOnlySubvolume && !res.clone.snapshot) {
+      if (int err = setSubvolumeReadOnly(tree.get(), true))
+        throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath + "/tree");
+    }
     if (fchmod(lease.get(), 0555) != 0) throwErrno(errno, "fchmod", stagingPath);
 
     // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
@@ -345,7 +402,7 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
       if (named && !req.replace && readLink(namesFd_.get(), req.name, &target) && target == res.id)
         unlinkat(namesFd_.get(), req.name.c_str(), 0);
       if (published) removeIfFree(res.id, -1);  // never named: no reader can hold it
-      else removeTreeNoFollow(stagingFd_.get(), res.id, stagingPath);
+      else removeTemplateDir(stagingFd_.get(), res.id, stagingPath);
     } catch (...) {
       // Left for a sweep; the original error is the one to report.
     }
@@ -404,6 +461,8 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
     }
     r.id = id;
     r.treePath = path(id) + "/tree";
+    UniqueFd tree(openat(r.fd.get(), "tree", kDirFlags));
+    if (tree && isSubvolumeRoot(tree.get())) r.subvolume = std::move(tree);
     r.metaErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.metaText);
     // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
     if (r.metaErrno) throwErrno(r.metaErrno, "open", path(id) + "/template.json");
@@ -523,7 +582,7 @@ bool TemplateStore::removeIfFree(const std::string& id, int fd, uint64_t* bytes)
     throwErrno(errno, "renameat2", path(id), trashDir_ + "/" + trashName);
   }
   unlinkat(retiredFd_.get(), id.c_str(), 0);
-  removeTreeNoFollow(trashFd_, trashName, trashDir_ + "/" + trashName, bytes);
+  removeTemplateDir(trashFd_, trashName, trashDir_ + "/" + trashName, bytes);
   return true;
 }
 
@@ -588,7 +647,7 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
         throwErrno(errno, "flock", shown);
       }
       SweepEntry e{"template-" + id, "template-staging", 0, {}};
-      if (!dryRun) removeTreeNoFollow(stagingFd_.get(), id, shown, &e.bytes);
+      if (!dryRun) removeTemplateDir(stagingFd_.get(), id, shown, &e.bytes);
       report.reclaimed.push_back(std::move(e));
     } catch (const Error& e) {
       if (!(e.code.empty() && e.err == ENOENT && e.path == shown)) failed("template-" + id, "template-staging", e);

@@ -1,7 +1,8 @@
 // Templates (issue 14): committed, read-only trees in the pool that workspaces are cloned from.
 //   <root>/.vmspace/templates/            made on first commit (the pool format stays 1: older vmspace ignore it)
 //     staging/<id>/                       a commit being built; its directory fd holds flock(LOCK_EX)
-//     <id>/                               a published template, mode 0555: tree/ (write bits removed),
+//     <id>/                               a published template, mode 0555: tree/ (write bits removed; on
+//                                         btrfs a read-only subvolume instead, modes kept, see DESIGN.md),
 //                                         template.json (0444), modes (0444), used (mtime: last allocate)
 //     names/<name> -> <id>                a symlink: the name's current template
 //     retired/<id>                        a marker: the template was replaced or removed while it was read;
@@ -41,6 +42,7 @@ struct CommitResult {
   uint64_t allocatedBytes = 0;  // st_blocks * 512 over the template's tree, hard links once
   std::string replacedId;       // with replace: the template the name pointed to before ("" when none)
   bool replacedRemoved = false;  // it was removed at once (no reader); else the last reader or a sweep does
+  bool readOnlySubvolume = false;  // btrfs: tree/ is a read-only subvolume (snapshot, or a walk into one)
 };
 
 struct TemplateListing {
@@ -57,6 +59,7 @@ struct TemplateReader {
   UniqueFd fd;
   std::string id, treePath, metaText;
   int metaErrno = 0;
+  UniqueFd subvolume;  // btrfs: tree/ opened when it is a subvolume root (allocate snapshots it), else empty
 };
 
 class TemplateStore {
@@ -100,6 +103,10 @@ class TemplateStore {
   UniqueFd fd_, stagingFd_, namesFd_, retiredFd_;
   int trashFd_ = -1;  // the pool's, not owned
 };
+
+// Removes the template directory `name` below `parentFd` (staging, trash): its tree/ first when it is a read-only
+// subvolume (destroyed at once, or made writable for the walk: dropReadOnlySubvolume), then the walk.
+void removeTemplateDir(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
 
 // Whether `name` is a template name as the caller checks it (names/ entries of other shapes are ignored).
 bool isTemplateName(const std::string& name);

@@ -667,6 +667,7 @@ UniqueFd openSourceDir(const std::string& srcPath, int dstDirFd, const std::stri
 }  // namespace
 
 const char* methodName(const CloneSummary& s, Reflink reflink) {
+  if (s.snapshot) return "snapshot";
   if (s.reflinked && s.copied) return "mixed";
   if (s.reflinked) return "reflink";
   if (s.copied) return "copy";

@@ -26,9 +26,10 @@ struct CloneSummary {
   uint64_t dirs = 0, symlinks = 0, hardlinks = 0, fifos = 0, devices = 0;
   uint64_t skippedSockets = 0;  // sockets cannot be recreated meaningfully
   uint64_t skippedDevices = 0;  // device nodes where mknod is not permitted (not root)
+  bool snapshot = false;  // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
 };
 
-// "reflink", "copy" or "mixed" (both happened); a clone without regular files says what `reflink` asked for.
+// "snapshot" (a btrfs subvolume snapshot), "reflink", "copy" or "mixed" (both happened); a clone without regular files says what `reflink` asked for.
 const char* methodName(const CloneSummary& s, Reflink reflink);
 
 // Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
