@@ -211,6 +211,32 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
+  test('allocate({ from, quota }) from a template (issue 14): a writable snapshot of its read-only subvolume, with the qgroup limit; a guest past it gets EDQUOT; nothing left after', async () => {
+    const root = freshDir(mnt)
+    const pool = await openPool(root)
+    const src = await pool.allocate({ quota: { bytes: QUOTA } })
+    fs.writeFileSync(path.join(src.path, 'base.txt'), 'base')
+    // A quota workspace is a subvolume: its commit is a read-only snapshot.
+    const t = await pool.commit(src, { name: 'base' })
+    expect(t.clone.method).toBe('snapshot')
+    const ws = await pool.allocate({ from: 'base', quota: { bytes: QUOTA } })
+    expect(ws.template[0]!.method).toBe('snapshot')
+    expect(fs.statSync(ws.path).ino).toBe(256)
+    expect(fs.readFileSync(path.join(ws.path, 'base.txt'), 'utf8')).toBe('base')
+    const id = subvolumeIds(mnt).find((x) => x[1].endsWith(`/${ws.name}`))![0]
+    expect(qgroups(mnt)).toContainEqual([`0/${id}`, String(QUOTA)])
+    expect((await pool.list()).find((w) => w.id === ws.id)!.quota).toEqual({ bytes: QUOTA })
+    const run = writer('file', path.join(ws.path, 'fill'))
+    expect(run.code).toBe('EDQUOT')
+    expect(run.bytes).toBeLessThanOrEqual(QUOTA)
+    expect(fs.readFileSync(path.join(t.path, 'base.txt'), 'utf8')).toBe('base')
+    for (const w of [ws, src]) await w.dispose()
+    await pool.removeTemplate('base')
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(subvolumes(mnt).some((p) => p.includes(path.basename(root)))).toBe(false)
+    await pool.close()
+  })
+
   test('a guest writing past quota.bytes gets EDQUOT, through a file and through a reflinked image it rewrites, while a second workspace and the pool keep allocating, cloning and disposing', async () => {
     const root = freshDir(mnt)
     const img = ownBase()

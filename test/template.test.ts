@@ -1,9 +1,10 @@
 /**
  * Templates (issue 14): commit a workspace into the pool, allocate and fork from it, replace and remove it,
  * corrupt metadata, and sweep after SIGKILL. On real file systems: the scratch ext4 (copies), and the
- * loop-mounted XFS (reflinks) where the setup made it.
+ * loop-mounted XFS (reflinks) and btrfs (a template is a read-only subvolume, children are snapshots) where the
+ * setup made them.
  */
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
@@ -73,9 +74,32 @@ async function withPool(base: string, fn: (pool: Pool, root: string) => Promise<
   }
 }
 
+function btrfs(args: string[]): string {
+  const r = spawnSync('btrfs', args, { encoding: 'utf8' })
+  if (r.status !== 0) throw new Error(`btrfs ${args.join(' ')}: ${r.stderr}`)
+  return r.stdout
+}
+
+/** Whether `dir` is a read-only btrfs subvolume (its root, with BTRFS_SUBVOL_RDONLY: `btrfs property get ro`). */
+function readOnlySubvolume(dir: string): boolean {
+  return fs.statSync(dir).ino === 256 && btrfs(['property', 'get', '-ts', dir, 'ro']).trim() === 'ro=true'
+}
+
+/** Subvolumes of the btrfs at `mnt` below `root` (paths relative to `root`), as `btrfs subvolume list` has them. */
+function subvolumesBelow(mnt: string, root: string): string[] {
+  const rel = path.relative(mnt, root) + '/'
+  return btrfs(['subvolume', 'list', mnt])
+    .split('\n')
+    .map((l) => l.split(' path ')[1])
+    .filter((p): p is string => p !== undefined && p.startsWith(rel))
+    .map((p) => p.slice(rel.length))
+    .sort()
+}
+
 const systems = [
   { label: 'scratch', dir: mounts.scratch as string | null, why: undefined as string | undefined },
   { label: 'XFS', dir: mounts.xfs, why: mounts.missing.xfs },
+  { label: 'btrfs', dir: mounts.btrfs, why: mounts.missing.btrfs },
 ]
 
 for (const fsys of systems) {
@@ -93,20 +117,31 @@ for (const fsys of systems) {
         expect(t.id).toMatch(/^[0-9a-f]{32}$/)
         expect(t.path).toBe(path.join(root, '.vmspace', 'templates', t.id, 'tree'))
         expect(publishedIds(root)).toEqual([t.id])
-        // The template: the same entries and bytes, and no write bit anywhere but on symlinks.
         const tree = contentTree(t.path)
-        expect(withoutModes(tree)).toEqual(withoutModes(before))
-        for (const [rel, desc] of Object.entries(tree))
-          if (!desc.startsWith('120000')) expect(Number.parseInt(desc.split(' ')[1], 8) & 0o222, rel).toBe(0)
-        expect(fs.statSync(t.path).mode & 0o222).toBe(0)
+        if (fsys.label === 'btrfs') {
+          // A read-only subvolume: the modes as they were, and no write possible, root's included.
+          expect(tree).toEqual(before)
+          expect(t.subvolume).toBe(true)
+          expect(readOnlySubvolume(t.path)).toBe(true)
+          expect(() => fs.writeFileSync(path.join(t.path, 'a.txt'), 'x')).toThrow(expect.objectContaining({ code: 'EROFS' }))
+        } else {
+          // The template: the same entries and bytes, and no write bit anywhere but on symlinks.
+          expect(withoutModes(tree)).toEqual(withoutModes(before))
+          for (const [rel, desc] of Object.entries(tree))
+            if (!desc.startsWith('120000')) expect(Number.parseInt(desc.split(' ')[1], 8) & 0o222, rel).toBe(0)
+          expect(fs.statSync(t.path).mode & 0o222).toBe(0)
+          expect(t.subvolume).toBeUndefined()
+        }
         expect(contentTree(ws.path)).toEqual(before) // the workspace itself untouched
-        if (fsys.label === 'XFS') expect(t.clone.method).toBe('reflink')
+        // A plain-directory workspace is walked (into a new subvolume on btrfs): reflinks where the fs has them.
+        if (fsys.label !== 'scratch') expect(t.clone.method).toBe('reflink')
         expect(t.usage!.files).toBe(4) // a.txt (hard.txt: the same inode), conf, ro, run.sh
         expect(t.usage!.allocatedBytes).toBeGreaterThan(0)
 
         const child = await pool.allocate({ from: 'base' })
         expect(contentTree(child.path)).toEqual(before)
         expect(child.templateId).toBe(t.id)
+        expect(child.template[0]!.method).toBe(fsys.label === 'btrfs' ? 'snapshot' : t.clone.method)
         expect(fs.statSync(path.join(child.path, 'a.txt')).ino).toBe(fs.statSync(path.join(child.path, 'hard.txt')).ino)
         const info = (await pool.list()).find((w) => w.id === child.id)!
         expect(info.templateId).toBe(t.id)
@@ -368,6 +403,118 @@ for (const fsys of systems) {
   })
 }
 
+requireMount('btrfs', mounts.btrfs, mounts.missing.btrfs)
+describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !mounts.btrfs && mounts.missing.btrfs)}`, () => {
+  const mnt = mounts.btrfs!
+
+  test('a subvolume workspace commits by a read-only snapshot; fork children are independent writable snapshots; removeTemplate and dispose leave no subvolume', async () => {
+    await withPool(mnt, async (pool, root) => {
+      const ws = await pool.allocate()
+      populate(ws)
+      const t1 = await pool.commit(ws, { name: 'base' })
+      // A workspace allocated from a subvolume template is a writable snapshot: a subvolume root of its own.
+      const parent = await pool.allocate({ from: 'base', mode: 0o750 })
+      expect(parent.template[0]).toMatchObject({ method: 'snapshot', files: 0 })
+      expect(fs.statSync(parent.path).ino).toBe(256)
+      expect(fs.statSync(parent.path).mode & 0o7777).toBe(0o750 & ~process.umask())
+      expect(readOnlySubvolume(parent.path)).toBe(false)
+      fs.writeFileSync(path.join(parent.path, 'parent.txt'), 'parent')
+      const state = contentTree(parent.path)
+      // Its commit is a read-only snapshot (no walk: no usage measured), its parent the first template.
+      const t2 = await pool.commit(parent, { name: 'snap' })
+      expect(t2).toMatchObject({ method: 'snapshot', subvolume: true, parent: t1.id, clone: { method: 'snapshot' } })
+      expect(t2.usage).toBeUndefined()
+      expect(readOnlySubvolume(t2.path)).toBe(true)
+      expect(contentTree(t2.path)).toEqual(state)
+      const t1Tree = contentTree(t1.path)
+
+      const kids = await pool.fork(parent, 4)
+      for (const k of kids) {
+        expect(k.template[0]!.method).toBe('snapshot')
+        expect(contentTree(k.path)).toEqual(state)
+      }
+      // Each child writes its own marker and rewrites a shared file: the others, the parent and both templates
+      // keep their bytes.
+      kids.forEach((k, i) => {
+        fs.writeFileSync(path.join(k.path, 'marker'), `child ${i}`)
+        fs.writeFileSync(path.join(k.path, 'a.txt'), `rewritten by ${i}`)
+      })
+      kids.forEach((k, i) => {
+        const own = contentTree(k.path)
+        const expected = { ...state, marker: own.marker, 'a.txt': own['a.txt'], 'hard.txt': own['a.txt'] }
+        expect(contentTree(k.path)).toEqual(expected)
+        expect(fs.readFileSync(path.join(k.path, 'marker'), 'utf8')).toBe(`child ${i}`)
+        // hard.txt is the same inode as a.txt in each child, and only there.
+        expect(fs.readFileSync(path.join(k.path, 'hard.txt'), 'utf8')).toBe(`rewritten by ${i}`)
+      })
+      expect(contentTree(parent.path)).toEqual(state)
+      expect(contentTree(t2.path)).toEqual(state)
+      expect(contentTree(t1.path)).toEqual(t1Tree)
+
+      const ids = [t1.id, t2.id]
+      expect(subvolumesBelow(mnt, root)).toEqual(
+        [...ids.map((id) => `.vmspace/templates/${id}/tree`), parent.name, ...kids.map((k) => k.name)].sort(),
+      )
+      expect(await pool.removeTemplate('base')).toEqual({ id: t1.id, removed: true })
+      expect(await pool.removeTemplate(t2.id)).toEqual({ id: t2.id, removed: true })
+      expect(subvolumesBelow(mnt, root)).toEqual([parent.name, ...kids.map((k) => k.name)].sort())
+      for (const w of [ws, parent, ...kids]) await w.dispose()
+      expect(subvolumesBelow(mnt, root)).toEqual([])
+      expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+      noLeftovers(root)
+    })
+  })
+
+  test('sweep reclaims a read-only subvolume of a killed commit (staging) and of a killed removal (trash)', async () => {
+    await withPool(mnt, async (pool, root) => {
+      const ws = await pool.allocate()
+      populate(ws)
+      const t = await pool.commit(ws, { name: 'base' })
+      const tree = contentTree(t.path)
+      // What a SIGKILL leaves: a staged template whose tree was made read-only before publish, and a template
+      // moved into trash by a removal that died before it was emptied.
+      const dead = '0123456789abcdef0123456789abcdef'
+      const staged = path.join(templatesDir(root), 'staging', dead)
+      fs.mkdirSync(staged)
+      btrfs(['subvolume', 'create', path.join(staged, 'tree')])
+      fs.writeFileSync(path.join(staged, 'tree', 'half'), 'x')
+      btrfs(['property', 'set', '-ts', path.join(staged, 'tree'), 'ro', 'true'])
+      const dead2 = 'fedcba9876543210fedcba9876543210'
+      const trashed = path.join(root, '.vmspace', 'trash', `template-${dead2}`)
+      fs.mkdirSync(trashed)
+      btrfs(['subvolume', 'snapshot', '-r', t.path, path.join(trashed, 'tree')])
+      expect(readOnlySubvolume(path.join(trashed, 'tree'))).toBe(true)
+      const report = await pool.sweep({ graceMs: 0 })
+      expect(report.failed).toEqual([])
+      expect(report.reclaimed.map((e) => [e.name, e.from]).sort()).toEqual(
+        [[`template-${dead2}`, 'trash'], [`template-${dead}`, 'template-staging']].sort(),
+      )
+      expect(subvolumesBelow(mnt, root)).toEqual([`.vmspace/templates/${t.id}/tree`])
+      expect(publishedIds(root)).toEqual([t.id])
+      expect(contentTree(t.path)).toEqual(tree)
+      expect(readOnlySubvolume(t.path)).toBe(true)
+      noLeftovers(root)
+      await ws.dispose()
+      await pool.removeTemplate(t.id)
+      expect(subvolumesBelow(mnt, root)).toEqual([])
+    })
+  })
+
+  test('allocate({ from, quota }) on a btrfs without quotas is refused (ERR_QUOTA_UNSUPPORTED) and leaves nothing', async () => {
+    await withPool(mnt, async (pool, root) => {
+      const ws = await pool.allocate()
+      populate(ws)
+      await pool.commit(ws, { name: 'base' })
+      const state = poolState(root)
+      const subs = subvolumesBelow(mnt, root)
+      await expect(pool.allocate({ from: 'base', quota: { bytes: 64 * 1024 * 1024 } })).rejects.toMatchObject({ code: 'ERR_QUOTA_UNSUPPORTED' })
+      expect(poolState(root)).toEqual(state)
+      expect(subvolumesBelow(mnt, root)).toEqual(subs)
+      await ws.dispose()
+    })
+  })
+})
+
 requireMount('XFS', mounts.xfs, mounts.missing.xfs)
 describe.skipIf(!mounts.xfs)(`fork on XFS ${needs('XFS', !mounts.xfs && mounts.missing.xfs)}`, () => {
   test('commit then 64 children at once: every file reflinked; each child writes its own marker; the template and every sibling keep their bytes', async () => {
@@ -406,9 +553,16 @@ describe.skipIf(!mounts.xfs)(`fork on XFS ${needs('XFS', !mounts.xfs && mounts.m
 const ROUNDS = Number(process.env.VMSPACE_TEMPLATE_CHAOS_ROUNDS ?? 200)
 const PARALLEL = Number(process.env.VMSPACE_TEMPLATE_CHAOS_PARALLEL ?? 4)
 
-describe('templates under SIGKILL', () => {
+// btrfs too: a commit there ends in a read-only subvolume, a fork in snapshots, a removal in subvolume deletion.
+const BTRFS_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_CHAOS_BTRFS_ROUNDS ?? ROUNDS)
+const chaosSystems = [
+  { label: mounts.xfs ? 'XFS' : 'scratch', dir: mounts.xfs ?? mounts.scratch, rounds: ROUNDS },
+  ...(mounts.btrfs ? [{ label: 'btrfs', dir: mounts.btrfs, rounds: BTRFS_ROUNDS }] : []),
+]
+
+describe.each(chaosSystems)('templates under SIGKILL on $label', ({ label, dir, rounds: ROUNDS }) => {
   test(`commit, replace, fork and remove killed at random points (${ROUNDS} rounds, ${PARALLEL} workers), then sweep: only complete templates`, async () => {
-    const root = path.join(freshDir(mounts.xfs ?? mounts.scratch, 'tplchaos'), 'pool')
+    const root = path.join(freshDir(dir, 'tplchaos'), 'pool')
     const pool = await openPool(root)
     const src = await pool.allocate()
     populate(src)
@@ -437,6 +591,12 @@ describe('templates under SIGKILL', () => {
         expect(publishedIds(root)).toContain(fs.readlinkSync(path.join(templatesDir(root), 'names', n)))
       expect(poolState(root).visible).toEqual([src.name])
       expect(ls(path.join(root, '.vmspace', 'trash'))).toEqual([])
+      // btrfs: the only subvolumes left are the published templates' read-only trees (children were swept).
+      if (label === 'btrfs') {
+        const published = await pool.templates()
+        expect(subvolumesBelow(dir, root)).toEqual(published.map((t) => `.vmspace/templates/${t.id}/tree`).sort())
+        for (const t of published) expect(readOnlySubvolume(t.path)).toBe(true)
+      }
       // Start the next batch from a clean slate, so that leftovers of one batch cannot hide in the next.
       for (const t of await pool.templates()) await pool.removeTemplate(t.id)
     }

@@ -89,5 +89,28 @@ export function removeScratch(dir: string): void {
     process.emitWarning(`vmspace tests: a mount below ${dir} could not be removed; leaving the directory`)
     return
   }
-  fs.rmSync(dir, { recursive: true, force: true })
+  try {
+    fs.rmSync(dir, { recursive: true, force: true })
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== 'EROFS') throw e
+    // A template left published on btrfs is a read-only subvolume (issue 14): made writable, then removed.
+    for (const sub of readOnlySubvolumesBelow(dir)) spawnSync('btrfs', ['property', 'set', '-ts', sub, 'ro', 'false'])
+    fs.rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+/** The read-only btrfs subvolume roots below `dir` (inode 256 with `btrfs property get ro` true). */
+function readOnlySubvolumesBelow(dir: string): string[] {
+  const out: string[] = []
+  const walk = (d: string) => {
+    for (const e of fs.readdirSync(d, { withFileTypes: true })) {
+      if (!e.isDirectory()) continue
+      const p = path.join(d, e.name)
+      if (fs.statSync(p).ino === 256 && spawnSync('btrfs', ['property', 'get', '-ts', p, 'ro'], { encoding: 'utf8' }).stdout.trim() === 'ro=true')
+        out.push(p)
+      else walk(p)
+    }
+  }
+  walk(dir)
+  return out
 }
