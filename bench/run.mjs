@@ -25,12 +25,13 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm | templates-btrfs
     baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
     'warm-count': { type: 'string', default: '2' },
+    'template-files': { type: 'string', default: '10000,10' }, // templates-btrfs: tree sizes (files)
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
@@ -50,6 +51,7 @@ function loopMount(kind, sizeMb) {
   fs.closeSync(fs.openSync(img, 'w'))
   fs.truncateSync(img, sizeMb * 1024 * 1024)
   if (kind === 'xfs') sh('mkfs.xfs', ['-q', '-f', '-m', 'reflink=1', img])
+  else if (kind === 'btrfs') sh('mkfs.btrfs', ['-q', '-f', img])
   else sh('mkfs.ext4', ['-q', '-F', img])
   sh('mount', ['-o', 'loop', img, mnt])
   mounts.push(mnt)
@@ -423,6 +425,16 @@ if (want('warm')) {
   console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs while the reserve refills`)
   console.table(rows)
   console.table(summary)
+}
+
+// Templates on btrfs (issue 14): subvolume snapshots against the reflink walk, on a btrfs of its own (bench/template.mjs).
+if (want('templates-btrfs')) {
+  let mnt = null
+  if (process.getuid?.() === 0) {
+    try { mnt = loopMount('btrfs', 2048) } catch (e) { console.error(`no btrfs: ${e.message}`) }
+  }
+  if (!mnt) console.log('\ntemplates on btrfs: skipped (needs root and mkfs.btrfs for a loop mount)')
+  else await (await import('./template.mjs')).benchTemplatesBtrfs({ vmspace, dir: mnt, load, sizes: args['template-files'].split(',').map(Number) })
 }
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
