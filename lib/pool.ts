@@ -666,6 +666,8 @@ export class Pool implements AsyncDisposable {
    * Commits the current contents of `ws` as a template: a tree clone (reflink where possible, else a copy;
    * `clone.method` says which) built in `.vmspace/templates/staging/`, its write bits removed (recorded, and
    * given back to every workspace allocated from it), published under `.vmspace/templates/<id>/` only complete.
+   * On btrfs the tree is a read-only subvolume instead (modes kept; `subvolume: true`): a snapshot of a workspace
+   * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; README, "Templates".
    * Pause whatever writes in `ws` first: files changing during the walk are cloned as the walk finds them.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and

@@ -465,6 +465,26 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
     })
   })
 
+  test('a subvolume workspace with a subvolume inside is walked, not snapshotted (a snapshot would leave the inner one out)', async () => {
+    await withPool(mnt, async (pool, root) => {
+      const ws = await pool.allocate()
+      populate(ws)
+      await pool.commit(ws, { name: 'base' })
+      const child = await pool.allocate({ from: 'base' })
+      btrfs(['subvolume', 'create', path.join(child.path, 'nested')])
+      fs.writeFileSync(path.join(child.path, 'nested', 'inner.txt'), 'inner')
+      const t = await pool.commit(child, { name: 'withNested' })
+      expect(t.clone.method).toBe('reflink')
+      expect(t.subvolume).toBe(true)
+      expect(readOnlySubvolume(t.path)).toBe(true)
+      expect(fs.readFileSync(path.join(t.path, 'nested', 'inner.txt'), 'utf8')).toBe('inner')
+      for (const w of [ws, child]) await w.dispose()
+      for (const n of ['base', 'withNested']) await pool.removeTemplate(n)
+      expect(subvolumesBelow(mnt, root)).toEqual([])
+      noLeftovers(root)
+    })
+  })
+
   test('sweep reclaims a read-only subvolume of a killed commit (staging) and of a killed removal (trash)', async () => {
     await withPool(mnt, async (pool, root) => {
       const ws = await pool.allocate()
