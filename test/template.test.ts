@@ -11,7 +11,7 @@ import * as path from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
 import { openPool, type Pool, type Workspace } from '../lib/index.js'
-import { Child, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, writeRandomFile } from './helpers.js'
+import { Child, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
 
 /** Every entry below `dir`: kind, mode, size, content hash or link target (no inode numbers: clones differ). */
 function contentTree(dir: string): Record<string, string> {
@@ -518,6 +518,37 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
       await pool.removeTemplate(t.id)
       expect(subvolumesBelow(mnt, root)).toEqual([])
     })
+  })
+
+  test.skipIf(!unprivilegedChildren)('as uid 65534 (no CAP_SYS_ADMIN): commit, snapshot allocate and fork work, and removal clears read-only and walks (no SNAP_DESTROY): nothing left', () => {
+    const d = freshDir(mnt)
+    fs.chmodSync(d, 0o755)
+    const root = path.join(d, 'pool')
+    fs.mkdirSync(root, { mode: 0o700 })
+    fs.chownSync(root, 65534, 65534)
+    const script = `
+      const vm = require(${JSON.stringify(path.join(__dirname, '..', 'dist', 'index.js'))})
+      const fs = require('node:fs')
+      ;(async () => {
+        const pool = await vm.openPool(process.argv[1])
+        const ws = await pool.allocate()
+        fs.writeFileSync(ws.path + '/a.txt', 'a')
+        const t = await pool.commit(ws, { name: 'base' })
+        const child = await pool.allocate({ from: 'base' })
+        const t2 = await pool.commit(child, { name: 'snap' })
+        const kids = await pool.fork(child, 2)
+        const out = { commit: t.clone.method, allocate: child.template[0].method, commitSnap: t2.clone.method, fork: kids.map((k) => k.template[0].method),
+          removed: [(await pool.removeTemplate('base')).removed, (await pool.removeTemplate('snap')).removed] }
+        for (const w of [ws, child, ...kids]) await w.dispose()
+        await pool.close()
+        process.stdout.write(JSON.stringify(out))
+      })().catch((e) => { process.stderr.write(String(e.stack) + ' ' + e.code); process.exit(1) })`
+    const r = spawnSync(process.execPath, ['-e', script, root], { uid: 65534, gid: 65534, encoding: 'utf8' })
+    expect(r.stderr).toBe('')
+    expect(JSON.parse(r.stdout)).toEqual({ commit: 'reflink', allocate: 'snapshot', commitSnap: 'snapshot', fork: ['snapshot', 'snapshot'], removed: [true, true] })
+    expect(subvolumesBelow(mnt, root)).toEqual([])
+    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+    noLeftovers(root)
   })
 
   test('allocate({ from, quota }) on a btrfs without quotas is refused (ERR_QUOTA_UNSUPPORTED) and leaves nothing', async () => {

@@ -358,7 +358,6 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
       if (int err = setSubvolumeReadOnly(tree.get(), true))
         throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath + "/tree");
     }
-    if (fchmod(lease.get(), 0555) != 0) throwErrno(errno, "fchmod", stagingPath);
 
     // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
     // so a name never points at a template another commit of the same name published.
@@ -370,6 +369,9 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
     if (renameat2(stagingFd_.get(), res.id.c_str(), fd_.get(), res.id.c_str(), RENAME_NOREPLACE) != 0)
       throwErrno(errno, "renameat2", stagingPath, path(res.id));
     published = true;
+    // 0555 only once published: moving a directory to another parent needs write permission on it (the kernel
+    // rewrites its ".."; vfs_rename), which an owner without CAP_DAC_OVERRIDE lacks on a 0555 one (EACCES).
+    if (fchmod(lease.get(), 0555) != 0) throwErrno(errno, "fchmod", path(res.id));
     if (opts.durable && fsync(fd_.get()) != 0) throwErrno(errno, "fsync", dir_);
     if (!req.name.empty() && req.replace) {
       // The name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template or
@@ -577,6 +579,11 @@ bool TemplateStore::removeIfFree(const std::string& id, int fd, uint64_t* bytes)
   // Into the pool's trash first: the id is gone atomically, and a removal that fails partway is finished by
   // the sweep's trash pass, never left as a partial template.
   std::string trashName = "template-" + id;
+  // The move to another parent needs write permission on the 0555 directory (see commit): given back first by
+  // its owner. Refused (EPERM: another user's), the renameat2 below reports its EACCES.
+  if (!(st.st_mode & S_IWUSR) && fchmod(fd, (st.st_mode & 07777) | S_IWUSR) != 0) {
+    // deliberately ignored: see above
+  }
   if (renameat2(fd_.get(), id.c_str(), trashFd_, trashName.c_str(), RENAME_NOREPLACE) != 0) {
     if (errno == ENOENT) return true;
     throwErrno(errno, "renameat2", path(id), trashDir_ + "/" + trashName);
