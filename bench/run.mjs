@@ -26,14 +26,17 @@ const { values: args } = parseArgs({
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
     only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm
-    baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
+    baseline: { type: 'string' }, // trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
     'warm-count': { type: 'string', default: '2' },
+    'clone-rounds': { type: 'string', default: '200' },
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
+// --baseline DIR: an earlier version (its dist/ and build/ built), timed in the same run as this one.
+const before = args.baseline ? require(path.join(path.resolve(args.baseline), 'dist', 'index.js')) : undefined
 const iterations = Number(args.iterations)
 const timeMs = Number(args.time)
 
@@ -167,24 +170,37 @@ if (want('clone')) {
   }
   const pool = await vmspace.openPool(path.join(t.dir, 'clone-pool'))
   const ws = await pool.allocate()
+  const basePool = before && (await before.openPool(path.join(t.dir, 'clone-pool-before')))
+  const baseWs = basePool && (await basePool.allocate())
   const out = path.join(t.dir, 'clone-out')
   fs.mkdirSync(out)
-  const r = { vmspace: [], copyFile: [] }
-  for (let i = 0; i < 60; i++) {
-    for (const name of i % 2 ? ['copyFile', 'vmspace'] : ['vmspace', 'copyFile']) {
+  const r = { vmspace: [], copyFile: [], ...(before ? { before: [] } : {}) }
+  const names = Object.keys(r)
+  const rounds = Number(args['clone-rounds'])
+  for (let i = 0; i < rounds + 10; i++) {
+    // The order rotates, so that none always runs first (or last) on a warm or busy machine.
+    for (let k = 0; k < names.length; k++) {
+      const name = names[(i + k) % names.length]
       const t0 = process.hrtime.bigint()
       if (name === 'vmspace') await ws.clone(base, `img-${i}`, { reflink: 'always' })
+      else if (name === 'before') await baseWs.clone(base, `img-${i}`, { reflink: 'always' })
       else await fs.promises.copyFile(base, path.join(out, `img-${i}`), fs.constants.COPYFILE_FICLONE_FORCE)
       if (i >= 10) r[name].push(Number(process.hrtime.bigint() - t0) / 1e3)
     }
   }
   await ws.dispose()
   await pool.close()
+  if (baseWs) {
+    await baseWs.dispose()
+    await basePool.close()
+  }
   fs.rmSync(out, { recursive: true })
   const vm = median(r.vmspace)
   const cf = median(r.copyFile)
   console.log(`\nclone of a 1 GiB base on ${t.fs} (medians of ${r.vmspace.length}, interleaved); ${load()}`)
-  console.table([{ 'Workspace.clone µs': vm.toFixed(0), 'copyFile FICLONE_FORCE µs': cf.toFixed(0), 'vmspace / copyFile': (vm / cf).toFixed(2) }])
+  const row = { 'Workspace.clone µs': vm.toFixed(0), 'copyFile FICLONE_FORCE µs': cf.toFixed(0), 'vmspace / copyFile': (vm / cf).toFixed(2) }
+  if (before) Object.assign(row, { 'baseline Workspace.clone µs': median(r.before).toFixed(0), 'baseline / copyFile': (median(r.before) / cf).toFixed(2) })
+  console.table([row])
 }
 
 // 2. Tree clone of 10,000 files (100 dirs x 100 files, 1-16 KiB) against cp -a --reflink=always, and its
