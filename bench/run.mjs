@@ -32,6 +32,7 @@ const { values: args } = parseArgs({
     'warm-rounds': { type: 'string', default: '20' },
     'warm-count': { type: 'string', default: '2' },
     'clone-rounds': { type: 'string', default: '200' },
+    load: { type: 'string', default: '0' }, // tree: this many busy-loop processes run during the section
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
@@ -217,6 +218,10 @@ if (want('tree')) {
     const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ') // fields from 3 (state) on
     return ((Number(f[13]) + Number(f[14])) * 1000) / ticks // cutime, cstime (fields 16, 17)
   }
+  // --load N: N processes spinning on the CPUs for the whole section ("while other processes load the CPUs").
+  const spinners = Array.from({ length: Number(args.load) }, () =>
+    spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }),
+  )
   for (const t of targets) {
     const reflink = t.fs.startsWith('xfs')
     const src = path.join(t.dir, 'tree-src')
@@ -228,7 +233,7 @@ if (want('tree')) {
     }
     sh('sync', [])
     const pool = await vmspace.openPool(path.join(t.dir, 'tree-pool'))
-    const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [], unlinks: [] }
+    const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [], unlinks: [], ...(before && reflink ? { before: [] } : {}) }
     const cpu = Object.fromEntries(Object.keys(r).map((k) => [k, []]))
     let method
     // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
@@ -247,6 +252,10 @@ if (want('tree')) {
       if (reflink) {
         method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${i}`), { reflink: 'always' }))).method
         await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${i}`)]))
+        if (before) {
+          await timed('before', () => before.clone(src, path.join(t.dir, `b${i}`), { reflink: 'always' }))
+          await before.removeTree(path.join(t.dir, `b${i}`))
+        }
       } else {
         method = (await vmspace.clone(src, path.join(t.dir, `v${i}`))).method
         sh('cp', ['-a', src, path.join(t.dir, `c${i}`)])
@@ -270,7 +279,7 @@ if (want('tree')) {
     await pool.close()
     const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
     const c = Object.fromEntries(Object.entries(cpu).map(([k, v]) => [k, median(v)]))
-    console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms); ${load()}`)
+    console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms; ${spinners.length} busy-loop processes); ${load()}`)
     const rows = []
     const row = (operation, key, base, baseline) =>
       rows.push({
@@ -286,12 +295,14 @@ if (want('tree')) {
       })
     if (reflink) {
       row('clone (standalone)', 'clone', 'cp', 'cp -a --reflink=always')
+      if (before) row(`clone (standalone), baseline ${path.basename(path.resolve(args.baseline))}`, 'before', 'cp', 'cp -a --reflink=always')
       row('allocate({ template: dir })', 'allocate', 'cp', 'cp -a --reflink=always')
     }
     row('Workspace.dispose', 'dispose', 'rm', 'fs.promises.rm recursive')
     row('removeTree', 'removeTree', 'rm', 'fs.promises.rm recursive')
     console.table(rows)
   }
+  for (const p of spinners) p.kill('SIGKILL')
 }
 
 // 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs).
