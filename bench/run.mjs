@@ -3,7 +3,7 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
-//   npm run bench -- --only trace [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
+//   npm run bench -- --only trace,clone [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -26,15 +26,19 @@ const { values: args } = parseArgs({
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
     only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm | templates-btrfs
-    baseline: { type: 'string' }, // trace: a built checkout of an earlier version to compare against
+    baseline: { type: 'string' }, // trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
     'warm-count': { type: 'string', default: '2' },
     'template-files': { type: 'string', default: '10000,10' }, // templates-btrfs: tree sizes (files)
+    'clone-rounds': { type: 'string', default: '200' },
+    load: { type: 'string', default: '0' }, // tree: this many busy-loop processes run during the section
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
+// --baseline DIR: an earlier version (its dist/ and build/ built), timed in the same run as this one.
+const before = args.baseline ? require(path.join(path.resolve(args.baseline), 'dist', 'index.js')) : undefined
 const iterations = Number(args.iterations)
 const timeMs = Number(args.time)
 
@@ -169,66 +173,138 @@ if (want('clone')) {
   }
   const pool = await vmspace.openPool(path.join(t.dir, 'clone-pool'))
   const ws = await pool.allocate()
+  const basePool = before && (await before.openPool(path.join(t.dir, 'clone-pool-before')))
+  const baseWs = basePool && (await basePool.allocate())
   const out = path.join(t.dir, 'clone-out')
   fs.mkdirSync(out)
-  const r = { vmspace: [], copyFile: [] }
-  for (let i = 0; i < 60; i++) {
-    for (const name of i % 2 ? ['copyFile', 'vmspace'] : ['vmspace', 'copyFile']) {
+  const r = { vmspace: [], copyFile: [], ...(before ? { before: [] } : {}) }
+  const names = Object.keys(r)
+  const rounds = Number(args['clone-rounds'])
+  for (let i = 0; i < rounds + 10; i++) {
+    // The order rotates, so that none always runs first (or last) on a warm or busy machine.
+    for (let k = 0; k < names.length; k++) {
+      const name = names[(i + k) % names.length]
       const t0 = process.hrtime.bigint()
       if (name === 'vmspace') await ws.clone(base, `img-${i}`, { reflink: 'always' })
+      else if (name === 'before') await baseWs.clone(base, `img-${i}`, { reflink: 'always' })
       else await fs.promises.copyFile(base, path.join(out, `img-${i}`), fs.constants.COPYFILE_FICLONE_FORCE)
       if (i >= 10) r[name].push(Number(process.hrtime.bigint() - t0) / 1e3)
     }
   }
   await ws.dispose()
   await pool.close()
+  if (baseWs) {
+    await baseWs.dispose()
+    await basePool.close()
+  }
   fs.rmSync(out, { recursive: true })
   const vm = median(r.vmspace)
   const cf = median(r.copyFile)
   console.log(`\nclone of a 1 GiB base on ${t.fs} (medians of ${r.vmspace.length}, interleaved); ${load()}`)
-  console.table([{ 'Workspace.clone µs': vm.toFixed(0), 'copyFile FICLONE_FORCE µs': cf.toFixed(0), 'vmspace / copyFile': (vm / cf).toFixed(2) }])
+  const row = { 'Workspace.clone µs': vm.toFixed(0), 'copyFile FICLONE_FORCE µs': cf.toFixed(0), 'vmspace / copyFile': (vm / cf).toFixed(2) }
+  if (before) Object.assign(row, { 'baseline Workspace.clone µs': median(r.before).toFixed(0), 'baseline / copyFile': (median(r.before) / cf).toFixed(2) })
+  console.table([row])
 }
 
-// 2. Tree clone of 10,000 files (100 dirs x 100 files, 1-16 KiB) against cp -a --reflink=always, and its
-// removal (Workspace.dispose / removeTree) against fs.promises.rm({ recursive: true }). Reflink needs XFS.
+// 2. Tree clone of 10,000 files (100 dirs x 100 files, 1-16 KiB) against cp -a --reflink=always (XFS: reflink),
+// and its removal (Workspace.dispose / removeTree) against fs.promises.rm({ recursive: true }) and the native floor
+// (bench/unlinks.cc: readdir + unlinkat/rmdir over fds in one thread, no checks), on every target file system
+// (ext4: removal only; its tree is a copy). CPU ms: this process's user+system time over the step (for cp, its own,
+// from /proc/self/stat's cutime+cstime, 10 ms ticks); the unlink floor reports its own.
 if (want('tree')) {
-  const t = targets.find((x) => x.fs.startsWith('xfs')) ?? targets[0]
-  const src = path.join(t.dir, 'tree-src')
-  fs.mkdirSync(src)
-  for (let d = 0; d < 100; d++) {
-    fs.mkdirSync(path.join(src, `d${d}`))
-    for (let f = 0; f < 100; f++)
-      fs.writeFileSync(path.join(src, `d${d}`, `f${f}`), Buffer.alloc(1024 * (1 + ((d * 100 + f) % 16)), d))
+  const unlinksBin = path.join(work, 'unlinks')
+  sh('g++', ['-O2', '-std=c++17', '-o', unlinksBin, path.join(here, 'unlinks.cc')])
+  const ticks = Number(sh('getconf', ['CLK_TCK']).trim())
+  const childCpuMs = () => {
+    const stat = fs.readFileSync('/proc/self/stat', 'utf8')
+    const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ') // fields from 3 (state) on
+    return ((Number(f[13]) + Number(f[14])) * 1000) / ticks // cutime, cstime (fields 16, 17)
   }
-  sh('sync', [])
-  const pool = await vmspace.openPool(path.join(t.dir, 'tree-pool'))
-  const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [] }
-  let method
-  // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
-  const timed = async (key, fn) => {
+  // --load N: N processes spinning on the CPUs for the whole section ("while other processes load the CPUs").
+  const spinners = Array.from({ length: Number(args.load) }, () =>
+    spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }),
+  )
+  for (const t of targets) {
+    const reflink = t.fs.startsWith('xfs')
+    const src = path.join(t.dir, 'tree-src')
+    fs.mkdirSync(src)
+    for (let d = 0; d < 100; d++) {
+      fs.mkdirSync(path.join(src, `d${d}`))
+      for (let f = 0; f < 100; f++)
+        fs.writeFileSync(path.join(src, `d${d}`, `f${f}`), Buffer.alloc(1024 * (1 + ((d * 100 + f) % 16)), d))
+    }
     sh('sync', [])
-    const t0 = process.hrtime.bigint()
-    const out = await fn()
-    r[key].push(ms(t0))
-    return out
+    const pool = await vmspace.openPool(path.join(t.dir, 'tree-pool'))
+    const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [], unlinks: [], ...(before && reflink ? { before: [] } : {}) }
+    const cpu = Object.fromEntries(Object.keys(r).map((k) => [k, []]))
+    let method
+    // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
+    const timed = async (key, fn) => {
+      sh('sync', [])
+      const c0 = process.cpuUsage()
+      const k0 = childCpuMs()
+      const t0 = process.hrtime.bigint()
+      const out = await fn()
+      r[key].push(ms(t0))
+      const c = process.cpuUsage(c0)
+      cpu[key].push((c.user + c.system) / 1e3 + (childCpuMs() - k0))
+      return out
+    }
+    for (let i = 0; i < Number(args.rounds); i++) {
+      if (reflink) {
+        method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${i}`), { reflink: 'always' }))).method
+        await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${i}`)]))
+        if (before) {
+          await timed('before', () => before.clone(src, path.join(t.dir, `b${i}`), { reflink: 'always' }))
+          await before.removeTree(path.join(t.dir, `b${i}`))
+        }
+      } else {
+        method = (await vmspace.clone(src, path.join(t.dir, `v${i}`))).method
+        sh('cp', ['-a', src, path.join(t.dir, `c${i}`)])
+      }
+      sh('cp', ['-a', '--reflink=auto', src, path.join(t.dir, `u${i}`)])
+      const ws = reflink ? await timed('allocate', () => pool.allocate({ template: src })) : await pool.allocate({ template: src })
+      // The three removals rotate, so that none always runs first (or last) on a warm or busy machine.
+      const removals = [
+        () => timed('dispose', () => ws.dispose()),
+        () => timed('removeTree', () => vmspace.removeTree(path.join(t.dir, `v${i}`))),
+        () => timed('rm', () => fs.promises.rm(path.join(t.dir, `c${i}`), { recursive: true })),
+        async () => {
+          sh('sync', [])
+          const [elapsed, cpuMs] = sh(unlinksBin, [path.join(t.dir, `u${i}`)]).trim().split(' ').map(Number)
+          r.unlinks.push(elapsed)
+          cpu.unlinks.push(cpuMs)
+        },
+      ]
+      for (let k = 0; k < removals.length; k++) await removals[(i + k) % removals.length]()
+    }
+    await pool.close()
+    const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
+    const c = Object.fromEntries(Object.entries(cpu).map(([k, v]) => [k, median(v)]))
+    console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms; ${spinners.length} busy-loop processes); ${load()}`)
+    const rows = []
+    const row = (operation, key, base, baseline) =>
+      rows.push({
+        operation,
+        'vmspace ms': m[key].toFixed(0),
+        'vmspace CPU ms': c[key].toFixed(0),
+        baseline,
+        'baseline ms': m[base].toFixed(0),
+        'baseline CPU ms': c[base].toFixed(0),
+        'speed-up': (m[base] / m[key]).toFixed(2),
+        'unlink floor ms': base === 'rm' ? m.unlinks.toFixed(0) : '-',
+        'vmspace / floor': base === 'rm' ? (m[key] / m.unlinks).toFixed(2) : '-',
+      })
+    if (reflink) {
+      row('clone (standalone)', 'clone', 'cp', 'cp -a --reflink=always')
+      if (before) row(`clone (standalone), baseline ${path.basename(path.resolve(args.baseline))}`, 'before', 'cp', 'cp -a --reflink=always')
+      row('allocate({ template: dir })', 'allocate', 'cp', 'cp -a --reflink=always')
+    }
+    row('Workspace.dispose', 'dispose', 'rm', 'fs.promises.rm recursive')
+    row('removeTree', 'removeTree', 'rm', 'fs.promises.rm recursive')
+    console.table(rows)
   }
-  for (let i = 0; i < Number(args.rounds); i++) {
-    method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${i}`), { reflink: 'always' }))).method
-    await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${i}`)]))
-    const ws = await timed('allocate', () => pool.allocate({ template: src }))
-    await timed('dispose', () => ws.dispose())
-    await timed('removeTree', () => vmspace.removeTree(path.join(t.dir, `v${i}`)))
-    await timed('rm', () => fs.promises.rm(path.join(t.dir, `c${i}`), { recursive: true }))
-  }
-  await pool.close()
-  const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
-  console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms); ${load()}`)
-  console.table([
-    { operation: 'clone (standalone)', 'vmspace ms': m.clone.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.clone).toFixed(2) },
-    { operation: 'allocate({ template: dir })', 'vmspace ms': m.allocate.toFixed(0), 'baseline ms': m.cp.toFixed(0), baseline: 'cp -a --reflink=always', 'speed-up': (m.cp / m.allocate).toFixed(2) },
-    { operation: 'Workspace.dispose', 'vmspace ms': m.dispose.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.dispose).toFixed(2) },
-    { operation: 'removeTree', 'vmspace ms': m.removeTree.toFixed(0), 'baseline ms': m.rm.toFixed(0), baseline: 'fs.promises.rm recursive', 'speed-up': (m.rm / m.removeTree).toFixed(2) },
-  ])
+  for (const p of spinners) p.kill('SIGKILL')
 }
 
 // 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs).

@@ -991,7 +991,9 @@ export class Workspace implements AsyncDisposable {
       ),
     )
     this.#pool._countClone(r)
-    return toResult(r, path.join(this.path, rel))
+    // `rel` is normalised (no "." or ".." component, no slash at either end) and this.path absolute: the same
+    // string path.join would give, without its normalising pass.
+    return toResult(r, this.path + '/' + rel)
   }
 
   /**

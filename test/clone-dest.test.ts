@@ -28,7 +28,7 @@ describe('clone onto an existing destination', () => {
     const before = snapshotTree(dir)
     const err = await clone(src, dst).catch((e: unknown) => e)
     expect(err).toBeInstanceOf(VmspaceError)
-    expect(err).toMatchObject({ code: 'EEXIST', errno: -17, syscall: 'renameat2', path: src, dest: dst })
+    expect(err).toMatchObject({ code: 'EEXIST', errno: -17, syscall: 'linkat', path: src, dest: dst })
     expect(snapshotTree(dir)).toEqual(before)
   })
 

@@ -8,7 +8,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { emptyPoolState, freshDir, ls, mounts, needs, poolState, tempLeftovers, writeRandomFile } from './helpers.js'
-import { injectMissing, RENAME_NOREPLACE, runInjected, type Injection } from './inject-helpers.js'
+import { injectMissing, O_TMPFILE_BIT, RENAME_NOREPLACE, runInjected, type Injection } from './inject-helpers.js'
 
 const noInject = injectMissing()
 
@@ -44,13 +44,14 @@ for (const answer of ['EINVAL', 'ENOSYS'] as const) {
         expect(tempLeftovers(d)).toEqual([])
       })
 
-      test('clone() of a file onto an existing name: EEXIST, the existing file untouched, no temp file', () => {
+      // A file clone is an unnamed file (O_TMPFILE) named by linkat(2), which never replaces: no renameat2 at all.
+      test('clone() of a file onto an existing name: EEXIST from linkat, the existing file untouched, no temp file', () => {
         const d = freshDir(mounts.scratch)
         writeRandomFile(path.join(d, 'base.img'), 64 * 1024)
         fs.writeFileSync(path.join(d, 'taken'), 'keep me')
         const before = fs.statSync(path.join(d, 'taken'))
         const [r] = runInjected(noReplace, [{ op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'taken') }])
-        expect(r).toMatchObject({ ok: false, code: 'EEXIST', syscall: 'link', dest: path.join(d, 'taken') })
+        expect(r).toMatchObject({ ok: false, code: 'EEXIST', syscall: 'linkat', dest: path.join(d, 'taken') })
         expect(fs.readFileSync(path.join(d, 'taken'), 'utf8')).toBe('keep me')
         expect(fs.statSync(path.join(d, 'taken')).ino).toBe(before.ino)
         expect(ls(d)).toEqual(['base.img', 'taken'])
@@ -130,4 +131,39 @@ describe.skipIf(noInject !== undefined)(`a pool opened where RENAME_NOREPLACE wo
     expect(r.ok).toBe(true)
     expect(poolState(root)).toEqual(emptyPoolState)
   })
+})
+
+// A file clone without overwrite is an unnamed file (O_TMPFILE) named by linkat(2). Where the file system refuses
+// O_TMPFILE (EOPNOTSUPP; EISDIR from kernels before 3.11) or the link (EPERM: no hard links; ENOENT: no /proc and
+// no CAP_DAC_READ_SEARCH), it is a named temp file published by renameat2(RENAME_NOREPLACE), as before.
+describe.skipIf(noInject !== undefined)(`unnamed clone files refused ${needs('cc', noInject)}`, () => {
+  const refusals: Array<[string, Injection]> = [
+    ['open(O_TMPFILE) answering EOPNOTSUPP', { syscall: 'openat', answer: 'EOPNOTSUPP', arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } }],
+    ['open(O_TMPFILE) answering EISDIR', { syscall: 'openat', answer: 'EISDIR', arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } }],
+    ['linkat answering EPERM', { syscall: 'linkat', answer: 'EPERM' }],
+    ['linkat answering ENOENT', { syscall: 'linkat', answer: 'ENOENT' }],
+  ]
+  for (const [what, injection] of refusals) {
+    test(`${what}: clone() publishes through a named temp file: the bytes and mode, EEXIST from renameat2, no temp file`, () => {
+      const d = freshDir(mounts.scratch)
+      const data = writeRandomFile(path.join(d, 'base.img'), 256 * 1024 + 5)
+      fs.chmodSync(path.join(d, 'base.img'), 0o640)
+      fs.writeFileSync(path.join(d, 'taken'), 'keep me')
+      const [first, second, refused] = runInjected(injection, [
+        { op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'one.img') },
+        { op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'two.img') },
+        { op: 'clone', source: path.join(d, 'base.img'), dest: path.join(d, 'taken') },
+      ])
+      expect(first).toMatchObject({ ok: true, result: { kind: 'file', bytes: data.length } })
+      expect(second).toMatchObject({ ok: true, result: { kind: 'file', bytes: data.length } })
+      expect(refused).toMatchObject({ ok: false, code: 'EEXIST', syscall: 'renameat2', dest: path.join(d, 'taken') })
+      for (const f of ['one.img', 'two.img']) {
+        expect(fs.readFileSync(path.join(d, f)).equals(data)).toBe(true)
+        expect(fs.statSync(path.join(d, f)).mode & 0o7777).toBe(0o640)
+      }
+      expect(fs.readFileSync(path.join(d, 'taken'), 'utf8')).toBe('keep me')
+      expect(ls(d)).toEqual(['base.img', 'one.img', 'taken', 'two.img'])
+      expect(tempLeftovers(d)).toEqual([])
+    })
+  }
 })

@@ -13,6 +13,8 @@ import { fixtures } from './helpers.js'
 
 /** ioctl_ficlone(2): _IOW(0x94, 9, int). */
 export const FICLONE = 0x40049409
+/** open(2)'s __O_TMPFILE bit (O_TMPFILE is it | O_DIRECTORY), x86-64 and aarch64. */
+export const O_TMPFILE_BIT = 0o20000000
 /** renameat2(2) flags. */
 export const RENAME_NOREPLACE = 1
 
@@ -37,7 +39,7 @@ function injectBinary(): string | undefined {
 }
 
 export interface Injection {
-  syscall: 'copy_file_range' | 'ioctl' | 'renameat2' | 'read' | 'pread64' | 'write' | 'pwrite64' | 'linkat'
+  syscall: 'copy_file_range' | 'ioctl' | 'renameat2' | 'read' | 'pread64' | 'write' | 'pwrite64' | 'linkat' | 'openat'
   /** An errno name, or '0' for a call that "succeeds" doing nothing. */
   answer: string
   /** Only when (argument `index` & mask) === value (low 32 bits). */

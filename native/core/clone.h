@@ -56,11 +56,12 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
                           const std::string& dstPath, const std::atomic<bool>* cancel = nullptr);
 
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
-// cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete; on every failure the temp
-// file is removed. `dstPath` names the destination in errors. Fills `identity` when given. The clone is owned by
+// cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete: without `overwrite` it is
+// an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
+// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in errors. Fills `identity` when given. The clone is owned by
 // the caller: set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group
-// is the source's (as cp(1) drops them when it does not keep the owner). Published with publishFileNoReplace
-// (rename.h), or rename(2) with `overwrite`.
+// is the source's (as cp(1) drops them when it does not keep the owner). The named temp file is published with
+// publishFileNoReplace (rename.h), or rename(2) with `overwrite`.
 // Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
 // ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
