@@ -62,7 +62,7 @@ int writeAll(int fd, const std::string& data) {
 
 std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
   std::vector<std::pair<std::string, unsigned char>> out;
-  int fd = openat(dirFd, ".", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  int fd = openat(dirFd, ".", kDirFlags);
   if (fd < 0) throwErrno(errno, "open", shown);
   DIR* dir = fdopendir(fd);
   if (!dir) {
@@ -78,7 +78,7 @@ std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const st
       if (errno) throwErrno(errno, "readdir", shown);
       return out;
     }
-    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+    if (isDotOrDotDot(de->d_name)) continue;
     out.emplace_back(de->d_name, de->d_type);
   }
 }

@@ -25,7 +25,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxMetaBytes = 16 << 20;
 
 // Who may write the pool: the rule of OpenSSH's safe_path() and systemd's CHASE_SAFE. A directory of the pool, or

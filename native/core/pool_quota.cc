@@ -18,7 +18,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
 
 int64_t ageMsAt(int dirFd, const char* name) {

@@ -28,7 +28,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr int kMaxClaimTries = 64;
 constexpr uint64_t kBtrfsFirstFreeObjectId = 256;  // BTRFS_FIRST_FREE_OBJECTID: the root directory of a subvolume
 constexpr unsigned long kXfsMagic = 0x58465342;     // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
@@ -218,7 +217,7 @@ QuotaSupport probeQuota(int dirFd) {
 }
 
 QuotaSupport probeQuotaAt(const std::string& path) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  UniqueFd fd(open(path.c_str(), kDirPathFlags));
   if (!fd) throwErrno(errno, "open", path);
   return probeQuota(fd.get());
 }

@@ -31,8 +31,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
-
 // An entry's name below the roots of a walk, linked to its directory's. No path is kept per level (a chain
 // 100,000 deep would cost the square of its depth in memory and outgrow PATH_MAX): one is built from the chain
 // only where it is reported (an error) or needed (a hard link to an earlier entry).
@@ -300,7 +298,7 @@ class TreeCloner {
         continue;
       }
       const char* name = de->d_name;
-      if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+      if (isDotOrDotDot(name)) continue;
       if (stop_ || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
         throwErrno(ECANCELED, "clone", srcPath(self(top)), dstPath(self(top)));
       entry(stack, top, name, local);
@@ -643,6 +641,9 @@ class TreeCloner {
   std::unordered_map<InodeKey, NameRef, InodeHash> links_;  // source inode -> its clone's name below dstRoot
 };
 
+}  // namespace
+
+namespace {
 void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
                  const std::string& dstPath) {
   if (opts.reflink != Reflink::Always) return;
@@ -652,25 +653,16 @@ void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts,
     throwCode("ERR_REFLINK_UNSUPPORTED", "source and destination are on different file systems (reflink: 'always')",
               EXDEV, "clone", srcPath, dstPath);
 }
+}  // namespace
 
-// Opens the source directory of a tree clone, fills *st and `identity` from it, and applies checkSameFs.
 UniqueFd openSourceDir(const std::string& srcPath, int dstDirFd, const std::string& dstPath,
                        const CloneOptions& options, SourceIdentity* identity, struct stat* st) {
-  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  UniqueFd src(open(srcPath.c_str(), kDirPathFlags));
   if (!src) throwErrno(errno, "open", srcPath, dstPath);
   if (fstat(src.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
   fillIdentity(identity, *st);
   checkSameFs(*st, dstDirFd, options, srcPath, dstPath);
   return src;
-}
-
-}  // namespace
-
-const char* methodName(const CloneSummary& s, Reflink reflink) {
-  if (s.reflinked && s.copied) return "mixed";
-  if (s.reflinked) return "reflink";
-  if (s.copied) return "copy";
-  return reflink == Reflink::Never ? "copy" : "reflink";
 }
 
 CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::string& dstPath,
@@ -683,81 +675,13 @@ CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::str
   return cloner.summary;
 }
 
-CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
-                         SourceIdentity* identity) {
-  struct stat st;
-  if (stat(srcPath.c_str(), &st) != 0) throwErrno(errno, "stat", srcPath, dstPath);
-  if (!S_ISDIR(st.st_mode)) {
-    CloneFileResult r =
-        cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity, progress ? &progress->cancel : nullptr);
-    CloneSummary s;
-    s.files = 1;
-    s.bytes = r.bytes;
-    (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
-    if (progress) {
-      progress->files.fetch_add(1, std::memory_order_relaxed);
-      progress->bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-    }
-    return s;
-  }
-  UniqueFd src = openSourceDir(srcPath, dstDirFd, dstPath, options, identity, &st);
-
-  // The tree is built under a private temp name (0700 until its own metadata is applied, last).
-  std::string tmp = ".vmspace-tmp-" + randomHex(8);
-  if (mkdirat(dstDirFd, tmp.c_str(), 0700) != 0) throwErrno(errno, "mkdir", dstPath);
-  std::string parentPath, leaf;
-  splitPath(dstPath, &parentPath, &leaf);
-  std::string tmpPath = parentPath + "/" + tmp;
-  try {
-    UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
-    if (!root) throwErrno(errno, "open", dstPath);
-    TreeCloner cloner(options, progress, src.get(), root.get(), srcPath, dstPath);
-    cloner.cloneContents();
-    cloner.copyDirMeta(src.get(), root.get(), st);
-    if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
-    if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
-      int err = errno;
-      // A directory has no link(2) to publish it without replacing, and rename(2) replaces an empty one.
-      if (noReplaceUnsupported(err))
-        throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
-                  "the file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing a "
-                  "directory needs",
-                  err, "renameat2", srcPath, dstPath);
-      if (err != EEXIST || !options.overwrite) throwErrno(err, "renameat2", srcPath, dstPath);
-      // Replace an existing destination atomically: swap it with the new tree, then remove the old one
-      // (now under the temp name).
-      if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_EXCHANGE) != 0)
-        throwErrno(errno, "renameat2", srcPath, dstPath);
-      removeTreeNoFollow(dstDirFd, tmp, tmpPath);
-    }
-    if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
-    cloner.summary.tree = true;
-    return cloner.summary;
-  } catch (...) {
-    try {
-      removeTreeNoFollow(dstDirFd, tmp, tmpPath);
-    } catch (...) {
-      // The original error is the one to report; what is left carries a .vmspace-tmp- name.
-    }
-    throw;
-  }
-}
-
-CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
-                       CloneProgress* progress) {
-  std::string parent, leaf;
-  splitPath(dstPath, &parent, &leaf);
-  UniqueFd dir(open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!dir) throwErrno(errno, "open", dstPath);
-  return clonePathAt(srcPath, dir.get(), leaf, dstPath, options, progress);
-}
-
-CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
-                              const std::string& rel, const CloneOptions& options, CloneProgress* progress) {
-  std::string leaf;
-  UniqueFd dir(openParentBeneath(baseFd, rel, &leaf, basePath, false));
-  return clonePathAt(srcPath, dir.get(), leaf, basePath + "/" + rel, options, progress);
+CloneSummary cloneTreeAs(int srcFd, const struct stat& st, int dstFd, const std::string& srcPath,
+                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress) {
+  TreeCloner cloner(options, progress, srcFd, dstFd, srcPath, dstPath);
+  cloner.cloneContents();
+  cloner.copyDirMeta(srcFd, dstFd, st);
+  cloner.summary.tree = true;
+  return cloner.summary;
 }
 
 }  // namespace vmspace

@@ -21,7 +21,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxOpenFrames = 64;   // as remove.cc: depth must not cost fds
 constexpr unsigned kExtentsPerCall = 256;
 
@@ -100,7 +99,7 @@ class Walker {
       return;
     }
     const char* name = de->d_name;
-    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) return;
+    if (isDotOrDotDot(name)) return;
     int dfd = dirfd(top.dir);
     std::string path = top.path + "/" + name;
     struct statx stx;
