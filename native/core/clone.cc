@@ -14,6 +14,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
@@ -37,22 +38,9 @@ constexpr int kTransientTries = 4;
 
 bool transient(int err) { return err == EAGAIN || err == EINTR; }
 
-// pwrite(2) until all of `len` is written. A write that writes nothing (or keeps answering EAGAIN/EINTR) is
-// retried kTransientTries times, then fails (EIO for the zero writes): it never loops for ever.
-void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string& dstPath) {
-  int stalls = 0;
-  while (len > 0) {
-    ssize_t n = pwrite(fd, buf, len, off);
-    if (n <= 0) {
-      int err = n < 0 ? errno : EIO;
-      if ((n == 0 || transient(err)) && ++stalls < kTransientTries) continue;
-      throwErrno(err, "write", dstPath);
-    }
-    stalls = 0;
-    buf += n;
-    len -= static_cast<size_t>(n);
-    off += n;
-  }
+// pwriteAll (io.h: zero writes and EAGAIN/EINTR tried kWriteTries times, then failed), its errno thrown.
+void pwriteAllOrThrow(int fd, const char* buf, size_t len, off_t off, const std::string& dstPath) {
+  if (int err = pwriteAll(fd, buf, len, off)) throwErrno(err, "write", dstPath);
 }
 
 // pread(2) with EAGAIN/EINTR tried kTransientTries times; 0 is end of file.
@@ -78,7 +66,7 @@ uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std
     size_t want = static_cast<size_t>(std::min<uint64_t>(bufSize, len - done));
     size_t n = readSome(src, buf.get(), want, off + static_cast<off_t>(done), srcPath);
     if (n == 0) break;
-    writeAll(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
+    pwriteAllOrThrow(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
     done += n;
   }
   return done;
@@ -181,7 +169,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     char probe[4096];
     size_t n = readSome(src, probe, sizeof probe, end, srcPath);
     if (n > 0) {
-      writeAll(dst, probe, n, end, dstPath);
+      pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
       end += static_cast<off_t>(copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath,
                                                    dstPath, cancel));

@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <memory>
 
 #include "error.h"
 #include "fd.h"
@@ -44,42 +43,28 @@ bool isIndexTemp(const char* name, const std::string& leaf) {
 }  // namespace
 
 int removeIndexTemps(int dirFd, const std::string& dirPath, const std::string& leaf) {
-  // A fresh open file description: readdir offsets are per description.
-  int fd = openat(dirFd, ".", kDirPathFlags);
-  if (fd < 0) throwErrno(errno, "open", dirPath);
-  DIR* dir = fdopendir(fd);
-  if (!dir) {
-    int err = errno;
-    ::close(fd);
-    throwErrno(err, "opendir", dirPath);
-  }
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
   int removed = 0;
-  for (;;) {
-    errno = 0;
-    struct dirent* de = readdir(dir);
-    if (!de) {
-      if (errno) throwErrno(errno, "readdir", dirPath);
-      return removed;
-    }
-    if (!isIndexTemp(de->d_name, leaf)) continue;
-    unsigned char type = de->d_type;
+  // forEachName reads a fresh open file description: readdir offsets are per description.
+  forEachName(dirFd, dirPath, [&](const struct dirent& de) {
+    if (!isIndexTemp(de.d_name, leaf)) return;
+    unsigned char type = de.d_type;
     if (type == DT_UNKNOWN) {
       struct stat st;
-      if (fstatat(dirFd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-        if (errno == ENOENT) continue;
-        throwErrno(errno, "stat", dirPath + "/" + de->d_name);
+      if (fstatat(dirFd, de.d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno == ENOENT) return;
+        throwErrno(errno, "stat", dirPath + "/" + de.d_name);
       }
       type = S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
     }
-    if (type != DT_REG) continue;  // replaceFile makes regular files only: anything else is someone else's
+    if (type != DT_REG) return;  // replaceFile makes regular files only: anything else is someone else's
     // ENOENT: removed meanwhile by a holder of a lock file that was deleted under us (see lockFollowPath).
-    if (unlinkat(dirFd, de->d_name, 0) != 0) {
-      if (errno == ENOENT) continue;
-      throwErrno(errno, "unlink", dirPath + "/" + de->d_name);
+    if (unlinkat(dirFd, de.d_name, 0) != 0) {
+      if (errno == ENOENT) return;
+      throwErrno(errno, "unlink", dirPath + "/" + de.d_name);
     }
     removed++;
-  }
+  });
+  return removed;
 }
 
 void replaceFile(const std::string& path, const std::string& data, bool durable) {
@@ -90,26 +75,21 @@ void replaceFile(const std::string& path, const std::string& data, bool durable)
   removeIndexTemps(dirFd.get(), dir, leaf);
   std::string tmp = "." + leaf + ".tmp-" + randomHex(kTempHexBytes);
   // Private (0600) until complete; then the mode and owner of the file it replaces, or 0666 less the umask.
-  UniqueFd fd(openat(dirFd.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
-  if (!fd) throwErrno(errno, "open", dir + "/" + tmp);
-  try {
-    if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", dir + "/" + tmp);
-    // The data reaches the disk before the name points at it: after a crash the index is old or new, never
-    // empty (the failure mode of rename without fsync on delayed-allocation file systems).
-    if (fsync(fd.get()) != 0) throwErrno(errno, "fsync", dir + "/" + tmp);
-    struct stat st;
-    if (fstatat(dirFd.get(), leaf.c_str(), &st, 0) == 0) {
-      if (fchown(fd.get(), st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dir + "/" + tmp);
-      if (fchmod(fd.get(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dir + "/" + tmp);
-    } else if (fchmod(fd.get(), 0666 & ~currentUmask()) != 0) {
-      throwErrno(errno, "chmod", dir + "/" + tmp);
-    }
-    fd.reset();
-    if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0) throwErrno(errno, "rename", dir + "/" + tmp, path);
-  } catch (...) {
-    unlinkat(dirFd.get(), tmp.c_str(), 0);
-    throw;
+  TempFile fd(dirFd.get(), tmp, 0600, dir + "/" + tmp);
+  if (int err = writeAll(fd.fd(), data)) throwErrno(err, "write", dir + "/" + tmp);
+  // The data reaches the disk before the name points at it: after a crash the index is old or new, never
+  // empty (the failure mode of rename without fsync on delayed-allocation file systems).
+  if (fsync(fd.fd()) != 0) throwErrno(errno, "fsync", dir + "/" + tmp);
+  struct stat st;
+  if (fstatat(dirFd.get(), leaf.c_str(), &st, 0) == 0) {
+    if (fchown(fd.fd(), st.st_uid, st.st_gid) != 0 && errno != EPERM) throwErrno(errno, "chown", dir + "/" + tmp);
+    if (fchmod(fd.fd(), st.st_mode & 07777) != 0) throwErrno(errno, "chmod", dir + "/" + tmp);
+  } else if (fchmod(fd.fd(), 0666 & ~currentUmask()) != 0) {
+    throwErrno(errno, "chmod", dir + "/" + tmp);
   }
+  fd.close();
+  if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0) throwErrno(errno, "rename", dir + "/" + tmp, path);
+  fd.published();
   if (durable && fsync(dirFd.get()) != 0) throwErrno(errno, "fsync", dir);
 }
 

@@ -184,26 +184,20 @@ int readSmallFile(int at, const std::string& name, std::string* out) {
 bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& data, bool durable,
                         const std::string& shown) {
   std::string tmp = "." + name + ".tmp-" + randomHex(6);
-  UniqueFd fd(openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
-  if (!fd) throwErrno(errno, "open", shown);
-  try {
-    // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
-    // could not reopen it as a non-root user).
-    if (fchmod(fd.get(), 0644) != 0) throwErrno(errno, "fchmod", shown);
-    if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
-    if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
-    fd.reset();
-    const char* step;
-    if (int err = publishFileNoReplace(dirFd, tmp.c_str(), dirFd, name.c_str(), &step)) {
-      if (err != EEXIST) throwErrno(err, step, shown);
-      unlinkat(dirFd, tmp.c_str(), 0);
-      return false;
-    }
-    return true;
-  } catch (...) {
-    unlinkat(dirFd, tmp.c_str(), 0);
-    throw;
+  TempFile fd(dirFd, tmp, 0644, shown);
+  // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
+  // could not reopen it as a non-root user).
+  if (fchmod(fd.fd(), 0644) != 0) throwErrno(errno, "fchmod", shown);
+  if (int err = writeAll(fd.fd(), data)) throwErrno(err, "write", shown);
+  if (durable && fsync(fd.fd()) != 0) throwErrno(errno, "fsync", shown);
+  fd.close();
+  const char* step;
+  if (int err = publishFileNoReplace(dirFd, tmp.c_str(), dirFd, name.c_str(), &step)) {
+    if (err != EEXIST) throwErrno(err, step, shown);
+    return false;  // the temp file is removed as `fd` goes
   }
+  fd.published();
+  return true;
 }
 
 constexpr char kNoReplaceProbe[] = ".noreplace-probe-";  // the sweep removes ownerless ones
@@ -796,8 +790,7 @@ Error entryError(const std::string& shown) {
   } catch (const Error& err) {
     return err;
   } catch (const std::bad_alloc&) {
-    e.err = ENOMEM;
-    e.syscall = "malloc";
+    e = outOfMemoryError();
   } catch (const std::exception& x) {
     e.code = "ERR_INTERNAL";
     e.detail = std::string("unexpected C++ exception: ") + x.what();
