@@ -176,6 +176,7 @@ class Pool {
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
  private:
+  friend class PoolSweep;  // pool.cc: Pool::sweep's passes
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in
