@@ -12,6 +12,7 @@
         "native/core/rename.cc",
         "native/core/tree.cc",
         "native/core/lock.cc",
+        "native/core/json_file.cc",
         "native/core/process.cc",
         "native/core/io.cc",
         "native/core/template.cc",

@@ -1,7 +1,9 @@
 #!/usr/bin/env node
-// The longest functions of the TypeScript in the given directories (default lib/ cli/ demo/), in lines from the
-// first to the last line of the declaration: `node scripts/function-sizes.mjs [dir...] [--top N]`. For the C++,
-// clang-tidy measures the same (issue 11):
+// The longest functions of the TypeScript and C++ in the given directories (default lib/ cli/ demo/), in lines
+// from the first to the last line of the declaration: `node scripts/function-sizes.mjs [dir...] [--top N]`, e.g.
+// `node scripts/function-sizes.mjs native/core --top 10`. The C++ is measured by braces (cxxSizes below: a
+// function's body is a `{` after `)` in namespace or class scope; lambdas count in the function that holds them);
+// clang-tidy measures the same, slower, with the compile commands:
 //   clang-tidy -p build-cmake --checks='-*,readability-function-size' \
 //     --config='{CheckOptions: {readability-function-size.LineThreshold: 60}}' native/*.cc native/core/*.cc
 import fs from 'node:fs'
@@ -13,9 +15,49 @@ const topAt = args.indexOf('--top')
 const top = topAt >= 0 ? Number(args.splice(topAt, 2)[1]) : 15
 const dirs = args.length ? args : ['lib', 'cli', 'demo']
 const sizes = []
+
+// C++ by braces, comments and literals skipped: a `{` whose header (the text since the last `;`, `{` or `}`)
+// holds a `(` and is no control statement opens a function when it stands in namespace, class or file scope.
+function cxxSizes(file, text) {
+  const code = text.replace(/\/\/[^\n]*|\/\*[\s\S]*?\*\/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'/g,
+    (m) => m.replace(/[^\n]/g, ' ')).replace(/^[ \t]*#.*$/gm, '')  // and preprocessor lines
+  const scopes = []  // per open brace: 'fn' | 'other' | 'scope'
+  let header = '', line = 1, fnStart = 0, fnName = ''
+  for (const ch of code) {
+    if (ch === '\n') line++
+    if (ch === '{') {
+      const inFn = scopes.includes('fn')
+      const h = header.replace(/\s+/g, ' ').trim()
+      const isFn = !inFn && /\)[^()]*$|\)\s*:[\s\S]*$/.test(h) && h.includes('(') &&
+        !/^(if|for|while|switch|catch|do|else)\b/.test(h) && !/^(namespace|class|struct|enum|union)\b/.test(h) &&
+        !/=\s*$/.test(h)
+      if (isFn) {
+        const head = h.slice(0, h.indexOf('('))
+        fnName = (head.match(/[~\w:]+(?:operator\S*)?\s*$/) || ['?'])[0].trim()
+        fnStart = line - (header.match(/\n/g) || []).length + (header.match(/^\s*\n*/)[0].match(/\n/g) || []).length
+        scopes.push('fn')
+      } else {
+        scopes.push(inFn ? 'other' : 'scope')
+      }
+      header = ''
+    } else if (ch === '}') {
+      const kind = scopes.pop()
+      if (kind === 'fn') sizes.push({ lines: line - fnStart + 1, where: `${file}:${fnStart}`, name: fnName })
+      header = ''
+    } else if (ch === ';') {
+      header = ''
+    } else {
+      header += ch
+    }
+  }
+}
 for (const dir of dirs) {
   for (const name of fs.readdirSync(dir, { recursive: true })) {
     const file = path.join(dir, String(name))
+    if (/\.(cc|cpp|h|hpp)$/.test(file)) {
+      cxxSizes(file, fs.readFileSync(file, 'utf8'))
+      continue
+    }
     if (!/\.m?ts$/.test(file) || file.endsWith('.d.ts')) continue
     const src = ts.createSourceFile(file, fs.readFileSync(file, 'utf8'), ts.ScriptTarget.Latest, true)
     const visit = (node, owner) => {

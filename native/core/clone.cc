@@ -15,8 +15,11 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "names.h"
+#include "remove.h"
 #include "rename.h"
+#include "tree.h"
 
 namespace vmspace {
 namespace {
@@ -36,22 +39,9 @@ constexpr int kTransientTries = 4;
 
 bool transient(int err) { return err == EAGAIN || err == EINTR; }
 
-// pwrite(2) until all of `len` is written. A write that writes nothing (or keeps answering EAGAIN/EINTR) is
-// retried kTransientTries times, then fails (EIO for the zero writes): it never loops for ever.
-void writeAll(int fd, const char* buf, size_t len, off_t off, const std::string& dstPath) {
-  int stalls = 0;
-  while (len > 0) {
-    ssize_t n = pwrite(fd, buf, len, off);
-    if (n <= 0) {
-      int err = n < 0 ? errno : EIO;
-      if ((n == 0 || transient(err)) && ++stalls < kTransientTries) continue;
-      throwErrno(err, "write", dstPath);
-    }
-    stalls = 0;
-    buf += n;
-    len -= static_cast<size_t>(n);
-    off += n;
-  }
+// pwriteAll (io.h: zero writes and EAGAIN/EINTR tried kWriteTries times, then failed), its errno thrown.
+void pwriteAllOrThrow(int fd, const char* buf, size_t len, off_t off, const std::string& dstPath) {
+  if (int err = pwriteAll(fd, buf, len, off)) throwErrno(err, "write", dstPath);
 }
 
 // pread(2) with EAGAIN/EINTR tried kTransientTries times; 0 is end of file.
@@ -77,7 +67,7 @@ uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std
     size_t want = static_cast<size_t>(std::min<uint64_t>(bufSize, len - done));
     size_t n = readSome(src, buf.get(), want, off + static_cast<off_t>(done), srcPath);
     if (n == 0) break;
-    writeAll(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
+    pwriteAllOrThrow(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
     done += n;
   }
   return done;
@@ -180,7 +170,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     char probe[4096];
     size_t n = readSome(src, probe, sizeof probe, end, srcPath);
     if (n > 0) {
-      writeAll(dst, probe, n, end, dstPath);
+      pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
       end += static_cast<off_t>(copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath,
                                                    dstPath, cancel));
@@ -373,11 +363,108 @@ int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, con
     int at = cur ? cur.get() : baseFd;
     std::string shown = basePath + "/" + rel.substr(0, slash);
     if (createParents && mkdirat(at, comp.c_str(), 0777) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", shown);
-    int next = openat(at, comp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    int next = openat(at, comp.c_str(), kDirFlags);
     if (next < 0) throwErrno(errno == ELOOP ? ENOTDIR : errno, "open", shown);
     cur.reset(next);
     start = slash + 1;
   }
+}
+
+const char* methodName(const CloneSummary& s, Reflink reflink) {
+  if (s.snapshot) return "snapshot";
+  if (s.reflinked && s.copied) return "mixed";
+  if (s.reflinked) return "reflink";
+  if (s.copied) return "copy";
+  return reflink == Reflink::Never ? "copy" : "reflink";
+}
+
+namespace {
+
+// clonePathAt of a source that is no directory: one file, counted as the tree walk counts its files.
+CloneSummary cloneOneFile(const std::string& srcPath, int dstDirFd, const std::string& dstName,
+                          const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
+                          SourceIdentity* identity) {
+  CloneFileResult r =
+      cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity, progress ? &progress->cancel : nullptr);
+  CloneSummary s;
+  s.files = 1;
+  s.bytes = r.bytes;
+  (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
+  if (progress) {
+    progress->files.fetch_add(1, std::memory_order_relaxed);
+    progress->bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+  }
+  return s;
+}
+
+// Publishes the finished tree `tmp` as `dstName` (both in `dstDirFd`) without replacing, or with `overwrite` by
+// exchange and removal of the old tree.
+void publishTree(int dstDirFd, const std::string& tmp, const std::string& tmpPath, const std::string& dstName,
+                 const std::string& srcPath, const std::string& dstPath, const CloneOptions& options) {
+  if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  // A directory has no link(2) to publish it without replacing, and rename(2) replaces an empty one.
+  if (noReplaceUnsupported(err))
+    throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
+              "the file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing a "
+              "directory needs",
+              err, "renameat2", srcPath, dstPath);
+  if (err != EEXIST || !options.overwrite) throwErrno(err, "renameat2", srcPath, dstPath);
+  // Replace an existing destination atomically: swap it with the new tree, then remove the old one
+  // (now under the temp name).
+  if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_EXCHANGE) != 0)
+    throwErrno(errno, "renameat2", srcPath, dstPath);
+  removeTreeNoFollow(dstDirFd, tmp, tmpPath);
+}
+
+}  // namespace
+
+CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
+                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
+                         SourceIdentity* identity) {
+  struct stat st;
+  if (stat(srcPath.c_str(), &st) != 0) throwErrno(errno, "stat", srcPath, dstPath);
+  if (!S_ISDIR(st.st_mode)) return cloneOneFile(srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
+  UniqueFd src = openSourceDir(srcPath, dstDirFd, dstPath, options, identity, &st);
+
+  // The tree is built under a private temp name (0700 until its own metadata is applied, last).
+  std::string tmp = ".vmspace-tmp-" + randomHex(8);
+  if (mkdirat(dstDirFd, tmp.c_str(), 0700) != 0) throwErrno(errno, "mkdir", dstPath);
+  std::string parentPath, leaf;
+  splitPath(dstPath, &parentPath, &leaf);
+  std::string tmpPath = parentPath + "/" + tmp;
+  try {
+    UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
+    if (!root) throwErrno(errno, "open", dstPath);
+    CloneSummary summary = cloneTreeAs(src.get(), st, root.get(), srcPath, dstPath, options, progress);
+    if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
+    publishTree(dstDirFd, tmp, tmpPath, dstName, srcPath, dstPath, options);
+    if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
+    return summary;
+  } catch (...) {
+    try {
+      removeTreeNoFollow(dstDirFd, tmp, tmpPath);
+    } catch (...) {
+      // The original error is the one to report; what is left carries a .vmspace-tmp- name.
+    }
+    throw;
+  }
+}
+
+CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
+                       CloneProgress* progress) {
+  std::string parent, leaf;
+  splitPath(dstPath, &parent, &leaf);
+  UniqueFd dir(open(parent.c_str(), kDirPathFlags));
+  if (!dir) throwErrno(errno, "open", dstPath);
+  return clonePathAt(srcPath, dir.get(), leaf, dstPath, options, progress);
+}
+
+CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
+                              const std::string& rel, const CloneOptions& options, CloneProgress* progress) {
+  std::string leaf;
+  UniqueFd dir(openParentBeneath(baseFd, rel, &leaf, basePath, false));
+  return clonePathAt(srcPath, dir.get(), leaf, basePath + "/" + rel, options, progress);
 }
 
 }  // namespace vmspace

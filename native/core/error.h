@@ -70,6 +70,15 @@ inline std::string errnoDescription(int err) {
   throw e;
 }
 
+// std::bad_alloc as an Error: ENOMEM, syscall "malloc"; the one place that says so (currentError and the sweep
+// use it, and so can the binding for the allocations it makes on the JS thread).
+inline Error outOfMemoryError() {
+  Error e;
+  e.err = ENOMEM;
+  e.syscall = "malloc";
+  return e;
+}
+
 // The Error for the exception being handled (call it inside a catch block only): a core Error as it is,
 // std::bad_alloc as ENOMEM, std::system_error (a thread or mutex the C++ library could not get: pthread_create
 // fails with EAGAIN at RLIMIT_NPROC) as its errno, anything else as EIO with its message, so that no exception a
@@ -81,8 +90,7 @@ inline Error currentError() {
   } catch (const Error& e) {
     return e;
   } catch (const std::bad_alloc&) {
-    r.err = ENOMEM;
-    r.syscall = "malloc";
+    return outOfMemoryError();
   } catch (const std::system_error& e) {
     const std::error_category& cat = e.code().category();
     bool isErrno = cat == std::generic_category() || cat == std::system_category();

@@ -1,11 +1,24 @@
-// An owned file descriptor: closed exactly once, when it goes out of scope, unless released.
+// The fd idioms of the core: an owned file descriptor (closed exactly once, when it goes out of scope, unless
+// released), the flags directories are opened with, and the test that skips "." and "..".
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <utility>
 
 namespace vmspace {
+
+// A directory opened to be walked, leased or written in: never through a symlink (O_NOFOLLOW gives ELOOP, and
+// O_DIRECTORY ENOTDIR for anything else), and never the controlling terminal of the process.
+constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+// A directory given by its path by the caller: a symlink to it is followed, as for any path argument.
+constexpr int kDirPathFlags = O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY;
+
+// "." or "..": the entries of every directory that a walk skips.
+inline bool isDotOrDotDot(const char* name) {
+  return name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0));
+}
 
 class UniqueFd {
  public:

@@ -62,7 +62,12 @@ int writeAll(int fd, const std::string& data) {
 
 std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown) {
   std::vector<std::pair<std::string, unsigned char>> out;
-  int fd = openat(dirFd, ".", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  forEachName(dirFd, shown, [&out](const struct dirent& de) { out.emplace_back(de.d_name, de.d_type); });
+  return out;
+}
+
+void forEachName(int dirFd, const std::string& shown, const std::function<void(const struct dirent&)>& each) {
+  int fd = openat(dirFd, ".", kDirFlags);
   if (fd < 0) throwErrno(errno, "open", shown);
   DIR* dir = fdopendir(fd);
   if (!dir) {
@@ -76,11 +81,45 @@ std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const st
     struct dirent* de = readdir(dir);
     if (!de) {
       if (errno) throwErrno(errno, "readdir", shown);
-      return out;
+      return;
     }
-    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-    out.emplace_back(de->d_name, de->d_type);
+    if (isDotOrDotDot(de->d_name)) continue;
+    each(*de);
   }
+}
+
+int pwriteAll(int fd, const char* buf, size_t len, off_t off) {
+  int stalls = 0;
+  while (len > 0) {
+    ssize_t n = pwrite(fd, buf, len, off);
+    if (n <= 0) {
+      int err = n < 0 ? errno : EIO;
+      if ((n == 0 || err == EAGAIN || err == EINTR) && ++stalls < kWriteTries) continue;
+      return err;
+    }
+    stalls = 0;
+    buf += n;
+    len -= static_cast<size_t>(n);
+    off += n;
+  }
+  return 0;
+}
+
+TempFile::TempFile(int dirFd, std::string name, mode_t mode, const std::string& shown)
+    : dirFd_(dirFd), name_(std::move(name)) {
+  fd_ = openat(dirFd_, name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, mode);
+  if (fd_ < 0) throwErrno(errno, "open", shown);
+}
+
+TempFile::~TempFile() {
+  close();
+  // The temp name is ours alone (O_EXCL, random): nothing else is removed by this.
+  if (!published_) unlinkat(dirFd_, name_.c_str(), 0);
+}
+
+void TempFile::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 }  // namespace vmspace

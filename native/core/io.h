@@ -2,7 +2,11 @@
 // failure is an error (throw) or a finding (report per entry).
 #pragma once
 
+#include <dirent.h>
+#include <sys/types.h>
+
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,8 +23,40 @@ int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, st
 // write(2) until all of `data` is written (EINTR retried).
 int writeAll(int fd, const std::string& data);
 
+// pwrite(2) of `len` bytes at `off` until all are written. A write that writes nothing, or answers EAGAIN/EINTR,
+// is tried again kWriteTries times in a row, then its errno is returned (EIO for the zero writes): it never loops
+// for ever. 0 when all is written.
+constexpr int kWriteTries = 4;
+int pwriteAll(int fd, const char* buf, size_t len, off_t off);
+
 // The names and d_type of every entry of the directory `dirFd` (without "." and ".."), read through a fresh open
 // of "." so the caller's fd keeps its position. Throws the errno of open/opendir/readdir, naming `shown`.
 std::vector<std::pair<std::string, unsigned char>> readNames(int dirFd, const std::string& shown);
+
+// readNames one entry at a time (no list: for a directory of any size): calls `each` for every entry but "." and
+// "..", in readdir order. Throws as readNames, and whatever `each` throws.
+void forEachName(int dirFd, const std::string& shown, const std::function<void(const struct dirent&)>& each);
+
+// A file written under a temp name in `dirFd` and then renamed to its own name by the caller: made with
+// O_CREAT|O_EXCL (so the name, random, is ours alone) and `mode`; unlinked when it goes out of scope unless
+// published() was called (after the rename: the temp name is gone then). So no failure on the way (a throw, an
+// early return) leaves the temp behind. The open's errno is thrown naming `shown`.
+class TempFile {
+ public:
+  TempFile(int dirFd, std::string name, mode_t mode, const std::string& shown);
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile();
+  int fd() const { return fd_; }
+  const std::string& name() const { return name_; }
+  void close();            // the fd only (the data is written); the temp name stays until published or destroyed
+  void published() { published_ = true; }
+
+ private:
+  int dirFd_;
+  std::string name_;
+  int fd_ = -1;
+  bool published_ = false;
+};
 
 }  // namespace vmspace

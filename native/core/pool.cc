@@ -25,7 +25,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxMetaBytes = 16 << 20;
 
 // Who may write the pool: the rule of OpenSSH's safe_path() and systemd's CHASE_SAFE. A directory of the pool, or
@@ -185,26 +184,20 @@ int readSmallFile(int at, const std::string& name, std::string* out) {
 bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& data, bool durable,
                         const std::string& shown) {
   std::string tmp = "." + name + ".tmp-" + randomHex(6);
-  UniqueFd fd(openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0644));
-  if (!fd) throwErrno(errno, "open", shown);
-  try {
-    // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
-    // could not reopen it as a non-root user).
-    if (fchmod(fd.get(), 0644) != 0) throwErrno(errno, "fchmod", shown);
-    if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
-    if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
-    fd.reset();
-    const char* step;
-    if (int err = publishFileNoReplace(dirFd, tmp.c_str(), dirFd, name.c_str(), &step)) {
-      if (err != EEXIST) throwErrno(err, step, shown);
-      unlinkat(dirFd, tmp.c_str(), 0);
-      return false;
-    }
-    return true;
-  } catch (...) {
-    unlinkat(dirFd, tmp.c_str(), 0);
-    throw;
+  TempFile fd(dirFd, tmp, 0644, shown);
+  // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
+  // could not reopen it as a non-root user).
+  if (fchmod(fd.fd(), 0644) != 0) throwErrno(errno, "fchmod", shown);
+  if (int err = writeAll(fd.fd(), data)) throwErrno(err, "write", shown);
+  if (durable && fsync(fd.fd()) != 0) throwErrno(errno, "fsync", shown);
+  fd.close();
+  const char* step;
+  if (int err = publishFileNoReplace(dirFd, tmp.c_str(), dirFd, name.c_str(), &step)) {
+    if (err != EEXIST) throwErrno(err, step, shown);
+    return false;  // the temp file is removed as `fd` goes
   }
+  fd.published();
+  return true;
 }
 
 constexpr char kNoReplaceProbe[] = ".noreplace-probe-";  // the sweep removes ownerless ones
@@ -816,8 +809,7 @@ Error entryError(const std::string& shown) {
   } catch (const Error& err) {
     return err;
   } catch (const std::bad_alloc&) {
-    e.err = ENOMEM;
-    e.syscall = "malloc";
+    e = outOfMemoryError();
   } catch (const std::exception& x) {
     e.code = "ERR_INTERNAL";
     e.detail = std::string("unexpected C++ exception: ") + x.what();
@@ -834,83 +826,104 @@ bool vanished(const Error& e, const std::string& shown) { return e.code.empty() 
 
 }  // namespace
 
-SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
-  SweepReport report;
-  std::string trashDir = root_ + "/.vmspace/trash";
-  std::string stagingDir = root_ + "/.vmspace/staging";
+// One sweep of a pool (Pool::sweep): a function per pass, and the report and per-entry handling they share.
+class PoolSweep {
+ public:
+  PoolSweep(Pool& pool, bool dryRun, int64_t graceMs)
+      : pool_(pool), dryRun_(dryRun), graceMs_(graceMs), trashDir_(pool.root_ + "/.vmspace/trash"),
+        stagingDir_(pool.root_ + "/.vmspace/staging") {}
+
+  SweepReport run() {
+    publishedPass();
+    trashPass();
+    stagingPass();
+    // Issue 14: half-built templates, retired templates no one reads, names of commits that died.
+    if (TemplateStore* store = pool_.templates(false)) store->sweep(dryRun_, graceMs_, report_);
+    metaPass();
+    probePass();
+    pool_.sweepProjectClaims(dryRun_, graceMs_);  // quota: project ids of workspaces gone without releasing them
+    return std::move(report_);
+  }
+
+ private:
   // One entry's failure (any errno, or an exception such as std::bad_alloc) is reported in that entry and the
   // sweep goes on: one guest's tree must not stop the reclamation of the whole pool. ENOENT at the entry itself
   // is no failure: a dispose, publish or sweep elsewhere finished it meanwhile.
-  auto guarded = [&](const std::string& name, const char* from, const std::string& shown, auto&& handle) {
+  template <typename Handle>
+  void guarded(const std::string& name, const char* from, const std::string& shown, Handle&& handle) {
     try {
       if (takeSweepFault(name, false)) throw std::bad_alloc();  // test seam
       handle();
     } catch (...) {
       Error err = entryError(shown);
-      if (!vanished(err, shown)) report.failed.push_back({name, from, 0, std::move(err)});
+      if (!vanished(err, shown)) report_.failed.push_back({name, from, 0, std::move(err)});
     }
-  };
+  }
+
   // Removes dirFd/name (shown below dirPath) and reports it reclaimed (with the bytes freed) or failed.
-  auto removeEntry = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
+  void removeEntry(int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
     std::string shown = dirPath + "/" + name;
     guarded(name, from, shown, [&] {
       SweepEntry e{name, from, 0, {}};
-      removeWorkspace(dirFd, name, shown, &e.bytes);
-      report.reclaimed.push_back(std::move(e));
+      pool_.removeWorkspace(dirFd, name, shown, &e.bytes);
+      report_.reclaimed.push_back(std::move(e));
     });
-  };
+  }
+
   // Metadata of a workspace this sweep removed; a metadata file it cannot remove is left for a later sweep.
-  auto dropMetaQuietly = [&](const std::string& name) {
+  void dropMetaQuietly(const std::string& name) {
     try {
-      dropMeta(name);
+      pool_.dropMeta(name);
     } catch (...) {
     }
-  };
+  }
 
   // Published workspaces: a free lease means the owner is gone. The lock is held while the workspace is moved
   // and removed, so no adopt can take it meanwhile.
-  std::unordered_set<std::string> handled;  // published entries this sweep moved to trash
-  auto reclaimPublished = [&](const std::string& name, int fd) {
-    handled.insert(name);
-    if (dryRun) {
-      report.reclaimed.push_back({name, "published", 0, {}});
+  void reclaimPublished(const std::string& name, int fd) {
+    handled_.insert(name);
+    if (dryRun_) {
+      report_.reclaimed.push_back({name, "published", 0, {}});
       return;
     }
-    if (!moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
-    removeEntry(trashFd_.get(), trashDir, name, "published");
+    if (!pool_.moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
+    removeEntry(pool_.trashFd_.get(), trashDir_, name, "published");
     dropMetaQuietly(name);
-  };
-  // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
-  const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
-  // `name` below is a plain reference: a C++17 lambda may not capture a structured binding (GCC allows it, clang
-  // does not).
-  for (auto& entry : readNames(rootFd_.get(), root_)) {
-    const std::string& name = entry.first;
-    if (!isWorkspaceEntry(name, entry.second)) continue;
-    guarded(name, "published", path(name), [&] {
-      UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
-      if (!fd) {
-        // Gone meanwhile, or not a directory (then not a workspace).
-        if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;
-        throwErrno(errno, "open", path(name));
-      }
-      bool leased = tryLease(fd.get(), probeDeadline);
-      if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
-        leased = false;
-        errno = fault;
-      }
-      if (!leased) {
-        if (errno != EWOULDBLOCK) throwErrno(errno, "flock", path(name));  // a probe that cannot decide
-        report.live++;
-        return;
-      }
-      reclaimPublished(name, fd.get());
-    });
+  }
+
+  void publishedPass() {
+    // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
+    const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
+    // `name` below is a plain reference: a C++17 lambda may not capture a structured binding (GCC allows it, clang
+    // does not).
+    for (auto& entry : readNames(pool_.rootFd_.get(), pool_.root_)) {
+      const std::string& name = entry.first;
+      if (!isWorkspaceEntry(name, entry.second)) continue;
+      guarded(name, "published", pool_.path(name), [&] {
+        UniqueFd fd(openat(pool_.rootFd_.get(), name.c_str(), kDirFlags));
+        if (!fd) {
+          // Gone meanwhile, or not a directory (then not a workspace).
+          if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;
+          throwErrno(errno, "open", pool_.path(name));
+        }
+        bool leased = tryLease(fd.get(), probeDeadline);
+        if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
+          leased = false;
+          errno = fault;
+        }
+        if (!leased) {
+          if (errno != EWOULDBLOCK) throwErrno(errno, "flock", pool_.path(name));  // a probe that cannot decide
+          report_.live++;
+          return;
+        }
+        reclaimPublished(name, fd.get());
+      });
+    }
   }
 
   // An entry of trash or staging that no one holds locked is removed, with the lock held while it is; true when
   // it was (or, dry run, would be) reclaimed.
-  auto reclaimUnlocked = [&](int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
+  bool reclaimUnlocked(int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
     UniqueFd fd(openat(dirFd, name.c_str(), kDirFlags));
     if (!fd && errno == ENOENT) return false;  // finished meanwhile by a dispose, a publish or another sweep
     // Any other open failure (a file, a symlink: no lease to respect) goes on to the removal, which reports it.
@@ -918,81 +931,100 @@ SweepReport Pool::sweep(bool dryRun, int64_t graceMs) {
       if (errno == EWOULDBLOCK) return false;  // a dispose removing it, or a build holding its lease
       throwErrno(errno, "flock", dirPath + "/" + name);
     }
-    if (dryRun) {
-      report.reclaimed.push_back({name, from, 0, {}});
+    if (dryRun_) {
+      report_.reclaimed.push_back({name, from, 0, {}});
       return true;
     }
-    size_t before = report.reclaimed.size();
+    size_t before = report_.reclaimed.size();
     removeEntry(dirFd, dirPath, name, from);
-    return report.reclaimed.size() > before;
-  };
+    return report_.reclaimed.size() > before;
+  }
 
   // Trash: everything not locked by a dispose still removing it.
-  for (auto& entry : readNames(trashFd_.get(), trashDir)) {
-    const std::string& name = entry.first;
-    if (handled.count(name)) continue;  // reported by the pass above, removed or failed
-    guarded(name, "trash", trashDir + "/" + name, [&] {
-      if (reclaimUnlocked(trashFd_.get(), trashDir, name, "trash") && !dryRun) dropMetaQuietly(name);
-    });
+  void trashPass() {
+    for (auto& entry : readNames(pool_.trashFd_.get(), trashDir_)) {
+      const std::string& name = entry.first;
+      if (handled_.count(name)) continue;  // reported by the pass above, removed or failed
+      guarded(name, "trash", trashDir_ + "/" + name, [&] {
+        if (reclaimUnlocked(pool_.trashFd_.get(), trashDir_, name, "trash") && !dryRun_) dropMetaQuietly(name);
+      });
+    }
   }
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
-  for (auto& entry : readNames(stagingFd_.get(), stagingDir)) {
-    const std::string& name = entry.first;
-    guarded(name, "staging", stagingDir + "/" + name, [&] {
-      // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
-      // disturbed.
-      if (ageMs(stagingFd_.get(), name) < graceMs) return;
-      reclaimUnlocked(stagingFd_.get(), stagingDir, name, "staging");
-    });
+  void stagingPass() {
+    for (auto& entry : readNames(pool_.stagingFd_.get(), stagingDir_)) {
+      const std::string& name = entry.first;
+      guarded(name, "staging", stagingDir_ + "/" + name, [&] {
+        // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
+        // disturbed.
+        if (ageMs(pool_.stagingFd_.get(), name) < graceMs_) return;
+        reclaimUnlocked(pool_.stagingFd_.get(), stagingDir_, name, "staging");
+      });
+    }
   }
 
-  // Issue 14: half-built templates, retired templates no one reads, names of commits that died.
-  if (TemplateStore* store = templates(false)) store->sweep(dryRun, graceMs, report);
-
-  // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
-  // (".<name>.json.tmp-<hex>", writeFileNoReplace) of a workspace still being built is a write in progress.
-  for (auto& [file, type] : readNames(metaFd_.get(), root_ + "/.vmspace/meta")) {
-    std::string name;
+  // Whether the pass looks at `file` of meta/ (any dot file; else "<name>.json" only), and in *name the workspace
+  // it belongs to: <name> of "<name>.json" or of a temp file ".<name>.json.tmp-<hex>" (writeFileNoReplace), ""
+  // for another dot file.
+  static bool metaOwner(const std::string& file, std::string* name) {
     if (file[0] == '.') {
       size_t end = file.rfind(".json.tmp-");
-      if (end != std::string::npos && end > 1) name = file.substr(1, end - 1);
-    } else {
-      if (file.size() < 6 || file.compare(file.size() - 5, 5, ".json") != 0) continue;
-      name = file.substr(0, file.size() - 5);
+      if (end != std::string::npos && end > 1) *name = file.substr(1, end - 1);
+      return true;
     }
-    if (!name.empty()) {
-      // Staging first: a publish moves the entry from staging to the root, so looking in that order never
-      // misses one being published between the two lookups.
-      struct stat st;
-      if (fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
-          fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
-        continue;
-    }
-    if (ageMs(metaFd_.get(), file) < graceMs) continue;
-    if (!dryRun) {
-      try {
-        removeTreeNoFollow(metaFd_.get(), file, root_ + "/.vmspace/meta/" + file);
-      } catch (...) {
-        continue;  // left for a later sweep, as any metadata file that cannot be removed
+    if (file.size() < 6 || file.compare(file.size() - 5, 5, ".json") != 0) return false;
+    *name = file.substr(0, file.size() - 5);
+    return true;
+  }
+
+  // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
+  // of a workspace still being built is a write in progress.
+  void metaPass() {
+    for (auto& [file, type] : readNames(pool_.metaFd_.get(), pool_.root_ + "/.vmspace/meta")) {
+      std::string name;
+      if (!metaOwner(file, &name)) continue;
+      if (!name.empty()) {
+        // Staging first: a publish moves the entry from staging to the root, so looking in that order never
+        // misses one being published between the two lookups.
+        struct stat st;
+        if (fstatat(pool_.stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+            fstatat(pool_.rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+          continue;
       }
+      if (ageMs(pool_.metaFd_.get(), file) < graceMs_) continue;
+      if (!dryRun_) {
+        try {
+          removeTreeNoFollow(pool_.metaFd_.get(), file, pool_.root_ + "/.vmspace/meta/" + file);
+        } catch (...) {
+          continue;  // left for a later sweep, as any metadata file that cannot be removed
+        }
+      }
+      report_.metaRemoved++;
     }
-    report.metaRemoved++;
   }
 
   // Probe files of openPool's RENAME_NOREPLACE check (probeNoReplace) that a killed opener left in .vmspace/: a
   // probe lives for microseconds, so one older than the grace period has no owner left.
-  if (!dryRun) {
-    for (auto& [file, type] : readNames(stateFd_.get(), root_ + "/.vmspace")) {
+  void probePass() {
+    if (dryRun_) return;
+    for (auto& [file, type] : readNames(pool_.stateFd_.get(), pool_.root_ + "/.vmspace")) {
       if (file.compare(0, sizeof kNoReplaceProbe - 1, kNoReplaceProbe) != 0 || type == DT_DIR) continue;
-      if (ageMs(stateFd_.get(), file) < graceMs) continue;
-      unlinkat(stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
+      if (ageMs(pool_.stateFd_.get(), file) < graceMs_) continue;
+      unlinkat(pool_.stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
     }
   }
-  sweepProjectClaims(dryRun, graceMs);  // quota: project ids of workspaces gone without releasing them
-  return report;
-}
+
+  Pool& pool_;
+  const bool dryRun_;
+  const int64_t graceMs_;
+  const std::string trashDir_, stagingDir_;
+  SweepReport report_;
+  std::unordered_set<std::string> handled_;  // published entries this sweep moved to trash
+};
+
+SweepReport Pool::sweep(bool dryRun, int64_t graceMs) { return PoolSweep(*this, dryRun, graceMs).run(); }
 
 std::vector<ListEntry> Pool::list() {
   std::vector<ListEntry> out;

@@ -38,7 +38,7 @@ struct TemplateEntry {
 };
 
 struct AllocateRequest {
-  std::string prefix;    // checked by the caller: [a-z0-9][a-z0-9_-]*
+  std::string prefix;    // checked by the caller (lib/pool.ts PREFIX): [A-Za-z0-9][A-Za-z0-9_-]{0,63}, mixed case
   mode_t mode = 0700;    // of the workspace directory, less the umask (as mkdir(2))
   std::string templateDir;  // a directory whose contents become the workspace's contents (empty: none)
   std::vector<TemplateEntry> entries;  // and/or single sources cloned to workspace-relative paths
@@ -176,6 +176,7 @@ class Pool {
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
  private:
+  friend class PoolSweep;  // pool.cc: Pool::sweep's passes
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in

@@ -18,7 +18,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
 
 int64_t ageMsAt(int dirFd, const char* name) {
@@ -88,17 +87,14 @@ void Pool::removeWorkspace(int parentFd, const std::string& name, const std::str
 void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
   int claims = claimsIfAny();
   if (claims < 0 || dryRun) return;
-  int fd = openat(claims, ".", kDirFlags);
-  if (fd < 0) return;
-  DIR* dir = fdopendir(fd);
-  if (!dir) {
-    ::close(fd);
-    return;
-  }
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, closedir);
   std::vector<std::string> files;
-  for (struct dirent* de; (de = readdir(dir));)
-    if (de->d_name[0] >= '0' && de->d_name[0] <= '9') files.push_back(de->d_name);
+  try {
+    forEachName(claims, root_ + "/.vmspace/projects", [&files](const struct dirent& de) {
+      if (de.d_name[0] >= '0' && de.d_name[0] <= '9') files.push_back(de.d_name);
+    });
+  } catch (const Error&) {
+    // Quietly: claims that cannot be listed (or the rest of them, after a failed readdir) wait for a later sweep.
+  }
   for (const std::string& file : files) {
     std::string owner;
     if (readRegularFileAt(claims, file.c_str(), O_NOFOLLOW, 4096, &owner) != 0) continue;

@@ -29,7 +29,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr int kMaxClaimTries = 64;
 constexpr uint64_t kBtrfsFirstFreeObjectId = 256;  // BTRFS_FIRST_FREE_OBJECTID: the root directory of a subvolume
 constexpr unsigned long kXfsMagic = 0x58465342;     // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
@@ -152,6 +151,65 @@ uint32_t claimProjectId(int claimDirFd, int fsFd, const ProjectIdRange& range, c
 
 }  // namespace
 
+namespace {
+
+// probeQuota on btrfs: qgroups enabled, and CAP_SYS_ADMIN to set their limits.
+QuotaSupport probeBtrfsQuota(int dirFd) {
+  QuotaSupport s;
+  s.backend = QuotaBackend::Btrfs;
+  std::string dir = btrfsSysfsDir(dirFd);
+  bool ok = true;
+  // The qgroups directory exists only while quotas are enabled (fs/btrfs/sysfs.c, Linux 5.9); `enabled` is 6.x.
+  struct stat st;
+  if (dir.empty() || stat((dir + "/qgroups").c_str(), &st) != 0) ok = false;
+  if (ok && stat((dir + "/qgroups/enabled").c_str(), &st) == 0) ok = readSysfsNumber(dir + "/qgroups/enabled", &ok) != 0 && ok;
+  if (!ok) {
+    s.err = ENOTCONN;  // what BTRFS_IOC_QGROUP_LIMIT answers without quotas (btrfs_limit_qgroup)
+    s.detail = "btrfs quotas (qgroups) are not enabled on this file system: run `btrfs quota enable <mount point>`";
+  } else if (!hasCapSysAdmin()) {
+    s.err = EPERM;
+    s.detail = "setting a btrfs qgroup limit needs CAP_SYS_ADMIN";
+  } else {
+    s.err = 0;
+    s.detail = "btrfs subvolume per workspace with a qgroup limit on its exclusive bytes";
+  }
+  return s;
+}
+
+// probeQuota on XFS or ext4 (`magic`): project quotas accounted and enforced, and CAP_SYS_ADMIN to set limits.
+QuotaSupport probeProjectQuota(int dirFd, unsigned long magic) {
+  QuotaSupport s;
+  s.backend = QuotaBackend::Project;
+  s.inodes = true;
+  const char* fs = magic == kXfsMagic ? "XFS" : "ext4";
+  struct fs_quota_statv sv;
+  memset(&sv, 0, sizeof sv);
+  sv.qs_version = FS_QSTATV_VERSION1;
+  if (quotactlFd(dirFd, QCMD(Q_XGETQSTATV, PRJQUOTA), 0, &sv) != 0) {
+    s.err = errno;
+    s.detail = std::string(fs) + " project quotas cannot be used here: quotactl_fd(Q_XGETQSTATV) failed" +
+               (errno == ENOSYS ? " (no quotactl_fd before Linux 5.14, or no quota support in this kernel)" : "");
+    return s;
+  }
+  if (!(sv.qs_flags & FS_QUOTA_PDQ_ACCT) || !(sv.qs_flags & FS_QUOTA_PDQ_ENFD)) {
+    s.err = ESRCH;
+    s.detail = std::string(fs) + " project quotas are not " +
+               (sv.qs_flags & FS_QUOTA_PDQ_ACCT ? "enforced" : "on") + " (mount with -o prjquota" +
+               (magic == EXT4_SUPER_MAGIC ? "; the file system needs -O project,quota" : "") + ")";
+    return s;
+  }
+  if (!hasCapSysAdmin()) {
+    s.err = EPERM;
+    s.detail = "setting project quota limits needs CAP_SYS_ADMIN";
+    return s;
+  }
+  s.err = 0;
+  s.detail = std::string(fs) + " project quota per workspace (project id inherited by everything made inside)";
+  return s;
+}
+
+}  // namespace
+
 QuotaSupport probeQuota(int dirFd) {
   QuotaSupport s;
   struct statfs sfs;
@@ -161,55 +219,8 @@ QuotaSupport probeQuota(int dirFd) {
     return s;
   }
   unsigned long magic = static_cast<unsigned long>(sfs.f_type);
-  if (magic == BTRFS_SUPER_MAGIC) {
-    s.backend = QuotaBackend::Btrfs;
-    std::string dir = btrfsSysfsDir(dirFd);
-    bool ok = true;
-    // The qgroups directory exists only while quotas are enabled (fs/btrfs/sysfs.c, Linux 5.9); `enabled` is 6.x.
-    struct stat st;
-    if (dir.empty() || stat((dir + "/qgroups").c_str(), &st) != 0) ok = false;
-    if (ok && stat((dir + "/qgroups/enabled").c_str(), &st) == 0) ok = readSysfsNumber(dir + "/qgroups/enabled", &ok) != 0 && ok;
-    if (!ok) {
-      s.err = ENOTCONN;  // what BTRFS_IOC_QGROUP_LIMIT answers without quotas (btrfs_limit_qgroup)
-      s.detail = "btrfs quotas (qgroups) are not enabled on this file system: run `btrfs quota enable <mount point>`";
-    } else if (!hasCapSysAdmin()) {
-      s.err = EPERM;
-      s.detail = "setting a btrfs qgroup limit needs CAP_SYS_ADMIN";
-    } else {
-      s.err = 0;
-      s.detail = "btrfs subvolume per workspace with a qgroup limit on its exclusive bytes";
-    }
-    return s;
-  }
-  if (magic == kXfsMagic || magic == EXT4_SUPER_MAGIC) {
-    s.backend = QuotaBackend::Project;
-    s.inodes = true;
-    const char* fs = magic == kXfsMagic ? "XFS" : "ext4";
-    struct fs_quota_statv sv;
-    memset(&sv, 0, sizeof sv);
-    sv.qs_version = FS_QSTATV_VERSION1;
-    if (quotactlFd(dirFd, QCMD(Q_XGETQSTATV, PRJQUOTA), 0, &sv) != 0) {
-      s.err = errno;
-      s.detail = std::string(fs) + " project quotas cannot be used here: quotactl_fd(Q_XGETQSTATV) failed" +
-                 (errno == ENOSYS ? " (no quotactl_fd before Linux 5.14, or no quota support in this kernel)" : "");
-      return s;
-    }
-    if (!(sv.qs_flags & FS_QUOTA_PDQ_ACCT) || !(sv.qs_flags & FS_QUOTA_PDQ_ENFD)) {
-      s.err = ESRCH;
-      s.detail = std::string(fs) + " project quotas are not " +
-                 (sv.qs_flags & FS_QUOTA_PDQ_ACCT ? "enforced" : "on") + " (mount with -o prjquota" +
-                 (magic == EXT4_SUPER_MAGIC ? "; the file system needs -O project,quota" : "") + ")";
-      return s;
-    }
-    if (!hasCapSysAdmin()) {
-      s.err = EPERM;
-      s.detail = "setting project quota limits needs CAP_SYS_ADMIN";
-      return s;
-    }
-    s.err = 0;
-    s.detail = std::string(fs) + " project quota per workspace (project id inherited by everything made inside)";
-    return s;
-  }
+  if (magic == BTRFS_SUPER_MAGIC) return probeBtrfsQuota(dirFd);
+  if (magic == kXfsMagic || magic == EXT4_SUPER_MAGIC) return probeProjectQuota(dirFd, magic);
   char hex[32];
   (void)snprintf(hex, sizeof hex, "0x%lx", magic);  // at most 18 characters: never truncated
   s.err = EOPNOTSUPP;
@@ -219,7 +230,7 @@ QuotaSupport probeQuota(int dirFd) {
 }
 
 QuotaSupport probeQuotaAt(const std::string& path) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  UniqueFd fd(open(path.c_str(), kDirPathFlags));
   if (!fd) throwErrno(errno, "open", path);
   return probeQuota(fd.get());
 }

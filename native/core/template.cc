@@ -29,7 +29,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxTemplateMetaBytes = 16 << 20;
 constexpr int kMaxResolveTries = 16;  // a name swapped or removed under a reader this often in a row: not found
 

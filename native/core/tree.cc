@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -30,8 +31,6 @@
 
 namespace vmspace {
 namespace {
-
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 
 // An entry's name below the roots of a walk, linked to its directory's. No path is kept per level (a chain
 // 100,000 deep would cost the square of its depth in memory and outgrow PATH_MAX): one is built from the chain
@@ -87,45 +86,45 @@ struct DirMeta {
 
 DirMeta metaOf(const struct stat& st) { return DirMeta{st.st_mode, st.st_atim, st.st_mtim}; }
 
-// The walk: depth first, each thread over a stack of directories (a source DIR and a destination fd each) of
-// which only the kMaxOpenFrames deepest are open; the ones above are closed and, when the walk climbs back,
-// reopened through ".." (checked by device and inode, so a rename meanwhile cannot redirect the walk) and their
-// readdir resumed where it stopped (seekdir to the telldir cookie: the d_off that getdents(2) reports, stable
-// across opens on the file systems NFS can export, which is what nfsd relies on). So memory is proportional to
-// depth (a name and a few numbers per level), fds are bounded and time is linear in entries, at any depth.
-// Up to kMaxThreads threads share the work (the per-file cost is kernel work: openat(O_CREAT) and FICLONE): a
-// thread that finds a subdirectory while the queue has room hands it over, already opened, instead of entering
-// it. When no thread can be started (EAGAIN at RLIMIT_NPROC) the calling thread walks alone.
-// A directory's mode and times are set when its own entries are done: what is written below it later (by
-// another thread, through fds it already holds) changes neither its mtime nor needs a permission of it.
-class TreeCloner {
+// A directory of the walk: what finishing it and climbing back into it need.
+struct Dir {
+  NameRef name;  // null for the roots
+  InodeKey srcId, dstId;
+  DirMeta meta;
+  Owner created;
+  bool applyMeta;
+};
+
+// A directory handed to whichever thread is free, with its fds (the queue is bounded, and so are they).
+struct Task {
+  UniqueFd src, dst;
+  Dir dir;
+};
+
+// The threads of a tree walk and the directories queued between them: up to kMaxThreads threads (the per-file
+// cost is kernel work: openat(O_CREAT) and FICLONE) take tasks from a queue of at most as many; a thread that finds
+// a subdirectory while the queue has room hands it over (handOff), already opened, instead of entering it. When no
+// thread can be started (EAGAIN at RLIMIT_NPROC) the threads there are (at least the caller's) do the work. The
+// first error of any thread stops them all and is the one run() throws.
+class WalkThreads {
  public:
   static constexpr unsigned kMaxThreads = 4;
-  static constexpr size_t kMaxOpenFrames = 16;  // per thread: 2 fds each
+  // What a thread does with a task: walks it, adding to the thread's own summary.
+  using Walk = std::function<void(Task&, CloneSummary&)>;
 
-  TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
-             std::string dstRoot)
-      : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd), srcRoot_(std::move(srcRoot)),
-        dstRoot_(std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()) {
+  explicit WalkThreads(Walk walk) : walk_(std::move(walk)) {
     unsigned cores = std::thread::hardware_concurrency();
     maxThreads_ = std::max(1u, std::min(kMaxThreads, cores ? cores : 1u));
     helpers_.reserve(kMaxThreads);
   }
+  WalkThreads(const WalkThreads&) = delete;
+  WalkThreads& operator=(const WalkThreads&) = delete;
+  ~WalkThreads() { joinHelpers(); }
 
-  ~TreeCloner() { joinHelpers(); }
-
-  // Fills the (empty) destination root with the contents of the source root. Throws the first error.
-  void cloneContents() {
-    auto root = std::make_unique<Task>();
-    struct stat s, d;
-    if (fstat(srcRootFd_, &s) != 0) throwErrno(errno, "fstat", srcRoot_);
-    if (fstat(dstRootFd_, &d) != 0) throwErrno(errno, "fstat", dstRoot_);
-    skip_ = {d.st_dev, d.st_ino};  // never walk into the tree being built
-    root->src.reset(fcntl(srcRootFd_, F_DUPFD_CLOEXEC, 0));
-    if (!root->src) throwErrno(errno, "fcntl", srcRoot_);
-    root->dst.reset(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
-    if (!root->dst) throwErrno(errno, "fcntl", dstRoot_);
-    root->dir = Dir{nullptr, {s.st_dev, s.st_ino}, {d.st_dev, d.st_ino}, metaOf(s), createdIn(d), false};
+  // Walks `root` on the calling thread and whatever is handed off on the others, until no task is queued and
+  // none is running. Throws the first error; the summaries of all threads are added into `summary`.
+  void run(std::unique_ptr<Task> root, CloneSummary& summary) {
+    summary_ = &summary;
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(root));
@@ -140,65 +139,30 @@ class TreeCloner {
     if (failed_) throw firstError_;
   }
 
-  // Applies a source directory's metadata to a destination directory (the root of a tree clone).
-  void copyDirMeta(int srcFd, int dstFd, const struct stat& st) {
-    struct stat now;
-    if (fstat(dstFd, &now) != 0) throwErrno(errno, "fstat", dstPath(Rel{}));
-    copyOwnerXattrs(srcFd, dstFd, st, Rel{}, {now.st_uid, now.st_gid});
-    setModeTimes(dstFd, metaOf(st), Rel{});
+  // Queues `task` for another thread when the queue has room, starting a helper if none is free; false (the
+  // caller walks it itself) otherwise.
+  bool handOff(std::unique_ptr<Task>& task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (maxThreads_ < 2 || stop_ || queue_.size() >= maxThreads_) return false;
+      queue_.push_back(std::move(task));
+      if (idle_ < queue_.size() && helpers_.size() + 1 < maxThreads_) {
+        try {
+          helpers_.emplace_back([this] { work(); });
+        } catch (const std::system_error&) {
+          // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the threads there are do the work.
+          maxThreads_ = static_cast<unsigned>(helpers_.size()) + 1;
+        }
+      }
+    }
+    cv_.notify_one();
+    return true;
   }
 
-  CloneSummary summary;  // complete after cloneContents returns
+  // True once the walk is to stop (an error in any thread): read between entries, without the lock.
+  bool stopping() const { return stop_; }
 
  private:
-  // A directory of the walk: what finishing it and climbing back into it need.
-  struct Dir {
-    NameRef name;  // null for the roots
-    InodeKey srcId, dstId;
-    DirMeta meta;
-    Owner created;
-    bool applyMeta;
-  };
-
-  // A directory handed to whichever thread is free, with its fds (the queue is bounded, and so are they).
-  struct Task {
-    UniqueFd src, dst;
-    Dir dir;
-  };
-
-  struct Frame {
-    DIR* src = nullptr;  // null (and dst -1) while closed: above the kMaxOpenFrames deepest of its stack
-    int dst = -1;
-    long pos = 0;  // telldir(src) when it was closed: where its readdir resumes
-    Dir dir;
-  };
-
-  // One thread's directories, its task's root first. Closes what is open, deepest first (so that the names are
-  // freed one at a time, never as a chain).
-  struct Stack {
-    std::deque<Frame> frames;
-    Stack() = default;
-    Stack(const Stack&) = delete;
-    Stack& operator=(const Stack&) = delete;
-    ~Stack() {
-      while (!frames.empty()) pop();
-    }
-    void pop() {
-      Frame& f = frames.back();
-      if (f.src) closedir(f.src);
-      if (f.dst >= 0) ::close(f.dst);
-      frames.pop_back();
-    }
-  };
-
-  std::string srcPath(const Rel& rel) const { return joinPath(srcRoot_, rel); }
-  std::string dstPath(const Rel& rel) const { return joinPath(dstRoot_, rel); }
-  static Rel self(const Frame& f) { return Rel{f.dir.name.get(), nullptr}; }
-
-  // New entries are owned by our uid, and our gid or the directory's where it is setgid (mkdir(2)/open(2)
-  // inherit the group of a setgid directory).
-  Owner createdIn(const struct stat& dst) const { return Owner{euid_, (dst.st_mode & S_ISGID) ? dst.st_gid : egid_}; }
-
   void joinHelpers() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -225,7 +189,7 @@ class TreeCloner {
         active_++;
       }
       try {
-        walk(*t, local);
+        walk_(*t, local);
       } catch (...) {
         // Whatever it is (an Error, bad_alloc, system_error): the clone fails with it, no thread ends on it.
         fail(currentError());
@@ -238,7 +202,7 @@ class TreeCloner {
       cv_.notify_all();
     }
     std::lock_guard<std::mutex> lock(mu_);
-    add(summary, local);
+    add(*summary_, local);
   }
 
   static void add(CloneSummary& into, const CloneSummary& s) {
@@ -267,25 +231,206 @@ class TreeCloner {
     cv_.notify_all();
   }
 
-  // Queues `task` for another thread when the queue has room, starting a helper if none is free; false (the
-  // caller walks it itself) otherwise.
-  bool handOff(std::unique_ptr<Task>& task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (maxThreads_ < 2 || stop_ || queue_.size() >= maxThreads_) return false;
-      queue_.push_back(std::move(task));
-      if (idle_ < queue_.size() && helpers_.size() + 1 < maxThreads_) {
-        try {
-          helpers_.emplace_back([this] { work(); });
-        } catch (const std::system_error&) {
-          // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the threads there are do the work.
-          maxThreads_ = static_cast<unsigned>(helpers_.size()) + 1;
-        }
+  Walk walk_;
+  CloneSummary* summary_ = nullptr;  // run()'s, added to under mu_
+  unsigned maxThreads_;  // lowered (under mu_) when a thread cannot be started
+  std::mutex mu_;  // guards everything below it but the atomic
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Task>> queue_;  // at most maxThreads_
+  std::vector<std::thread> helpers_;
+  unsigned active_ = 0;
+  size_t idle_ = 0;  // threads waiting for a task
+  std::atomic<bool> stop_{false};  // also read without the lock, between entries
+  bool failed_ = false;
+  Error firstError_;
+};
+
+// The metadata of one entry copied onto its clone: owner, xattrs, mode and times, as far as permitted. Errors name
+// the entry by its path below the source and destination roots.
+class MetaCopier {
+ public:
+  MetaCopier(std::string srcRoot, std::string dstRoot) : srcRoot_(std::move(srcRoot)), dstRoot_(std::move(dstRoot)) {}
+
+  std::string srcPath(const Rel& rel) const { return joinPath(srcRoot_, rel); }
+  std::string dstPath(const Rel& rel) const { return joinPath(dstRoot_, rel); }
+
+  // Owner then xattrs: chown(2) clears setuid/setgid and security.capability, so the xattrs (and the mode,
+  // which the caller sets after this) come after it. Returns true when the owner was changed (the mode must
+  // then be set again). Where the owner (group) could not be kept, *dropSetId (when given) receives the set-user-ID
+  // (set-group-ID) bit to leave out of the mode, and security.capability is not copied: privileges of the
+  // source's owner are never handed to another (as cp(1) does).
+  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const Rel& rel, Owner now,
+                       mode_t* dropSetId = nullptr) {
+    bool chowned = false, kept = true;
+    if (st.st_uid != now.uid || st.st_gid != now.gid) {
+      if (fchown(dfd, st.st_uid, st.st_gid) != 0) {
+        if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
+        kept = false;  // EPERM: neither changed
+      }
+      chowned = true;
+    }
+    if (dropSetId) {
+      *dropSetId = 0;
+      if (!kept && st.st_uid != now.uid) *dropSetId |= S_ISUID;
+      if (!kept && st.st_gid != now.gid) *dropSetId |= S_ISGID;
+    }
+    copyXattrs(sfd, dfd, rel, kept || st.st_uid == now.uid);
+    return chowned;
+  }
+
+  // Owner, xattrs, mode and times of the regular file `dfd`, the clone of `sfd` (stat `st`); `modeSet`: it was
+  // created with its final permission bits (the mode is then set only where a chown cleared set-id bits).
+  void fileMeta(int sfd, int dfd, const struct stat& st, const Rel& rel, Owner created, bool modeSet) {
+    mode_t dropSetId = 0;
+    bool chowned = copyOwnerXattrs(sfd, dfd, st, rel, created, &dropSetId);
+    bool chmod = !modeSet || chowned;
+    if (chmod && fchmod(dfd, st.st_mode & 07777 & ~dropSetId) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    if (futimens(dfd, times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
+  }
+
+  void setModeTimes(int dfd, const DirMeta& st, const Rel& rel) {
+    if (fchmod(dfd, st.mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    struct timespec times[2] = {st.atime, st.mtime};
+    if (futimens(dfd, times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
+  }
+
+  // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
+  void nodeMeta(int ddir, const char* name, const struct stat& st, const Rel& rel, Owner created,
+                bool symlink) {
+    mode_t mode = st.st_mode & 07777;
+    if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
+        fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
+      if (st.st_uid != created.uid) mode &= ~S_ISUID;  // set-id only where the owner is kept (copyOwnerXattrs)
+      if (st.st_gid != created.gid) mode &= ~S_ISGID;
+    }
+    if (!symlink && fchmodat(ddir, name, mode, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    if (utimensat(ddir, name, times, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "utimensat", dstPath(rel));
+  }
+
+ private:
+  // `capability`: whether security.capability is copied (only where the owner is kept).
+  void copyXattrs(int sfd, int dfd, const Rel& rel, bool capability) {
+    char names[4096];
+    ssize_t len = flistxattr(sfd, names, sizeof names);
+    std::unique_ptr<char[]> big;
+    if (len < 0 && errno == ERANGE) {
+      ssize_t need = flistxattr(sfd, nullptr, 0);
+      if (need < 0) throwErrno(errno, "flistxattr", srcPath(rel));
+      big.reset(new char[need]);
+      len = flistxattr(sfd, big.get(), static_cast<size_t>(need));
+    }
+    if (len < 0) {
+      if (errno == ENOTSUP) return;  // the source file system has no xattrs
+      throwErrno(errno, "flistxattr", srcPath(rel));
+    }
+    if (len == 0) return;
+    const char* list = big ? big.get() : names;
+    std::vector<char> value(4096);
+    for (const char* n = list; n < list + len; n += strlen(n) + 1) {
+      if (!capability && strcmp(n, "security.capability") == 0) continue;
+      ssize_t vlen;
+      while ((vlen = fgetxattr(sfd, n, value.data(), value.size())) < 0 && errno == ERANGE) {
+        ssize_t need = fgetxattr(sfd, n, nullptr, 0);
+        if (need < 0) break;
+        value.resize(static_cast<size_t>(need) + 1);
+      }
+      if (vlen < 0) {
+        if (errno == ENODATA) continue;  // removed since the list was read
+        throwErrno(errno, "fgetxattr", srcPath(rel));
+      }
+      if (fsetxattr(dfd, n, value.data(), static_cast<size_t>(vlen), 0) != 0) {
+        // Not permitted (trusted.* without CAP_SYS_ADMIN) or not supported by the destination: kept where
+        // permitted, as cp -a does.
+        if (errno == EPERM || errno == ENOTSUP || errno == EACCES) continue;
+        throwErrno(errno, "fsetxattr", dstPath(rel));
       }
     }
-    cv_.notify_one();
-    return true;
   }
+
+  std::string srcRoot_, dstRoot_;
+};
+
+// The walk: depth first, each thread over a stack of directories (a source DIR and a destination fd each) of
+// which only the kMaxOpenFrames deepest are open; the ones above are closed and, when the walk climbs back,
+// reopened through ".." (checked by device and inode, so a rename meanwhile cannot redirect the walk) and their
+// readdir resumed where it stopped (seekdir to the telldir cookie: the d_off that getdents(2) reports, stable
+// across opens on the file systems NFS can export, which is what nfsd relies on). So memory is proportional to
+// depth (a name and a few numbers per level), fds are bounded and time is linear in entries, at any depth.
+// The threads and the queue of directories between them are WalkThreads'; the metadata of each entry is
+// MetaCopier's.
+// A directory's mode and times are set when its own entries are done: what is written below it later (by
+// another thread, through fds it already holds) changes neither its mtime nor needs a permission of it.
+class TreeCloner {
+ public:
+  static constexpr size_t kMaxOpenFrames = 16;  // per thread: 2 fds each
+
+  TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
+             std::string dstRoot)
+      : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd),
+        meta_(std::move(srcRoot), std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()),
+        threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
+
+  // Fills the (empty) destination root with the contents of the source root. Throws the first error.
+  void cloneContents() {
+    auto root = std::make_unique<Task>();
+    struct stat s, d;
+    if (fstat(srcRootFd_, &s) != 0) throwErrno(errno, "fstat", srcPath(Rel{}));
+    if (fstat(dstRootFd_, &d) != 0) throwErrno(errno, "fstat", dstPath(Rel{}));
+    skip_ = {d.st_dev, d.st_ino};  // never walk into the tree being built
+    root->src.reset(fcntl(srcRootFd_, F_DUPFD_CLOEXEC, 0));
+    if (!root->src) throwErrno(errno, "fcntl", srcPath(Rel{}));
+    root->dst.reset(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
+    if (!root->dst) throwErrno(errno, "fcntl", dstPath(Rel{}));
+    root->dir = Dir{nullptr, {s.st_dev, s.st_ino}, {d.st_dev, d.st_ino}, metaOf(s), createdIn(d), false};
+    threads_.run(std::move(root), summary);
+  }
+
+  // Applies a source directory's metadata to a destination directory (the root of a tree clone).
+  void copyDirMeta(int srcFd, int dstFd, const struct stat& st) {
+    struct stat now;
+    if (fstat(dstFd, &now) != 0) throwErrno(errno, "fstat", dstPath(Rel{}));
+    meta_.copyOwnerXattrs(srcFd, dstFd, st, Rel{}, {now.st_uid, now.st_gid});
+    meta_.setModeTimes(dstFd, metaOf(st), Rel{});
+  }
+
+  CloneSummary summary;  // complete after cloneContents returns
+
+ private:
+  struct Frame {
+    DIR* src = nullptr;  // null (and dst -1) while closed: above the kMaxOpenFrames deepest of its stack
+    int dst = -1;
+    long pos = 0;  // telldir(src) when it was closed: where its readdir resumes
+    Dir dir;
+  };
+
+  // One thread's directories, its task's root first. Closes what is open, deepest first (so that the names are
+  // freed one at a time, never as a chain).
+  struct Stack {
+    std::deque<Frame> frames;
+    Stack() = default;
+    Stack(const Stack&) = delete;
+    Stack& operator=(const Stack&) = delete;
+    ~Stack() {
+      while (!frames.empty()) pop();
+    }
+    void pop() {
+      Frame& f = frames.back();
+      if (f.src) closedir(f.src);
+      if (f.dst >= 0) ::close(f.dst);
+      frames.pop_back();
+    }
+  };
+
+  std::string srcPath(const Rel& rel) const { return meta_.srcPath(rel); }
+  std::string dstPath(const Rel& rel) const { return meta_.dstPath(rel); }
+  static Rel self(const Frame& f) { return Rel{f.dir.name.get(), nullptr}; }
+
+  // New entries are owned by our uid, and our gid or the directory's where it is setgid (mkdir(2)/open(2)
+  // inherit the group of a setgid directory).
+  Owner createdIn(const struct stat& dst) const { return Owner{euid_, (dst.st_mode & S_ISGID) ? dst.st_gid : egid_}; }
 
   void walk(Task& task, CloneSummary& local) {
     Stack stack;
@@ -300,8 +445,8 @@ class TreeCloner {
         continue;
       }
       const char* name = de->d_name;
-      if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
-      if (stop_ || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
+      if (isDotOrDotDot(name)) continue;
+      if (threads_.stopping() || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
         throwErrno(ECANCELED, "clone", srcPath(self(top)), dstPath(self(top)));
       entry(stack, top, name, local);
     }
@@ -330,7 +475,7 @@ class TreeCloner {
       Frame& parent = stack.frames[stack.frames.size() - 2];
       if (!parent.src) reopen(stack, parent, top);
     }
-    if (top.dir.applyMeta) setModeTimes(top.dst, top.dir.meta, self(top));
+    if (top.dir.applyMeta) meta_.setModeTimes(top.dst, top.dir.meta, self(top));
     stack.pop();
   }
 
@@ -405,6 +550,17 @@ class TreeCloner {
       case S_IFREG:
         regular(stack, sdir, ddir, name, top.dir.name, rel, st, created, local);
         return;
+      default:
+        node(sdir, ddir, name, rel, st, created, local);
+        return;
+    }
+  }
+
+  // An entry that is neither a directory nor a regular file: a symlink, fifo or device made anew (a device only
+  // where mknod is permitted), a socket skipped; each counted.
+  void node(int sdir, int ddir, const char* name, const Rel& rel, const struct stat& st, Owner created,
+            CloneSummary& local) {
+    switch (st.st_mode & S_IFMT) {
       case S_IFLNK: {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
         char target[PATH_MAX + 1];
@@ -412,13 +568,13 @@ class TreeCloner {
         if (n < 0) throwErrno(errno, "readlink", srcPath(rel), dstPath(rel));
         target[n] = 0;
         if (symlinkat(target, ddir, name) != 0) throwErrno(errno, "symlink", srcPath(rel), dstPath(rel));
-        nodeMeta(ddir, name, st, rel, created, true);
+        meta_.nodeMeta(ddir, name, st, rel, created, true);
         local.symlinks++;
         return;
       }
       case S_IFIFO:
         if (mknodat(ddir, name, S_IFIFO | 0600, 0) != 0) throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
-        nodeMeta(ddir, name, st, rel, created, false);
+        meta_.nodeMeta(ddir, name, st, rel, created, false);
         local.fifos++;
         return;
       case S_IFCHR:
@@ -430,7 +586,7 @@ class TreeCloner {
           }
           throwErrno(errno, "mknod", srcPath(rel), dstPath(rel));
         }
-        nodeMeta(ddir, name, st, rel, created, false);
+        meta_.nodeMeta(ddir, name, st, rel, created, false);
         local.devices++;
         return;
       case S_IFSOCK:
@@ -456,12 +612,12 @@ class TreeCloner {
     if (fstat(task->src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath(rel));
     if (st.st_dev == skip_.dev && st.st_ino == skip_.ino) return;
     if (fstat(task->dst.get(), &dst) != 0) throwErrno(errno, "fstat", dstPath(rel));
-    if (copyOwnerXattrs(task->src.get(), task->dst.get(), st, rel, {dst.st_uid, dst.st_gid}) &&
+    if (meta_.copyOwnerXattrs(task->src.get(), task->dst.get(), st, rel, {dst.st_uid, dst.st_gid}) &&
         fstat(task->dst.get(), &dst) != 0)
       throwErrno(errno, "fstat", dstPath(rel));
     task->dir = Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst),
                     true};
-    if (handOff(task)) return;
+    if (threads_.handOff(task)) return;
     push(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
   }
 
@@ -479,6 +635,32 @@ class TreeCloner {
       throwErrno(errno, "link", srcPath(rel), dstPath(rel));
   }
 
+  // The source file `name` of `sdir`, opened for its data. O_NOATIME keeps the walk from dirtying every source
+  // inode; allowed for the owner and CAP_FOWNER only. O_NONBLOCK: should the entry have become a fifo since
+  // fstatat, open must not wait for a writer (the clone of it then fails: FICLONE and lseek refuse a fifo).
+  UniqueFd openSourceFile(Stack& stack, int sdir, const char* name, const struct stat& st, const Rel& rel) {
+    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
+    if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
+    UniqueFd src(openIn(stack, sdir, name, flags));
+    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openIn(stack, sdir, name, flags & ~O_NOATIME));
+    if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
+    return src;
+  }
+
+  // The data of the regular file `src` (stat `st`) into the new empty `dst` (cloneData).
+  CloneFileResult fileData(int src, int dst, const struct stat& st, const Rel& rel) {
+    try {
+      // The paths are set by the catch below, so none are built per file here.
+      return cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(), std::string(),
+                       progress_ ? &progress_->cancel : nullptr);
+    } catch (Error& e) {
+      // Name the entry the way every other failure of the walk does: the source entry and its destination.
+      e.path = srcPath(rel);
+      e.dest = dstPath(rel);
+      throw;
+    }
+  }
+
   void regular(Stack& stack, int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel, const struct stat& st,
                Owner created, CloneSummary& local) {
     std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
@@ -492,37 +674,15 @@ class TreeCloner {
         return;
       }
     }
-    // O_NOATIME keeps the walk from dirtying every source inode; allowed for the owner and CAP_FOWNER only.
-    // O_NONBLOCK: should the entry have become a fifo since fstatat, open must not wait for a writer (the
-    // clone of it then fails: FICLONE and lseek refuse a fifo).
-    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
-    if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
-    UniqueFd src(openIn(stack, sdir, name, flags));
-    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openIn(stack, sdir, name, flags & ~O_NOATIME));
-    if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
+    UniqueFd src = openSourceFile(stack, sdir, name, st, rel);
     // Created with its final permission bits where the umask keeps them, saving an fchmod per file; the
     // tree is private until published (its root is 0700).
     mode_t perm = st.st_mode & 0777;
     bool exact = (perm & umask_) == 0 && (st.st_mode & 07000) == 0;
     UniqueFd dst(openIn(stack, ddir, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, exact ? perm : 0600));
     if (!dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    CloneFileResult data;
-    try {
-      // The paths are set by the catch below, so none are built per file here.
-      data = cloneData(src.get(), dst.get(), static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
-                    std::string(), progress_ ? &progress_->cancel : nullptr);
-    } catch (Error& e) {
-      // Name the entry the way every other failure of the walk does: the source entry and its destination.
-      e.path = srcPath(rel);
-      e.dest = dstPath(rel);
-      throw;
-    }
-    mode_t dropSetId = 0;
-    bool chowned = copyOwnerXattrs(src.get(), dst.get(), st, rel, created, &dropSetId);
-    bool chmod = !exact || chowned;
-    if (chmod && fchmod(dst.get(), st.st_mode & 07777 & ~dropSetId) != 0) throwErrno(errno, "chmod", dstPath(rel));
-    struct timespec times[2] = {st.st_atim, st.st_mtim};
-    if (futimens(dst.get(), times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
+    CloneFileResult data = fileData(src.get(), dst.get(), st, rel);
+    meta_.fileMeta(src.get(), dst.get(), st, rel, created, exact);
     if (data.method == CloneMethod::Copy) writeBack(dst.get(), opts_.writeback, dstPath(rel));
     if (opts_.durable && fsync(dst.get()) != 0) throwErrno(errno, "fsync", dstPath(rel));
     if (st.st_nlink > 1) links_.emplace(InodeKey{st.st_dev, st.st_ino}, std::make_shared<Name>(dir, name));
@@ -535,114 +695,23 @@ class TreeCloner {
     }
   }
 
-  // Owner then xattrs: chown(2) clears setuid/setgid and security.capability, so the xattrs (and the mode,
-  // which the caller sets after this) come after it. Returns true when the owner was changed (the mode must
-  // then be set again). Where the owner (group) could not be kept, *dropSetId (when given) receives the set-user-ID
-  // (set-group-ID) bit to leave out of the mode, and security.capability is not copied: privileges of the
-  // source's owner are never handed to another (as cp(1) does).
-  bool copyOwnerXattrs(int sfd, int dfd, const struct stat& st, const Rel& rel, Owner now,
-                       mode_t* dropSetId = nullptr) {
-    bool chowned = false, kept = true;
-    if (st.st_uid != now.uid || st.st_gid != now.gid) {
-      if (fchown(dfd, st.st_uid, st.st_gid) != 0) {
-        if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
-        kept = false;  // EPERM: neither changed
-      }
-      chowned = true;
-    }
-    if (dropSetId) {
-      *dropSetId = 0;
-      if (!kept && st.st_uid != now.uid) *dropSetId |= S_ISUID;
-      if (!kept && st.st_gid != now.gid) *dropSetId |= S_ISGID;
-    }
-    copyXattrs(sfd, dfd, rel, kept || st.st_uid == now.uid);
-    return chowned;
-  }
-
-  void setModeTimes(int dfd, const DirMeta& st, const Rel& rel) {
-    if (fchmod(dfd, st.mode & 07777) != 0) throwErrno(errno, "chmod", dstPath(rel));
-    struct timespec times[2] = {st.atime, st.mtime};
-    if (futimens(dfd, times) != 0) throwErrno(errno, "utimensat", dstPath(rel));
-  }
-
-  // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
-  void nodeMeta(int ddir, const char* name, const struct stat& st, const Rel& rel, Owner created,
-                bool symlink) {
-    mode_t mode = st.st_mode & 07777;
-    if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
-        fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0) {
-      if (errno != EPERM) throwErrno(errno, "chown", dstPath(rel));
-      if (st.st_uid != created.uid) mode &= ~S_ISUID;  // set-id only where the owner is kept (copyOwnerXattrs)
-      if (st.st_gid != created.gid) mode &= ~S_ISGID;
-    }
-    if (!symlink && fchmodat(ddir, name, mode, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
-    struct timespec times[2] = {st.st_atim, st.st_mtim};
-    if (utimensat(ddir, name, times, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "utimensat", dstPath(rel));
-  }
-
-  // `capability`: whether security.capability is copied (only where the owner is kept).
-  void copyXattrs(int sfd, int dfd, const Rel& rel, bool capability) {
-    char names[4096];
-    ssize_t len = flistxattr(sfd, names, sizeof names);
-    std::unique_ptr<char[]> big;
-    if (len < 0 && errno == ERANGE) {
-      ssize_t need = flistxattr(sfd, nullptr, 0);
-      if (need < 0) throwErrno(errno, "flistxattr", srcPath(rel));
-      big.reset(new char[need]);
-      len = flistxattr(sfd, big.get(), static_cast<size_t>(need));
-    }
-    if (len < 0) {
-      if (errno == ENOTSUP) return;  // the source file system has no xattrs
-      throwErrno(errno, "flistxattr", srcPath(rel));
-    }
-    if (len == 0) return;
-    const char* list = big ? big.get() : names;
-    std::vector<char> value(4096);
-    for (const char* n = list; n < list + len; n += strlen(n) + 1) {
-      if (!capability && strcmp(n, "security.capability") == 0) continue;
-      ssize_t vlen;
-      while ((vlen = fgetxattr(sfd, n, value.data(), value.size())) < 0 && errno == ERANGE) {
-        ssize_t need = fgetxattr(sfd, n, nullptr, 0);
-        if (need < 0) break;
-        value.resize(static_cast<size_t>(need) + 1);
-      }
-      if (vlen < 0) {
-        if (errno == ENODATA) continue;  // removed since the list was read
-        throwErrno(errno, "fgetxattr", srcPath(rel));
-      }
-      if (fsetxattr(dfd, n, value.data(), static_cast<size_t>(vlen), 0) != 0) {
-        // Not permitted (trusted.* without CAP_SYS_ADMIN) or not supported by the destination: kept where
-        // permitted, as cp -a does.
-        if (errno == EPERM || errno == ENOTSUP || errno == EACCES) continue;
-        throwErrno(errno, "fsetxattr", dstPath(rel));
-      }
-    }
-  }
-
   const CloneOptions& opts_;
   CloneProgress* progress_;
   int srcRootFd_, dstRootFd_;
-  std::string srcRoot_, dstRoot_;
+  MetaCopier meta_;
   uid_t euid_;
   gid_t egid_;
   mode_t umask_;
-  unsigned maxThreads_;  // lowered (under mu_) when a thread cannot be started
   InodeKey skip_{0, 0};
-
-  std::mutex mu_;  // guards everything below it but the atomics
-  std::condition_variable cv_;
-  std::vector<std::unique_ptr<Task>> queue_;  // at most maxThreads_
-  std::vector<std::thread> helpers_;
-  unsigned active_ = 0;
-  size_t idle_ = 0;  // threads waiting for a task
-  std::atomic<bool> stop_{false};  // also read without the lock, between entries
-  bool failed_ = false;
-  Error firstError_;
 
   std::mutex linkMu_;
   std::unordered_map<InodeKey, NameRef, InodeHash> links_;  // source inode -> its clone's name below dstRoot
+  WalkThreads threads_;  // last: its threads are joined before any member they use goes
 };
 
+}  // namespace
+
+namespace {
 void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
                  const std::string& dstPath) {
   if (opts.reflink != Reflink::Always) return;
@@ -652,26 +721,16 @@ void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts,
     throwCode("ERR_REFLINK_UNSUPPORTED", "source and destination are on different file systems (reflink: 'always')",
               EXDEV, "clone", srcPath, dstPath);
 }
+}  // namespace
 
-// Opens the source directory of a tree clone, fills *st and `identity` from it, and applies checkSameFs.
 UniqueFd openSourceDir(const std::string& srcPath, int dstDirFd, const std::string& dstPath,
                        const CloneOptions& options, SourceIdentity* identity, struct stat* st) {
-  UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  UniqueFd src(open(srcPath.c_str(), kDirPathFlags));
   if (!src) throwErrno(errno, "open", srcPath, dstPath);
   if (fstat(src.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
   fillIdentity(identity, *st);
   checkSameFs(*st, dstDirFd, options, srcPath, dstPath);
   return src;
-}
-
-}  // namespace
-
-const char* methodName(const CloneSummary& s, Reflink reflink) {
-  if (s.snapshot) return "snapshot";
-  if (s.reflinked && s.copied) return "mixed";
-  if (s.reflinked) return "reflink";
-  if (s.copied) return "copy";
-  return reflink == Reflink::Never ? "copy" : "reflink";
 }
 
 CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::string& dstPath,
@@ -684,81 +743,13 @@ CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::str
   return cloner.summary;
 }
 
-CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
-                         SourceIdentity* identity) {
-  struct stat st;
-  if (stat(srcPath.c_str(), &st) != 0) throwErrno(errno, "stat", srcPath, dstPath);
-  if (!S_ISDIR(st.st_mode)) {
-    CloneFileResult r =
-        cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity, progress ? &progress->cancel : nullptr);
-    CloneSummary s;
-    s.files = 1;
-    s.bytes = r.bytes;
-    (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
-    if (progress) {
-      progress->files.fetch_add(1, std::memory_order_relaxed);
-      progress->bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-    }
-    return s;
-  }
-  UniqueFd src = openSourceDir(srcPath, dstDirFd, dstPath, options, identity, &st);
-
-  // The tree is built under a private temp name (0700 until its own metadata is applied, last).
-  std::string tmp = ".vmspace-tmp-" + randomHex(8);
-  if (mkdirat(dstDirFd, tmp.c_str(), 0700) != 0) throwErrno(errno, "mkdir", dstPath);
-  std::string parentPath, leaf;
-  splitPath(dstPath, &parentPath, &leaf);
-  std::string tmpPath = parentPath + "/" + tmp;
-  try {
-    UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
-    if (!root) throwErrno(errno, "open", dstPath);
-    TreeCloner cloner(options, progress, src.get(), root.get(), srcPath, dstPath);
-    cloner.cloneContents();
-    cloner.copyDirMeta(src.get(), root.get(), st);
-    if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
-    if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_NOREPLACE) != 0) {
-      int err = errno;
-      // A directory has no link(2) to publish it without replacing, and rename(2) replaces an empty one.
-      if (noReplaceUnsupported(err))
-        throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
-                  "the file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing a "
-                  "directory needs",
-                  err, "renameat2", srcPath, dstPath);
-      if (err != EEXIST || !options.overwrite) throwErrno(err, "renameat2", srcPath, dstPath);
-      // Replace an existing destination atomically: swap it with the new tree, then remove the old one
-      // (now under the temp name).
-      if (renameat2(dstDirFd, tmp.c_str(), dstDirFd, dstName.c_str(), RENAME_EXCHANGE) != 0)
-        throwErrno(errno, "renameat2", srcPath, dstPath);
-      removeTreeNoFollow(dstDirFd, tmp, tmpPath);
-    }
-    if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
-    cloner.summary.tree = true;
-    return cloner.summary;
-  } catch (...) {
-    try {
-      removeTreeNoFollow(dstDirFd, tmp, tmpPath);
-    } catch (...) {
-      // The original error is the one to report; what is left carries a .vmspace-tmp- name.
-    }
-    throw;
-  }
-}
-
-CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
-                       CloneProgress* progress) {
-  std::string parent, leaf;
-  splitPath(dstPath, &parent, &leaf);
-  UniqueFd dir(open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
-  if (!dir) throwErrno(errno, "open", dstPath);
-  return clonePathAt(srcPath, dir.get(), leaf, dstPath, options, progress);
-}
-
-CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
-                              const std::string& rel, const CloneOptions& options, CloneProgress* progress) {
-  std::string leaf;
-  UniqueFd dir(openParentBeneath(baseFd, rel, &leaf, basePath, false));
-  return clonePathAt(srcPath, dir.get(), leaf, basePath + "/" + rel, options, progress);
+CloneSummary cloneTreeAs(int srcFd, const struct stat& st, int dstFd, const std::string& srcPath,
+                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress) {
+  TreeCloner cloner(options, progress, srcFd, dstFd, srcPath, dstPath);
+  cloner.cloneContents();
+  cloner.copyDirMeta(srcFd, dstFd, st);
+  cloner.summary.tree = true;
+  return cloner.summary;
 }
 
 }  // namespace vmspace

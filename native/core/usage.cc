@@ -21,7 +21,6 @@
 namespace vmspace {
 namespace {
 
-constexpr int kDirFlags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
 constexpr size_t kMaxOpenFrames = 64;   // as remove.cc: depth must not cost fds
 constexpr unsigned kExtentsPerCall = 256;
 
@@ -100,7 +99,7 @@ class Walker {
       return;
     }
     const char* name = de->d_name;
-    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) return;
+    if (isDotOrDotDot(name)) return;
     int dfd = dirfd(top.dir);
     std::string path = top.path + "/" + name;
     struct statx stx;
@@ -109,43 +108,50 @@ class Walker {
       if (errno == ENOENT) return;  // removed meanwhile
       throwErrno(errno, "statx", path);
     }
-    if (S_ISDIR(stx.stx_mode)) {
-      int fd = openat(dfd, name, kDirFlags);
-      if (fd < 0) {
-        if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;  // changed meanwhile
-        throwErrno(errno, "open", path);
-      }
-      struct statx own;
-      if (statxFd(fd, kStatxMntId | STATX_INO | STATX_BLOCKS, &own) != 0) {
-        int err = errno;
-        ::close(fd);
-        throwErrno(err, "statx", path);
-      }
-      if (mountOf(fd, own) != mount_) {  // another file system mounted here: not this workspace's space
-        ::close(fd);
-        return;
-      }
-      stx = own;
-      r_->dirs++;
-      r_->allocatedBytes += stx.stx_blocks * 512;
-      DIR* d = fdopendir(fd);
-      if (!d) {
-        int err = errno;
-        ::close(fd);
-        throwErrno(err, "fdopendir", path);
-      }
-      stack_.push_back(Frame{d, 0, std::move(path), makedev(stx.stx_dev_major, stx.stx_dev_minor),
-                             static_cast<ino_t>(stx.stx_ino)});
-      if (stack_.size() > kMaxOpenFrames) {
-        Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
-        if (old.dir) {
-          old.pos = telldir(old.dir);
-          closedir(old.dir);
-          old.dir = nullptr;
-        }
-      }
+    if (S_ISDIR(stx.stx_mode)) enter(dfd, name, std::move(path));
+    else count(dfd, name, path, stx);
+  }
+
+  // The subdirectory `name` of `dfd`: counted and pushed, unless another file system is mounted there.
+  void enter(int dfd, const char* name, std::string path) {
+    int fd = openat(dfd, name, kDirFlags);
+    if (fd < 0) {
+      if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;  // changed meanwhile
+      throwErrno(errno, "open", path);
+    }
+    struct statx stx;
+    if (statxFd(fd, kStatxMntId | STATX_INO | STATX_BLOCKS, &stx) != 0) {
+      int err = errno;
+      ::close(fd);
+      throwErrno(err, "statx", path);
+    }
+    if (mountOf(fd, stx) != mount_) {  // another file system mounted here: not this workspace's space
+      ::close(fd);
       return;
     }
+    r_->dirs++;
+    r_->allocatedBytes += stx.stx_blocks * 512;
+    DIR* d = fdopendir(fd);
+    if (!d) {
+      int err = errno;
+      ::close(fd);
+      throwErrno(err, "fdopendir", path);
+    }
+    stack_.push_back(Frame{d, 0, std::move(path), makedev(stx.stx_dev_major, stx.stx_dev_minor),
+                           static_cast<ino_t>(stx.stx_ino)});
+    if (stack_.size() > kMaxOpenFrames) {
+      Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
+      if (old.dir) {
+        old.pos = telldir(old.dir);
+        closedir(old.dir);
+        old.dir = nullptr;
+      }
+    }
+  }
+
+  // An entry that is no directory (statx `stx`): its blocks, and for a regular file its size and extents; a hard
+  // link of a file counted already is passed over.
+  void count(int dfd, const char* name, const std::string& path, const struct statx& stx) {
     if (S_ISREG(stx.stx_mode) && stx.stx_nlink > 1 &&
         !links_.insert(InodeKey{makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)}).second)
       return;  // a hard link of a file counted already

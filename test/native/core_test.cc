@@ -1,5 +1,6 @@
 // Tests of native/core on its own, without Node (ctest; also built with sanitizers: see .ci/run). Each check
 // runs against a fresh directory under $TMPDIR (ext4 here, so clones copy).
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <cctype>
 #include <functional>
+#include <new>
 #include <set>
 #include <string>
 #include <utility>
@@ -16,6 +18,9 @@
 
 #include "../../native/core/clone.h"
 #include "../../native/core/error.h"
+#include "../../native/core/fd.h"
+#include "../../native/core/io.h"
+#include "../../native/core/json_file.h"
 #include "../../native/core/lock.h"
 #include "../../native/core/names.h"
 #include "../../native/core/pool.h"
@@ -286,6 +291,270 @@ static void lockFollowsAFileReplacedAtItsPath() {
   removeTreeNoFollow(d);
 }
 
+// ---- Issue 11: the helpers the core's functions share, and the core's passes on hand-built directories ----
+
+// The names in directory `path` (without "." and ".."), sorted: what a check expects to be left.
+static std::set<std::string> namesIn(const std::string& path) {
+  std::set<std::string> out;
+  int fd = open(path.c_str(), kDirPathFlags);
+  if (fd < 0) return {"<cannot open>"};
+  for (auto& [name, type] : readNames(fd, path)) out.insert(name);
+  CHECK(close(fd) == 0);
+  return out;
+}
+
+// How many fds the process has open (/proc/self/fd, less the one reading it).
+static int openFds() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return -1;
+  int n = 0;
+  for (struct dirent* de; (de = readdir(dir));)
+    if (!isDotOrDotDot(de->d_name)) n++;
+  closedir(dir);
+  return n - 1;
+}
+
+static void dotTestIsExact() {
+  CHECK(isDotOrDotDot("."));
+  CHECK(isDotOrDotDot(".."));
+  CHECK(!isDotOrDotDot(""));
+  CHECK(!isDotOrDotDot("..."));
+  CHECK(!isDotOrDotDot(".a"));
+  CHECK(!isDotOrDotDot("..a"));
+  CHECK(!isDotOrDotDot(".vmspace"));
+  CHECK(!isDotOrDotDot("a"));
+}
+
+static void readNamesOnEmptyAndLargeDirectories() {
+  std::string d = fresh();
+  int fd = open(d.c_str(), kDirFlags);
+  CHECK(fd >= 0);
+  CHECK(readNames(fd, d).empty());  // "." and ".." are never listed
+  const int kCount = 5000;          // many getdents(2) buffers' worth
+  for (int i = 0; i < kCount; i++) writeFile(d + "/f" + std::to_string(i), "");
+  CHECK(mkdir((d + "/sub").c_str(), 0700) == 0);
+  std::vector<std::pair<std::string, unsigned char>> names = readNames(fd, d);
+  std::set<std::string> unique;
+  int files = 0;
+  for (auto& [name, type] : names) {
+    unique.insert(name);
+    if (name[0] == 'f' && (type == DT_REG || type == DT_UNKNOWN)) files++;
+  }
+  CHECK(names.size() == kCount + 1 && unique.size() == kCount + 1);
+  CHECK(files == kCount && unique.count("sub") == 1 && unique.count("f4999") == 1);
+  // The caller's fd keeps its position: readNames reads through a fresh open of ".".
+  CHECK(lseek(fd, 0, SEEK_CUR) == 0);
+  CHECK(close(fd) == 0);
+  // Not a directory: ENOTDIR from open, naming the path given.
+  int file = open((d + "/f0").c_str(), O_RDONLY | O_CLOEXEC);
+  CHECK(file >= 0);
+  try {
+    readNames(file, d + "/f0");
+    CHECK(false);
+  } catch (const Error& e) {
+    CHECK(e.err == ENOTDIR && e.syscall == "open" && e.path == d + "/f0");
+  }
+  CHECK(close(file) == 0);
+  removeTreeNoFollow(d);
+}
+
+static void forEachNameStopsOnAThrowAndClosesItsFd() {
+  std::string d = fresh();
+  for (int i = 0; i < 10; i++) writeFile(d + "/f" + std::to_string(i), "");
+  int fd = open(d.c_str(), kDirFlags);
+  CHECK(fd >= 0);
+  int before = openFds();
+  int seen = 0;
+  CHECK(errorOf([&] {
+          forEachName(fd, d, [&](const struct dirent&) {
+            if (++seen == 3) throwErrno(EIO, "test", d);
+          });
+        }) == EIO);
+  CHECK(seen == 3);             // no entry after the throw
+  CHECK(openFds() == before);   // the directory it opened is closed
+  CHECK(close(fd) == 0);
+  removeTreeNoFollow(d);
+}
+
+static void tempFileLeavesNothingUnlessPublished() {
+  std::string d = fresh();
+  int dir = open(d.c_str(), kDirFlags);
+  CHECK(dir >= 0);
+  // Destroyed by a throw half way: the temp is gone.
+  CHECK(errorOf([&] {
+          TempFile t(dir, ".x.tmp-1", 0600, d + "/.x.tmp-1");
+          CHECK(writeAll(t.fd(), "half") == 0);
+          throwErrno(ENOSPC, "write", d + "/.x.tmp-1");
+        }) == ENOSPC);
+  CHECK(namesIn(d).empty());
+  // Published after its rename: only the final name, with every byte.
+  {
+    TempFile t(dir, ".x.tmp-2", 0600, d + "/.x.tmp-2");
+    CHECK(pwriteAll(t.fd(), "whole", 5, 0) == 0);
+    t.close();
+    CHECK(t.fd() == -1);
+    CHECK(renameat(dir, ".x.tmp-2", dir, "x") == 0);
+    t.published();
+  }
+  CHECK(namesIn(d) == std::set<std::string>{"x"});
+  CHECK(readAll(d + "/x") == "whole");
+  // A name that exists is EEXIST, and the file that had it is not touched (it was never ours).
+  writeFile(d + "/.x.tmp-3", "theirs");
+  CHECK(errorOf([&] { TempFile t(dir, ".x.tmp-3", 0600, d + "/.x.tmp-3"); }) == EEXIST);
+  CHECK(readAll(d + "/.x.tmp-3") == "theirs");
+  CHECK(close(dir) == 0);
+  removeTreeNoFollow(d);
+}
+
+static void pwriteAllWritesAtItsOffsetOrReturnsTheErrno() {
+  std::string d = fresh();
+  int fd = open((d + "/f").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  CHECK(fd >= 0);
+  std::string big(3 << 20, 'b');  // more than one write may take
+  CHECK(pwriteAll(fd, big.data(), big.size(), 10) == 0);
+  CHECK(pwriteAll(fd, "head", 4, 0) == 0);
+  struct stat st;
+  CHECK(fstat(fd, &st) == 0 && st.st_size == static_cast<off_t>(big.size()) + 10);
+  CHECK(lseek(fd, 0, SEEK_CUR) == 0);  // pwrite: the file offset is not moved
+  CHECK(close(fd) == 0);
+  CHECK(readAll(d + "/f") == "head" + std::string(6, '\0') + big);
+  int ro = open((d + "/f").c_str(), O_RDONLY | O_CLOEXEC);
+  CHECK(ro >= 0 && pwriteAll(ro, "x", 1, 0) == EBADF);
+  CHECK(ro >= 0 && close(ro) == 0);
+  removeTreeNoFollow(d);
+}
+
+static void badAllocIsEnomemInOnePlace() {
+  Error e = outOfMemoryError();
+  CHECK(e.err == ENOMEM && e.syscall == "malloc" && e.code.empty());
+  Error caught;
+  try {
+    throw std::bad_alloc();
+  } catch (...) {
+    caught = currentError();
+  }
+  CHECK(caught.err == ENOMEM && caught.syscall == "malloc" && caught.code.empty() && caught.detail.empty());
+}
+
+static void replaceFileLeavesNoTempAndRemovesOnlyItsOwn() {
+  std::string d = fresh();
+  std::string out;
+  CHECK(!readWholeFile(d + "/index.json", &out));  // missing: false, not an error
+  CHECK(errorOf([&] { readWholeFile(d, &out); }) == EISDIR);
+  replaceFile(d + "/index.json", "{\"a\":1}", true);
+  CHECK(readAll(d + "/index.json") == "{\"a\":1}");
+  CHECK(namesIn(d) == std::set<std::string>{"index.json"});
+  // A rename that fails (a directory with an entry at the path: EISDIR) leaves the temp behind nowhere.
+  CHECK(mkdir((d + "/busy").c_str(), 0700) == 0);
+  writeFile(d + "/busy/x", "");
+  CHECK(errorOf([&] { replaceFile(d + "/busy", "{}", false); }) == EISDIR);
+  CHECK(namesIn(d) == (std::set<std::string>{"busy", "index.json"}));
+  // Temps of dead writers: exactly "." + leaf + ".tmp-" + 12 lowercase hex, regular files only.
+  writeFile(d + "/.index.json.tmp-0123456789ab", "dead");
+  writeFile(d + "/.index.json.tmp-0123456789a", "short");
+  writeFile(d + "/.index.json.tmp-0123456789AB", "upper");
+  writeFile(d + "/.other.json.tmp-0123456789ab", "other");
+  CHECK(mkdir((d + "/.index.json.tmp-ffffffffffff").c_str(), 0700) == 0);
+  int dir = open(d.c_str(), kDirFlags);
+  CHECK(dir >= 0 && removeIndexTemps(dir, d, "index.json") == 1);
+  CHECK(dir >= 0 && close(dir) == 0);
+  CHECK(namesIn(d) == (std::set<std::string>{".index.json.tmp-0123456789a", ".index.json.tmp-0123456789AB",
+                                             ".index.json.tmp-ffffffffffff", ".other.json.tmp-0123456789ab",
+                                             "busy", "index.json"}));
+  removeTreeNoFollow(d);
+}
+
+static void removeTakesASmallTreeAndCountsItsBytes() {
+  std::string d = fresh();
+  CHECK(mkdir((d + "/t").c_str(), 0700) == 0);
+  CHECK(mkdir((d + "/t/a").c_str(), 0700) == 0);
+  CHECK(mkdir((d + "/t/a/b").c_str(), 0500) == 0);
+  writeFile(d + "/t/one", std::string(8192, '1'));
+  writeFile(d + "/t/a/two", "2");
+  CHECK(chmod((d + "/t/a/b").c_str(), 0) == 0);  // no permissions: removal needs none of them
+  CHECK(mkfifo((d + "/t/a/fifo").c_str(), 0600) == 0);
+  CHECK(symlink("/", (d + "/t/a/root").c_str()) == 0);
+  int dir = open(d.c_str(), kDirFlags);
+  CHECK(dir >= 0);
+  uint64_t bytes = 0;
+  removeTreeNoFollow(dir, "t", d + "/t", &bytes);
+  CHECK(namesIn(d).empty());
+  CHECK(bytes >= 8192);  // at least the one file's data (directories and file systems add their blocks)
+  CHECK(errorOf([&] { removeTreeNoFollow(dir, "t", d + "/t"); }) == ENOENT);
+  CHECK(close(dir) == 0);
+  removeTreeNoFollow(d);
+}
+
+static void cloneOfATreeCountsEveryKindAndLeavesNoTemp() {
+  std::string d = fresh();
+  CHECK(mkdir((d + "/src").c_str(), 0750) == 0);
+  CHECK(mkdir((d + "/src/sub").c_str(), 0700) == 0);
+  writeFile(d + "/src/a", "aa");
+  writeFile(d + "/src/sub/b", "bbb");
+  CHECK(chmod((d + "/src/sub/b").c_str(), 0640) == 0);
+  CHECK(link((d + "/src/a").c_str(), (d + "/src/sub/a-link").c_str()) == 0);
+  CHECK(symlink("../a", (d + "/src/sub/sym").c_str()) == 0);
+  CHECK(mkfifo((d + "/src/fifo").c_str(), 0600) == 0);
+  CloneOptions opts;
+  opts.reflink = Reflink::Auto;
+  CloneSummary s = clonePath(d + "/src", d + "/dst", opts, nullptr);
+  CHECK(s.tree && s.files == 2 && s.bytes == 5 && s.dirs == 1 && s.hardlinks == 1 && s.symlinks == 1 &&
+        s.fifos == 1 && s.reflinked + s.copied == 2);
+  CHECK(namesIn(d + "/dst") == (std::set<std::string>{"a", "fifo", "sub"}));
+  CHECK(namesIn(d + "/dst/sub") == (std::set<std::string>{"a-link", "b", "sym"}));
+  CHECK(readAll(d + "/dst/sub/b") == "bbb");
+  struct stat root, b, a, alink;
+  CHECK(stat((d + "/dst").c_str(), &root) == 0 && (root.st_mode & 07777) == 0750);
+  CHECK(stat((d + "/dst/sub/b").c_str(), &b) == 0 && (b.st_mode & 07777) == 0640);
+  CHECK(stat((d + "/dst/a").c_str(), &a) == 0 && stat((d + "/dst/sub/a-link").c_str(), &alink) == 0 &&
+        a.st_ino == alink.st_ino);
+  // Again onto the clone: EEXIST, and the temp tree it built is gone.
+  CHECK(errorOf([&] { clonePath(d + "/src", d + "/dst", opts, nullptr); }) == EEXIST);
+  CHECK(namesIn(d) == (std::set<std::string>{"dst", "src"}));
+  removeTreeNoFollow(d);
+}
+
+static void sweepPassesOnAHandBuiltPool() {
+  std::string d = fresh();
+  std::string root = d + "/pool";
+  auto pool = Pool::open(root, true);
+  AllocateRequest req;
+  req.prefix = "vm";
+  req.infoJson = "{}";
+  AllocateResult live = pool->allocate(req);  // its lease held: never reclaimed
+  std::string orphan = "vm-" + std::string(32, 'a'), ghost = "vm-" + std::string(32, 'c');
+  CHECK(mkdir((root + "/" + orphan).c_str(), 0700) == 0);               // published, no lease
+  CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);                   // not a workspace name: not the pool's
+  CHECK(mkdir((root + "/.vmspace/trash/gone").c_str(), 0700) == 0);     // trash, no lock
+  CHECK(mkdir((root + "/.vmspace/staging/vm-" + std::string(32, 'b')).c_str(), 0700) == 0);  // a dead build
+  writeFile(root + "/.vmspace/meta/" + ghost + ".json", "{}");          // metadata without a workspace
+  writeFile(root + "/.vmspace/meta/README", "");                        // neither metadata nor a temp of it
+  writeFile(root + "/.vmspace/.noreplace-probe-0123456789ab", "");      // a probe whose opener died
+  // A dry run reports and removes nothing (the probe pass does not run dry).
+  SweepReport dry = pool->sweep(true, 0);
+  std::set<std::string> dryFrom;
+  for (auto& e : dry.reclaimed) dryFrom.insert(std::string(e.from) + ":" + e.name);
+  CHECK(dryFrom == (std::set<std::string>{"published:" + orphan, "trash:gone", "staging:vm-" + std::string(32, 'b')}));
+  CHECK(dry.failed.empty() && dry.live == 1 && dry.metaRemoved == 1);
+  CHECK(exists(root + "/" + orphan) && exists(root + "/.vmspace/trash/gone") &&
+        exists(root + "/.vmspace/.noreplace-probe-0123456789ab"));
+  SweepReport r = pool->sweep(false, 0);
+  std::set<std::string> from;
+  for (auto& e : r.reclaimed) from.insert(std::string(e.from) + ":" + e.name);
+  CHECK(from == dryFrom);
+  CHECK(r.failed.empty() && r.live == 1 && r.metaRemoved == 1);
+  CHECK(namesIn(root) == (std::set<std::string>{".vmspace", live.name, "notes"}));
+  CHECK(namesIn(root + "/.vmspace/trash").empty() && namesIn(root + "/.vmspace/staging").empty());
+  CHECK(namesIn(root + "/.vmspace/meta") == (std::set<std::string>{"README", live.name + ".json"}));
+  CHECK(!exists(root + "/.vmspace/.noreplace-probe-0123456789ab"));
+  // Nothing left to do: a second sweep reclaims nothing.
+  SweepReport again = pool->sweep(false, 0);
+  CHECK(again.reclaimed.empty() && again.failed.empty() && again.live == 1 && again.metaRemoved == 0);
+  pool->dispose(live.name, live.leaseFd);
+  pool->close();
+  removeTreeNoFollow(d);
+}
+
 int main() {
   removeNeverFollowsSymlinks();
   cloneKeepsHolesAndRefusesExisting();
@@ -296,6 +565,16 @@ int main() {
   removeTakesAChainDeeperThanPathMax();
   cloneCopiesSparseDataKeepingHoles();
   lockFollowsAFileReplacedAtItsPath();
+  dotTestIsExact();
+  readNamesOnEmptyAndLargeDirectories();
+  forEachNameStopsOnAThrowAndClosesItsFd();
+  tempFileLeavesNothingUnlessPublished();
+  pwriteAllWritesAtItsOffsetOrReturnsTheErrno();
+  badAllocIsEnomemInOnePlace();
+  replaceFileLeavesNoTempAndRemovesOnlyItsOwn();
+  removeTakesASmallTreeAndCountsItsBytes();
+  cloneOfATreeCountsEveryKindAndLeavesNoTemp();
+  sweepPassesOnAHandBuiltPool();
   std::printf("%s\n", failures ? "core tests FAILED" : "core tests passed");
   return failures ? 1 : 0;
 }
