@@ -1,4 +1,4 @@
-/** The native addon (native/binding.cc), loaded once per thread; its functions take checked arguments only. */
+/** The native addon (native/binding/, one file per capability), loaded once per thread; its functions take checked arguments only. */
 import * as path from 'node:path'
 import type { CloneResult } from './clone.js'
 

@@ -2,7 +2,7 @@
  * Cross-process locks (flock(2)) and the locked JSON index (DESIGN.md, "Locked JSON index").
  *
  * A lock wait never occupies the libuv thread pool: the first try is non-blocking, and a wait runs on a thread
- * of its own (native/binding.cc, LockWait), so any number of waiters leave `fs` calls working.
+ * of its own (native/binding/lock.cc, LockWait), so any number of waiters leave `fs` calls working.
  */
 import { TextDecoder } from 'node:util'
 import { native, type WaitHandle } from './binding.js'
