@@ -14,7 +14,6 @@
         "native/binding/json_file.cc",
         "native/binding/template.cc",
         "native/binding/quota.cc",
-        "native/binding/test_hooks.cc",
         "native/core/clone.cc",
         "native/core/names.cc",
         "native/core/pool.cc",

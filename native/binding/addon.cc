@@ -16,7 +16,9 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   initJsonFile(env, exports);
   initTemplate(env, exports);
   initQuota(env, exports);
-  initTestHooks(env, exports);
+#ifdef VMSPACE_TEST_HOOKS
+  initTestHooks(env, exports);  // test builds only
+#endif
   return exports;
 }
 

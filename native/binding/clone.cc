@@ -1,28 +1,28 @@
 // clone: clonePath, clonePathBeneath and their progress/cancel handles (native/core/clone.h).
-
-
 #include "common.h"
 
 namespace vmspace::binding {
 
 namespace {
 
+// clonePath({src, dst, reflink, overwrite, durable, writeback, progress})
 Napi::Value ClonePath(const Napi::CallbackInfo& info) {
-  std::string src = stringArg(info, 0), dst = stringArg(info, 1);
-  vmspace::CloneOptions opts = cloneOptionsArg(info, 2);
-  ProgressRef progress = progressArg(info, 5);
-  opts.writeback = writebackArg(info, 6);
+  Options o(info, 0, "clonePath");
+  std::string src = o.string("src"), dst = o.string("dst");
+  vmspace::CloneOptions opts = cloneOptionsOf(o);
+  ProgressRef progress = progressOf(o);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(), [src, dst, opts, progress] { return vmspace::clonePath(src, dst, opts, progress.get()); },
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
 }
 
+// clonePathBeneath({baseFd, basePath, src, rel, reflink, overwrite, durable, writeback, progress})
 Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
-  int baseFd = static_cast<int>(intArg(info, 0));
-  std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
-  vmspace::CloneOptions opts = cloneOptionsArg(info, 4);
-  ProgressRef progress = progressArg(info, 7);
-  opts.writeback = writebackArg(info, 8);
+  Options o(info, 0, "clonePathBeneath");
+  int baseFd = o.int32("baseFd");
+  std::string basePath = o.string("basePath"), src = o.string("src"), rel = o.string("rel");
+  vmspace::CloneOptions opts = cloneOptionsOf(o);
+  ProgressRef progress = progressOf(o);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(),
       [baseFd, basePath, src, rel, opts, progress] {
@@ -53,20 +53,22 @@ Napi::Value CancelProgress(const Napi::CallbackInfo& info) {
 
 }  // namespace
 
-vmspace::CloneOptions cloneOptionsArg(const Napi::CallbackInfo& info, size_t i) {
-  vmspace::CloneOptions o;
-  int64_t reflink = intArg(info, i);
-  o.reflink = reflink == 0 ? vmspace::Reflink::Always : reflink == 2 ? vmspace::Reflink::Never : vmspace::Reflink::Auto;
-  o.overwrite = boolArg(info, i + 1);
-  o.durable = boolArg(info, i + 2);
-  return o;
+vmspace::CloneOptions cloneOptionsOf(const Options& o) {
+  static constexpr vmspace::Reflink reflinks[] = {vmspace::Reflink::Always, vmspace::Reflink::Auto,
+                                                  vmspace::Reflink::Never};
+  static constexpr vmspace::Writeback writebacks[] = {vmspace::Writeback::None, vmspace::Writeback::Start,
+                                                      vmspace::Writeback::Wait};
+  vmspace::CloneOptions c;
+  c.reflink = reflinks[o.oneOf("reflink", {"always", "auto", "never"}, 1)];
+  c.overwrite = o.booleanOr("overwrite", false);
+  c.durable = o.booleanOr("durable", false);
+  c.writeback = writebacks[o.oneOf("writeback", {"none", "start", "wait"}, 0)];
+  return c;
 }
 
-// 0 none, 1 start, 2 wait (CloneOptions.writeback); missing: none.
-vmspace::Writeback writebackArg(const Napi::CallbackInfo& info, size_t i) {
-  if (!info[i].IsNumber()) return vmspace::Writeback::None;
-  int64_t w = info[i].As<Napi::Number>().Int64Value();
-  return w == 1 ? vmspace::Writeback::Start : w == 2 ? vmspace::Writeback::Wait : vmspace::Writeback::None;
+ProgressRef progressOf(const Options& o) {
+  ProgressRef* p = o.externalOr<ProgressRef>("progress");
+  return p ? *p : nullptr;
 }
 
 // Optional progress/cancel handle made by NewProgress; shared with the worker so it outlives whichever ends last.

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -118,9 +119,46 @@ Napi::Promise closeFd(Napi::Env env, int fd);
 
 // ---- argument conversion (types were checked by lib/; a mismatch here is a TypeError, never a crash) ----
 
+// One call's options object, read by name (as sharp and classic-level do): each getter throws a TypeError naming
+// the call and the key when the value has the wrong type; the *Or getters return `fallback` for undefined.
+class Options {
+ public:
+  // info[i] must be an object; `call` names the native function in errors.
+  Options(const Napi::CallbackInfo& info, size_t i, const char* call);
+
+  std::string string(const char* key) const;
+  std::string stringOr(const char* key, std::string fallback) const;
+  bool boolean(const char* key) const;
+  bool booleanOr(const char* key, bool fallback) const;
+  uint32_t uint32(const char* key) const;
+  int32_t int32(const char* key) const;
+  // An integer up to 2^53 (a JS safe integer): byte counts, milliseconds.
+  int64_t int64(const char* key) const;
+  int64_t int64Or(const char* key, int64_t fallback) const;
+  // A string naming one of `names` (in order); its index. Enums travel as their names, parsed here once.
+  size_t oneOf(const char* key, std::initializer_list<const char*> names, size_t fallback) const;
+  Napi::Array array(const char* key) const;
+  Napi::Env env() const { return env_; }
+  // A handle made by the binding (Napi::External<T>) or undefined (null).
+  template <typename T>
+  T* externalOr(const char* key) const {
+    Napi::Value v = get(key);
+    if (v.IsUndefined()) return nullptr;
+    if (!v.IsExternal()) throw wrongType(key, "a handle");
+    return v.As<Napi::External<T>>().Data();
+  }
+
+ private:
+  Napi::Value get(const char* key) const;
+  Napi::TypeError wrongType(const char* key, const char* what) const;
+  Napi::Env env_;
+  Napi::Object object_;
+  std::string call_;
+};
+
 std::string stringArg(const Napi::CallbackInfo& info, size_t i);
 int64_t intArg(const Napi::CallbackInfo& info, size_t i);
-inline bool boolArg(const Napi::CallbackInfo& info, size_t i) { return info[i].ToBoolean().Value(); }
+bool boolArg(const Napi::CallbackInfo& info, size_t i);
 
 struct PoolRef {
   std::shared_ptr<vmspace::Pool> pool;
@@ -131,12 +169,15 @@ std::shared_ptr<vmspace::Pool> poolArg(const Napi::CallbackInfo& info, size_t i)
 
 using ProgressRef = std::shared_ptr<vmspace::CloneProgress>;
 // clone.cc: the clone options, the optional progress/cancel handle, a clone's summary.
-vmspace::CloneOptions cloneOptionsArg(const Napi::CallbackInfo& info, size_t i);
-vmspace::Writeback writebackArg(const Napi::CallbackInfo& info, size_t i);
+// reflink ('always' | 'auto' | 'never', default 'auto'), overwrite, durable, writeback ('none' | 'start' | 'wait').
+vmspace::CloneOptions cloneOptionsOf(const Options& o);
 ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i);
+ProgressRef progressOf(const Options& o);  // the key "progress"
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
 // pool.cc: allocate's request and result, which a warm entry shares.
-vmspace::AllocateRequest allocateRequestArg(const Napi::CallbackInfo& info, size_t first, ProgressRef* progress);
+// The workspace's shape: prefix, mode, templateDir, entries, reflink, durable (warmBuild takes these only);
+// allocate adds infoJson, progress, writeback, quotaBytes, quotaInodes, fromTemplate.
+vmspace::AllocateRequest workspaceRequestOf(const Options& o);
 Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmspace::Reflink reflink);
 void dropAllocateResult(vmspace::AllocateResult& r);
 
@@ -150,7 +191,9 @@ void initLock(Napi::Env env, Napi::Object exports);
 void initJsonFile(Napi::Env env, Napi::Object exports);
 void initTemplate(Napi::Env env, Napi::Object exports);
 void initQuota(Napi::Env env, Napi::Object exports);
-void initTestHooks(Napi::Env env, Napi::Object exports);
+#ifdef VMSPACE_TEST_HOOKS
+void initTestHooks(Napi::Env env, Napi::Object exports);  // test_hooks.cc
+#endif
 
 // exports[name] = fn
 inline void exportFunction(Napi::Env env, Napi::Object exports, const char* name, Napi::Function::Callback fn) {

@@ -12,9 +12,9 @@ struct MaybeText {
   std::string bytes;
 };
 
-// The index file's bytes as a Buffer (undefined when missing): UTF-8 is checked in JS, where invalid input is an
-// error rather than a replacement character.
-Napi::Value ReadIndex(const Napi::CallbackInfo& info) {
+// readJsonFile(path): the file's bytes as a Buffer (undefined when missing): UTF-8 is checked in JS, where
+// invalid input is an error rather than a replacement character.
+Napi::Value ReadJsonFile(const Napi::CallbackInfo& info) {
   std::string path = stringArg(info, 0);
   return Work<MaybeText>::Start(
       info.Env(),
@@ -29,17 +29,19 @@ Napi::Value ReadIndex(const Napi::CallbackInfo& info) {
       });
 }
 
-Napi::Value WriteIndex(const Napi::CallbackInfo& info) {
-  std::string path = stringArg(info, 0), text = stringArg(info, 1);
-  bool durable = boolArg(info, 2);
+// replaceJsonFile({path, text, durable}): writes a temp file beside `path` and renames it over (core/lock.h).
+Napi::Value ReplaceJsonFile(const Napi::CallbackInfo& info) {
+  Options o(info, 0, "replaceJsonFile");
+  std::string path = o.string("path"), text = o.string("text");
+  bool durable = o.boolean("durable");
   return runVoid(info.Env(), [path, text, durable] { vmspace::replaceFile(path, text, durable); });
 }
 
 }  // namespace
 
 void initJsonFile(Napi::Env env, Napi::Object exports) {
-  exportFunction(env, exports, "readIndex", ReadIndex);
-  exportFunction(env, exports, "writeIndex", WriteIndex);
+  exportFunction(env, exports, "readJsonFile", ReadJsonFile);
+  exportFunction(env, exports, "replaceJsonFile", ReplaceJsonFile);
 }
 
 }  // namespace vmspace::binding

@@ -106,20 +106,19 @@ Instance::~Instance() {
 
 namespace {
 
-// lockWait(fd, path, shared, callback(errno, fd, syscall)): callback gets 0 once the lock is held on the file at
-// `path`, ECANCELED after lockCancel, or the errno of `syscall`; with the fd it ends with, which the caller
-// releases (a new one when the file was replaced during the wait). Returns the handle for lockCancel.
-Napi::Value LockWait(const Napi::CallbackInfo& info) {
+// A waiter for lockWait's options, its callback wrapped in a thread-safe function.
+WaiterRef newWaiter(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
+  Options o(info, 0, "lockWait");
   auto waiter = std::make_shared<LockWaiter>();
-  waiter->fd = static_cast<int>(intArg(info, 0));
-  waiter->path = stringArg(info, 1);
-  waiter->shared = boolArg(info, 2);
-  if (!info[3].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: callback must be a function");
+  waiter->fd = o.int32("fd");
+  waiter->path = o.string("path");
+  waiter->shared = o.boolean("shared");
+  if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "vmspace binding: lockWait: callback must be a function");
   // Node frees a thread-safe function when its env is torn down, even while a thread still holds it; the
   // finalizer tells the thread (under mu) not to touch it any more.
   waiter->tsfn = LockWaitTsfn::New(
-      env, info[3].As<Napi::Function>(), "vmspace lock wait", 0, 1, waiter.get(),
+      env, info[1].As<Napi::Function>(), "vmspace lock wait", 0, 1, waiter.get(),
       [](Napi::Env, WaiterRef* ref, LockWaiter*) {
         {
           std::lock_guard<std::mutex> lock((*ref)->mu);
@@ -128,58 +127,63 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
         delete ref;
       },
       new WaiterRef(waiter));
-  instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
-  instance(env).waiters.insert(waiter);
-  int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
-  // The result's allocation is made here, on the JS thread, where a bad_alloc becomes a JS exception: on the
-  // detached wait thread it would end the process (std::terminate).
-  auto* done = new LockWaitDone{waiter, 0, "flock"};
-  auto wait = [waiter, sig, done] {
-    // No V8 here: runs on the wait's own thread.
+  return waiter;
+}
+
+// No V8 here: runs on the wait's own thread. Waits until the lock is held on the file at the waiter's path, or
+// the wait is cancelled (ECANCELED), or a call fails: 0 or that errno, with the failed call in `*syscall`.
+int waitForLock(LockWaiter& waiter, int sig, const char** syscall) {
+  for (;;) {
+    *syscall = "flock";
+    if (waiter.cancelled.load()) return ECANCELED;
     int err;
-    const char* syscall = "flock";
-    for (;;) {
-      if (waiter->cancelled.load()) {
-        err = ECANCELED;
-        break;
+    if (sig) {
+      err = vmspace::lockWaitBlocking(waiter.fd, waiter.shared);
+      if (err == EINTR) continue;  // a cancel (or another signal): check the flag again
+    } else {
+      // No signal to interrupt a blocking wait with: poll without blocking instead.
+      err = vmspace::lockTry(waiter.fd, waiter.shared);
+      if (err == EWOULDBLOCK) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
       }
-      if (sig) {
-        err = vmspace::lockWaitBlocking(waiter->fd, waiter->shared);
-        if (err == EINTR) continue;  // a cancel (or another signal): check the flag again
-      } else {
-        // No signal to interrupt a blocking wait with: poll without blocking instead.
-        err = vmspace::lockTry(waiter->fd, waiter->shared);
-        if (err == EWOULDBLOCK) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          continue;
-        }
-      }
-      if (err != 0) break;
-      // Granted: on the file at the path, or on one deleted meanwhile (then wait again on the new one).
-      err = vmspace::lockFollowPath(waiter->path, &waiter->fd, &syscall);
-      if (err != EAGAIN) break;
-      syscall = "flock";
     }
-    std::lock_guard<std::mutex> lock(waiter->mu);
-    waiter->done = true;
-    if (waiter->tsfnGone) {
-      ::close(waiter->fd);  // the env is gone: drop the lock (if we got it) here
-      delete done;
-      return;
-    }
-    done->err = err;
-    done->syscall = syscall;
-    if (waiter->tsfn.BlockingCall(done) != napi_ok) {
-      ::close(waiter->fd);
-      delete done;
-    }
-    waiter->tsfn.Release();
-  };
+    if (err != 0) return err;
+    // Granted: on the file at the path, or on one deleted meanwhile (then wait again on the new one).
+    err = vmspace::lockFollowPath(waiter.path, &waiter.fd, syscall);
+    if (err != EAGAIN) return err;
+  }
+}
+
+// On the wait's thread: hands the result to the JS thread, or drops the lock when the env is gone.
+void deliver(LockWaiter& waiter, LockWaitDone* done, int err, const char* syscall) {
+  std::lock_guard<std::mutex> lock(waiter.mu);
+  waiter.done = true;
+  if (waiter.tsfnGone) {
+    ::close(waiter.fd);  // the env is gone: drop the lock (if we got it) here
+    delete done;
+    return;
+  }
+  done->err = err;
+  done->syscall = syscall;
+  if (waiter.tsfn.BlockingCall(done) != napi_ok) {
+    ::close(waiter.fd);
+    delete done;
+  }
+  waiter.tsfn.Release();
+}
+
+// Starts the wait's thread; without one (EAGAIN: RLIMIT_NPROC or the kernel's thread limit) the fd goes back to
+// the caller, who closes it, and this throws.
+void startWaitThread(Napi::Env env, const WaiterRef& waiter, int sig, LockWaitDone* done) {
   std::thread t;
   try {
-    t = std::thread(wait);
+    t = std::thread([waiter, sig, done] {
+      const char* syscall = "flock";
+      int err = waitForLock(*waiter, sig, &syscall);
+      deliver(*waiter, done, err, syscall);
+    });
   } catch (const std::system_error& e) {
-    // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the fd goes back to the caller, who closes it.
     delete done;
     instance(env).waiters.erase(waiter);
     instance(env).locks.insert(waiter->fd);
@@ -190,6 +194,21 @@ Napi::Value LockWait(const Napi::CallbackInfo& info) {
   }
   waiter->thread = t.native_handle();
   t.detach();
+}
+
+// lockWait({fd, path, shared}, callback(errno, fd, syscall)): callback gets 0 once the lock is held on the file
+// at `path`, ECANCELED after lockCancel, or the errno of `syscall`; with the fd it ends with, which the caller
+// releases (a new one when the file was replaced during the wait). Returns the handle for lockCancel.
+Napi::Value LockWait(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  WaiterRef waiter = newWaiter(info);
+  instance(env).locks.erase(waiter->fd);  // the wait owns it until its callback runs
+  instance(env).waiters.insert(waiter);
+  int sig = vmspace::lockCancelSignal();  // installed here, on the JS thread, before any cancel can be sent
+  // The result's allocation is made here, on the JS thread, where a bad_alloc becomes a JS exception: on the
+  // detached wait thread it would end the process (std::terminate).
+  auto* done = new LockWaitDone{waiter, 0, "flock"};
+  startWaitThread(env, waiter, sig, done);
   return Napi::External<WaiterRef>::New(env, new WaiterRef(waiter), [](Napi::Env, WaiterRef* w) { delete w; });
 }
 

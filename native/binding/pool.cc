@@ -11,14 +11,16 @@ namespace vmspace::binding {
 
 namespace {
 
+// openPool({root, create, sharedGid, format, minFreeBytes, projectIdFirst, projectIdLast})
 Napi::Value OpenPool(const Napi::CallbackInfo& info) {
-  std::string root = stringArg(info, 0);
-  bool create = boolArg(info, 1);
-  int64_t sharedGid = intArg(info, 2);  // -1: none
-  int format = static_cast<int>(intArg(info, 3));  // of a pool made here: 1 or 2
+  Options o(info, 0, "openPool");
+  std::string root = o.string("root");
+  bool create = o.boolean("create");
+  int64_t sharedGid = o.int64Or("sharedGid", -1);  // -1: none
+  int format = o.int32("format");  // of a pool made here: 1 or 2
   // quota (issue 13): minFreeBytes, project id range
-  uint64_t minFreeBytes = static_cast<uint64_t>(intArg(info, 4));
-  vmspace::ProjectIdRange projectIds{static_cast<uint32_t>(intArg(info, 5)), static_cast<uint32_t>(intArg(info, 6))};
+  uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
+  vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
   return Work<std::shared_ptr<vmspace::Pool>>::Start(
       info.Env(),
       [root, create, sharedGid, format, minFreeBytes, projectIds] {
@@ -42,10 +44,20 @@ Napi::Value ClosePool(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [pool] { pool->close(); });
 }
 
+// allocate(pool, {prefix, mode, templateDir, entries, reflink, durable, infoJson, progress, writeback,
+// quotaBytes, quotaInodes, fromTemplate})
 Napi::Value Allocate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
-  ProgressRef progress;
-  vmspace::AllocateRequest req = allocateRequestArg(info, 1, &progress);
+  Options o(info, 1, "allocate");
+  vmspace::AllocateRequest req = workspaceRequestOf(o);
+  req.infoJson = o.string("infoJson");
+  ProgressRef progress = progressOf(o);
+  req.progress = progress.get();
+  req.clone.writeback = cloneOptionsOf(o).writeback;
+  // quota (issue 13): allocate only (a warm build has none); 0: none
+  req.quota.bytes = static_cast<uint64_t>(o.int64Or("quotaBytes", 0));
+  req.quota.inodes = static_cast<uint64_t>(o.int64Or("quotaInodes", 0));
+  req.fromTemplate = o.stringOr("fromTemplate", "");  // issue 14
   vmspace::Reflink reflink = req.clone.reflink;
   return Work<vmspace::AllocateResult>::Start(
       info.Env(), [pool, req, progress] { return pool->allocate(req); },
@@ -53,10 +65,12 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
       dropAllocateResult);
 }
 
+// dispose(pool, {name, leaseFd})
 Napi::Value Dispose(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
-  std::string name = stringArg(info, 1);
-  int leaseFd = static_cast<int>(intArg(info, 2));
+  Options o(info, 1, "dispose");
+  std::string name = o.string("name");
+  int leaseFd = o.int32("leaseFd");
   instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
   return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
 }
@@ -95,10 +109,12 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
       });
 }
 
+// sweep(pool, {dryRun, graceMs})
 Napi::Value Sweep(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
-  bool dryRun = boolArg(info, 1);
-  int64_t graceMs = intArg(info, 2);
+  Options o(info, 1, "sweep");
+  bool dryRun = o.boolean("dryRun");
+  int64_t graceMs = o.int64("graceMs");
   return Work<vmspace::SweepReport>::Start(
       info.Env(), [pool, dryRun, graceMs] { return pool->sweep(dryRun, graceMs); },
       [](Napi::Env env, vmspace::SweepReport& r) -> Napi::Value {
@@ -157,32 +173,23 @@ Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
 
 }  // namespace
 
-// (prefix, mode, templateDir, entries, infoJson, reflink, overwrite, durable, progress, writeback) from `first` on.
-vmspace::AllocateRequest allocateRequestArg(const Napi::CallbackInfo& info, size_t first, ProgressRef* progress) {
+vmspace::AllocateRequest workspaceRequestOf(const Options& o) {
   vmspace::AllocateRequest req;
-  req.prefix = stringArg(info, first);
-  req.mode = static_cast<mode_t>(intArg(info, first + 1));
-  req.templateDir = stringArg(info, first + 2);
-  if (!info[first + 3].IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entries must be an array");
-  Napi::Array entries = info[first + 3].As<Napi::Array>();
+  req.prefix = o.string("prefix");
+  req.mode = static_cast<mode_t>(o.uint32("mode"));
+  req.templateDir = o.string("templateDir");
+  Napi::Array entries = o.array("entries");
   for (uint32_t i = 0; i < entries.Length(); i++) {
     Napi::Value pair = entries.Get(i);
-    if (!pair.IsArray()) throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
-    Napi::Array p = pair.As<Napi::Array>();
-    Napi::Value dest = p.Get(0u), source = p.Get(1u);
-    if (!dest.IsString() || !source.IsString())
-      throw Napi::TypeError::New(info.Env(), "vmspace binding: entry must be [dest, source]");
+    Napi::Value dest, source;
+    if (pair.IsArray()) dest = pair.As<Napi::Array>().Get(0u), source = pair.As<Napi::Array>().Get(1u);
+    if (!pair.IsArray() || !dest.IsString() || !source.IsString())
+      throw Napi::TypeError::New(o.env(), "vmspace binding: option 'entries' must hold [dest, source] string pairs");
     req.entries.push_back({dest.As<Napi::String>().Utf8Value(), source.As<Napi::String>().Utf8Value()});
   }
-  req.infoJson = stringArg(info, first + 4);
-  req.clone = cloneOptionsArg(info, first + 5);  // reflink, (overwrite, ignored), durable
-  *progress = progressArg(info, first + 8);
-  req.progress = progress->get();
-  req.clone.writeback = writebackArg(info, first + 9);
-  // quota (issue 13): allocate only (a warm build has none); 0 or absent: none
-  if (info[first + 10].IsNumber()) req.quota.bytes = static_cast<uint64_t>(intArg(info, first + 10));
-  if (info[first + 11].IsNumber()) req.quota.inodes = static_cast<uint64_t>(intArg(info, first + 11));
-  if (info.Length() > first + 12 && info[first + 12].IsString()) req.fromTemplate = stringArg(info, first + 12);  // issue 14
+  vmspace::CloneOptions clone = cloneOptionsOf(o);
+  req.clone.reflink = clone.reflink;
+  req.clone.durable = clone.durable;
   return req;
 }
 

@@ -7,18 +7,19 @@ namespace vmspace::binding {
 
 namespace {
 
-// commitTemplate(pool, sourcePath, name, infoJson, replace, reflink, durable, progress)
+// commitTemplate(pool, {sourcePath, name, infoJson, replace, reflink, durable, progress})
 Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
+  Options o(info, 1, "commitTemplate");
   vmspace::CommitRequest req;
-  req.sourcePath = stringArg(info, 1);
-  req.name = stringArg(info, 2);
-  req.infoJson = stringArg(info, 3);
-  req.replace = boolArg(info, 4);
-  int64_t reflink = intArg(info, 5);
-  req.clone.reflink = reflink == 0 ? vmspace::Reflink::Always : reflink == 2 ? vmspace::Reflink::Never : vmspace::Reflink::Auto;
-  req.clone.durable = boolArg(info, 6);
-  ProgressRef progress = progressArg(info, 7);
+  req.sourcePath = o.string("sourcePath");
+  req.name = o.string("name");
+  req.infoJson = o.string("infoJson");
+  req.replace = o.boolean("replace");
+  vmspace::CloneOptions clone = cloneOptionsOf(o);
+  req.clone.reflink = clone.reflink;
+  req.clone.durable = clone.durable;
+  ProgressRef progress = progressOf(o);
   req.progress = progress.get();
   return Work<vmspace::CommitResult>::Start(
       info.Env(), [pool, req, progress] { return pool->templates(true)->commit(req); },

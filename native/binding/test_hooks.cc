@@ -1,4 +1,6 @@
-// Test seams, compiled into test builds only (VMSPACE_TEST_HOOKS).
+// Test seams, compiled into test builds only (VMSPACE_TEST_HOOKS: the cmake-js builds of CMakeLists.txt, which
+// `npm test` and the sanitizer run load); binding.gyp, the release addon and the prebuilds, leave this file out.
+#ifdef VMSPACE_TEST_HOOKS
 #include <vector>
 
 #include "../core/names.h"
@@ -48,3 +50,5 @@ void initTestHooks(Napi::Env env, Napi::Object exports) {
 }
 
 }  // namespace vmspace::binding
+
+#endif  // VMSPACE_TEST_HOOKS

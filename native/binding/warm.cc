@@ -16,16 +16,16 @@ WarmRef warmArg(const Napi::CallbackInfo& info, size_t i) {
   return *info[i].As<Napi::External<WarmRef>>().Data();
 }
 
-// warmBuild(pool, ...allocate's arguments): a handle of a staged entry. The handle owns the entry's lease: an
-// entry neither taken nor discarded is closed (left to a sweep) when the handle is collected or the env ends.
+// warmBuild(pool, {prefix, mode, templateDir, entries, reflink, durable}): a handle of a staged entry. The
+// handle owns the entry's lease: an entry neither taken nor discarded is closed (left to a sweep) when the handle
+// is collected or the env ends.
 Napi::Value WarmBuild(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
-  ProgressRef progress;
-  vmspace::AllocateRequest req = allocateRequestArg(info, 1, &progress);
+  vmspace::AllocateRequest req = workspaceRequestOf(Options(info, 1, "warmBuild"));
   auto entry = std::make_shared<vmspace::WarmEntry>();
   return Work<WarmRef>::Start(
       info.Env(),
-      [pool, req, progress, entry] {
+      [pool, req, entry] {
         vmspace::buildWarm(*pool, req, entry.get());
         return entry;
       },

@@ -303,13 +303,18 @@ bool isWorkspaceName(const char* name) {
   return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
 }
 
+#ifdef VMSPACE_TEST_HOOKS
 std::mutex g_faultMutex;
 std::vector<SweepFault> g_faults;  // guarded by g_faultMutex
 bool g_faultsActive = false;       // read without the mutex: a stale false only delays a fault set meanwhile
+#endif
 
 // Whether setSweepFaultsForTest set a fault for `name` of that kind (a flock errno, or bad_alloc when
 // `flockErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
 int takeSweepFault(const std::string& name, bool flockErrno) {
+#ifndef VMSPACE_TEST_HOOKS
+  return 0;  // a release build has no seam
+#else
   if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
   std::lock_guard<std::mutex> hold(g_faultMutex);
   for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
@@ -319,15 +324,18 @@ int takeSweepFault(const std::string& name, bool flockErrno) {
     return err;
   }
   return 0;
+#endif
 }
 
 }  // namespace
 
+#ifdef VMSPACE_TEST_HOOKS
 void setSweepFaultsForTest(std::vector<SweepFault> faults) {
   std::lock_guard<std::mutex> hold(g_faultMutex);
   g_faults = std::move(faults);
   __atomic_store_n(&g_faultsActive, !g_faults.empty(), __ATOMIC_RELEASE);
 }
+#endif
 
 const std::string& bootId() {
   static const std::string id = [] {

@@ -220,11 +220,13 @@ const std::string& bootId();
 
 // Test seam: faults no real file system gives on demand. The next sweep entry named `name` fails as if handling it
 // threw std::bad_alloc (flockErrno 0), or as if its lease probe failed with `flockErrno`; each applies once.
-// Process-wide; an empty list clears it.
+// Process-wide; an empty list clears it. Test builds only (-DVMSPACE_TEST_HOOKS), as setTestIds.
+#ifdef VMSPACE_TEST_HOOKS
 struct SweepFault {
   std::string name;
   int flockErrno = 0;
 };
 void setSweepFaultsForTest(std::vector<SweepFault> faults);
+#endif
 
 }  // namespace vmspace
