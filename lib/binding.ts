@@ -62,6 +62,19 @@ export type WaitHandle = { readonly __brand: 'WaitHandle' }
 
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
+/**
+ * A metadata record's members in order, [key, the value as JSON text] (each value serialised by JSON.stringify):
+ * the core appends the members only it knows and writes the object once (native/core/json_members.h).
+ */
+export type JsonMembers = [key: string, json: string][]
+
+/** `record`'s members (JSON.stringify of each value; undefined values left out), then `extra` as given. */
+export function jsonMembers(record: Record<string, unknown>, ...extra: [key: string, json: string][]): JsonMembers {
+  const members: JsonMembers = []
+  for (const [key, value] of Object.entries(record)) if (value !== undefined) members.push([key, JSON.stringify(value)])
+  return members.concat(extra)
+}
+
 // Every native call that takes more than a handle and one value takes one options object, read by name in C++
 // (native/binding/common.h, Options): a wrong type is a TypeError naming the key. Enums travel as their names.
 
@@ -101,8 +114,8 @@ export interface WorkspaceShape extends Pick<NativeCloneOptions, 'reflink' | 'du
 }
 
 export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress'> {
-  /** The metadata record, complete (lib/pool.ts serialises it; the core writes these bytes). */
-  infoJson: string
+  /** The caller's members of the metadata record; the core adds its own (name, template) and serialises it. */
+  info: JsonMembers
   /** Issue 13: 0 or absent: none. */
   quotaBytes?: number
   quotaInodes?: number
@@ -113,7 +126,8 @@ export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneO
 export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress'> {
   sourcePath: string
   name: string
-  infoJson: string
+  /** The caller's members of template.json; the core adds id, name, method and usage. */
+  info: JsonMembers
   replace: boolean
 }
 
@@ -137,7 +151,7 @@ export interface Native {
   /** A staged, leased workspace of that shape, its copies written back. */
   warmBuild(handle: PoolHandle, shape: WorkspaceShape): Promise<WarmHandle>
   /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
-  warmTake(handle: PoolHandle, entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
+  warmTake(handle: PoolHandle, entry: WarmHandle, info: JsonMembers): Promise<NativeAllocateResult | null>
   warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
   // Issue 14 (native/core/template.h)
   commitTemplate(

@@ -4,7 +4,7 @@
  */
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { native, type PoolHandle } from './binding.js'
+import { jsonMembers, native, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
@@ -441,15 +441,19 @@ export class Pool implements AsyncDisposable {
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
-    // The caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
-    const info = `${JSON.stringify({
-      format: 1,
-      createdAt: Date.now(),
-      pid: process.pid,
-      hostname: hostname(),
-      bootId: this.#bootId,
-      ...(quotaBytes || quotaInodes ? { quota: { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } } : {}),
-    }).slice(0, -1)},"meta":${metaText(o.meta)}}`
+    // The record's members in this order; the core appends name and template and writes the object once. The
+    // caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
+    const info = jsonMembers(
+      {
+        format: 1,
+        createdAt: Date.now(),
+        pid: process.pid,
+        hostname: hostname(),
+        bootId: this.#bootId,
+        quota: quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined,
+      },
+      ['meta', metaText(o.meta)],
+    )
     this.#assertOpen()
     // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
     this.#open++
@@ -467,7 +471,7 @@ export class Pool implements AsyncDisposable {
         withProgress({ signal }, (p) =>
           native.allocate(this.#handle, {
             prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
-            infoJson: info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
+            info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
           }),
         ),
       )
@@ -704,11 +708,11 @@ export class Pool implements AsyncDisposable {
       if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
       source = ws
     }
-    const info = `${JSON.stringify({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }).slice(0, -1)},"meta":${meta}}`
+    const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }, ['meta', meta])
     const r = await this.#inFlight.track(
       withProgress({ signal, onProgress: o.onProgress }, (p) =>
         native.commitTemplate(this.#handle, {
-          sourcePath: source.path, name, infoJson: info, replace, reflink: this.#reflink, durable: this.#durable, progress: p,
+          sourcePath: source.path, name, info, replace, reflink: this.#reflink, durable: this.#durable, progress: p,
         }),
       ),
     )
@@ -847,7 +851,7 @@ export class Pool implements AsyncDisposable {
       {
         build: () =>
           call(this.#inFlight.track(native.warmBuild(this.#handle, shape))),
-        take: (entry, infoJson) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, infoJson))),
+        take: (entry, info) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, info))),
         discard: (entry) => call(this.#inFlight.track(native.warmDiscard(this.#handle, entry))),
       },
       WarmReserve.key(dir, entries, mode),

@@ -122,6 +122,25 @@ Napi::Array Options::array(const char* key) const {
   return v.As<Napi::Array>();
 }
 
+vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what) {
+  auto wrong = [&] { return Napi::TypeError::New(env, "vmspace binding: " + what + " must be [key, JSON text] string pairs"); };
+  if (!v.IsArray()) throw wrong();
+  Napi::Array a = v.As<Napi::Array>();
+  vmspace::JsonMembers out;
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value pair = a.Get(i);
+    if (!pair.IsArray()) throw wrong();
+    Napi::Value key = pair.As<Napi::Array>().Get(0u), value = pair.As<Napi::Array>().Get(1u);
+    if (!key.IsString() || !value.IsString()) throw wrong();
+    out.emplace_back(key.As<Napi::String>().Utf8Value(), value.As<Napi::String>().Utf8Value());
+  }
+  return out;
+}
+
+vmspace::JsonMembers Options::members(const char* key) const {
+  return jsonMembersOf(env_, get(key), call_ + ": option '" + key + "'");
+}
+
 std::string stringArg(const Napi::CallbackInfo& info, size_t i) {
   if (!info[i].IsString()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a string");
   return info[i].As<Napi::String>().Utf8Value();

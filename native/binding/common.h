@@ -138,6 +138,8 @@ class Options {
   // A string naming one of `names` (in order); its index. Enums travel as their names, parsed here once.
   size_t oneOf(const char* key, std::initializer_list<const char*> names, size_t fallback) const;
   Napi::Array array(const char* key) const;
+  // [key, JSON text] string pairs: the caller's members of a metadata record (core/json_members.h).
+  vmspace::JsonMembers members(const char* key) const;
   Napi::Env env() const { return env_; }
   // A handle made by the binding (Napi::External<T>) or undefined (null).
   template <typename T>
@@ -157,6 +159,8 @@ class Options {
 };
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i);
+// [key, JSON text] string pairs; `what` names the value in the TypeError.
+vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what);
 int64_t intArg(const Napi::CallbackInfo& info, size_t i);
 bool boolArg(const Napi::CallbackInfo& info, size_t i);
 
@@ -176,7 +180,7 @@ ProgressRef progressOf(const Options& o);  // the key "progress"
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
 // pool.cc: allocate's request and result, which a warm entry shares.
 // The workspace's shape: prefix, mode, templateDir, entries, reflink, durable (warmBuild takes these only);
-// allocate adds infoJson, progress, writeback, quotaBytes, quotaInodes, fromTemplate.
+// allocate adds info, progress, writeback, quotaBytes, quotaInodes, fromTemplate.
 vmspace::AllocateRequest workspaceRequestOf(const Options& o);
 Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmspace::Reflink reflink);
 void dropAllocateResult(vmspace::AllocateResult& r);

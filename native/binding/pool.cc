@@ -44,13 +44,13 @@ Napi::Value ClosePool(const Napi::CallbackInfo& info) {
   return runVoid(info.Env(), [pool] { pool->close(); });
 }
 
-// allocate(pool, {prefix, mode, templateDir, entries, reflink, durable, infoJson, progress, writeback,
+// allocate(pool, {prefix, mode, templateDir, entries, reflink, durable, info, progress, writeback,
 // quotaBytes, quotaInodes, fromTemplate})
 Napi::Value Allocate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "allocate");
   vmspace::AllocateRequest req = workspaceRequestOf(o);
-  req.infoJson = o.string("infoJson");
+  req.info = o.members("info");
   ProgressRef progress = progressOf(o);
   req.progress = progress.get();
   req.clone.writeback = cloneOptionsOf(o).writeback;

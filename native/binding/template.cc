@@ -7,14 +7,14 @@ namespace vmspace::binding {
 
 namespace {
 
-// commitTemplate(pool, {sourcePath, name, infoJson, replace, reflink, durable, progress})
+// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, progress})
 Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "commitTemplate");
   vmspace::CommitRequest req;
   req.sourcePath = o.string("sourcePath");
   req.name = o.string("name");
-  req.infoJson = o.string("infoJson");
+  req.info = o.members("info");
   req.replace = o.boolean("replace");
   vmspace::CloneOptions clone = cloneOptionsOf(o);
   req.clone.reflink = clone.reflink;

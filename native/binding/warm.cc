@@ -34,11 +34,11 @@ Napi::Value WarmBuild(const Napi::CallbackInfo& info) {
       });
 }
 
-// warmTake(pool, entry, infoJson): allocate's result, or null when the entry was stale (removed) or used.
+// warmTake(pool, entry, info): allocate's result, or null when the entry was stale (removed) or used.
 Napi::Value WarmTake(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   WarmRef entry = warmArg(info, 1);
-  std::string infoJson = stringArg(info, 2);
+  vmspace::JsonMembers members = jsonMembersOf(info.Env(), info[2], "warmTake: info");
   struct Taken {
     bool ok = false;
     vmspace::AllocateResult result;
@@ -50,9 +50,9 @@ Napi::Value WarmTake(const Napi::CallbackInfo& info) {
   }
   return Work<Taken>::Start(
       info.Env(),
-      [pool, entry, infoJson] {
+      [pool, entry, members] {
         Taken t;
-        t.ok = vmspace::takeWarm(*pool, entry.get(), infoJson, &t.result);
+        t.ok = vmspace::takeWarm(*pool, entry.get(), members, &t.result);
         return t;
       },
       [reflink](Napi::Env env, Taken& t) -> Napi::Value {

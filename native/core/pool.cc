@@ -434,7 +434,7 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
   return writeFileNoReplace(metaFd_.get(), name + ".json", json, durable, metaPath(name));
 }
 
-AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.infoJson, req.clone); }
+AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.info, req.clone); }
 
 StagedWorkspace Pool::stage(const AllocateRequest& req) {
   // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
@@ -569,7 +569,7 @@ void Pool::discard(StagedWorkspace&& staged) {
   removeWorkspace(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
 }
 
-AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& clone) {
+AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone) {
   UniqueFd lease = std::move(staged.lease);
   AllocateResult res;
   res.id = std::move(staged.id);
@@ -594,15 +594,15 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
     res.name = prefix + res.id;
   };
   try {
-    // infoJson is an object from the caller; the name and the template sources are added to it here, where the
-    // sources' identity (device, inode, size, mtime at clone time) is known.
+    // The caller's members, then the name and the template sources, added here, where the sources' identity
+    // (device, inode, size, mtime at clone time) is known.
     auto metaJson = [&] {
-      std::string json = infoJson.empty() ? std::string("{") : infoJson.substr(0, infoJson.rfind('}'));
-      if (json.size() > 1) json += ",";
-      json += "\"name\":";
-      appendJsonString(&json, res.name);
-      if (!res.templateId.empty()) json += ",\"templateId\":\"" + res.templateId + "\"";  // issue 14: a commit's parent
-      json += ",\"template\":[";
+      JsonMembers members = info;
+      std::string name;
+      appendJsonString(&name, res.name);
+      members.emplace_back("name", std::move(name));
+      if (!res.templateId.empty()) members.emplace_back("templateId", "\"" + res.templateId + "\"");  // issue 14
+      std::string json = "[";
       for (size_t i = 0; i < res.clones.size(); i++) {
         const ClonedEntry& c = res.clones[i];
         const SourceIdentity& id = c.identity;
@@ -617,8 +617,9 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
                 std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
                 methodName(c.result, clone.reflink) + "\"}";
       }
-      json += "]}\n";
-      return json;
+      json += "]";
+      members.emplace_back("template", std::move(json));
+      return jsonObject(members) + "\n";
     };
 
     // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone
