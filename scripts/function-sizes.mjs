@@ -3,7 +3,7 @@
 // first to the last line of the declaration: `node scripts/function-sizes.mjs [dir...] [--top N]`. For the C++,
 // clang-tidy measures the same (issue 11):
 //   clang-tidy -p build-cmake --checks='-*,readability-function-size' \
-//     --config='{CheckOptions: {readability-function-size.LineThreshold: 60}}' native/*.cc native/core/*.cc
+//     --config='{CheckOptions: {readability-function-size.LineThreshold: 60}}' native/binding/*.cc native/core/*.cc
 import fs from 'node:fs'
 import path from 'node:path'
 import ts from 'typescript'
