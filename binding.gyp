@@ -3,7 +3,17 @@
     {
       "target_name": "vmspace",
       "sources": [
-        "native/binding.cc",
+        "native/binding/addon.cc",
+        "native/binding/common.cc",
+        "native/binding/pool.cc",
+        "native/binding/warm.cc",
+        "native/binding/clone.cc",
+        "native/binding/remove.cc",
+        "native/binding/rename.cc",
+        "native/binding/lock.cc",
+        "native/binding/json_file.cc",
+        "native/binding/template.cc",
+        "native/binding/quota.cc",
         "native/core/clone.cc",
         "native/core/names.cc",
         "native/core/pool.cc",

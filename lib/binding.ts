@@ -1,25 +1,12 @@
-/** The native addon (native/binding.cc), loaded once per thread; its functions take checked arguments only. */
+/** The native addon (native/binding/, one file per capability), loaded once per thread; its functions take checked arguments only. */
 import * as path from 'node:path'
-import type { CloneResult } from './clone.js'
-
-/** reflink option as the binding takes it. */
-export const enum ReflinkCode {
-  Always = 0,
-  Auto = 1,
-  Never = 2,
-}
+import type { CloneResult, Reflink, Writeback } from './clone.js'
+import type { WorkspaceUsage } from './quota.js'
 
 /** A clone's result as the binding returns it: the public CloneResult without `path`, which lib/ adds. */
 export type NativeCloneResult = Omit<CloneResult, 'path'>
 
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
-
-/** writeback option as the binding takes it. */
-export const enum WritebackCode {
-  None = 0,
-  Start = 1,
-  Wait = 2,
-}
 
 export type WarmHandle = { readonly __brand: 'WarmHandle' }
 
@@ -68,101 +55,117 @@ export interface NativeQuotaSupport {
   errno?: number
 }
 
-export interface NativeUsage {
-  allocatedBytes: number
-  exclusiveBytes: number
-  sharedBytes: number
-  logicalBytes: number
-  files: number
-  dirs: number
-  others: number
-  quota?: { limitBytes: number; usedBytes: number; limitInodes: number; usedInodes: number }
-}
+/** A workspace's usage as the binding returns it: the public WorkspaceUsage, field for field. */
+export type NativeUsage = WorkspaceUsage
 
 export type WaitHandle = { readonly __brand: 'WaitHandle' }
 
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
+/**
+ * A metadata record's members in order, [key, the value as JSON text] (each value serialised by JSON.stringify):
+ * the core appends the members only it knows and writes the object once (native/core/json_members.h).
+ */
+export type JsonMembers = [key: string, json: string][]
+
+/** `record`'s members (JSON.stringify of each value; undefined values left out), then `extra` as given. */
+export function jsonMembers(record: Record<string, unknown>, ...extra: [key: string, json: string][]): JsonMembers {
+  const members: JsonMembers = []
+  for (const [key, value] of Object.entries(record)) if (value !== undefined) members.push([key, JSON.stringify(value)])
+  return members.concat(extra)
+}
+
+// Every native call that takes more than a handle and one value takes one options object, read by name in C++
+// (native/binding/common.h, Options): a wrong type is a TypeError naming the key. Enums travel as their names.
+
+/** A clone's options, as clonePath, clonePathBeneath, allocate, warmBuild and commitTemplate read them. */
+export interface NativeCloneOptions {
+  /** Default 'auto'. */
+  reflink?: Reflink
+  /** Replace an existing destination (clonePath, clonePathBeneath only). Default false. */
+  overwrite?: boolean
+  /** fsync the copies and their directories before resolving. Default false. */
+  durable?: boolean
+  /** Default 'none'. */
+  writeback?: Writeback
+  /** Progress counters and cancel flag (newProgress). */
+  progress?: ProgressHandle
+}
+
+export interface OpenPoolOptions {
+  root: string
+  create: boolean
+  /** The group of a shared pool; -1 or absent: none. */
+  sharedGid?: number
+  /** The format of a pool made here (an existing pool keeps its own). */
+  format: 1 | 2
+  minFreeBytes?: number
+  projectIdFirst: number
+  projectIdLast: number
+}
+
+/** A workspace's shape: what a warm entry is built from and allocate matches it against. */
+export interface WorkspaceShape extends Pick<NativeCloneOptions, 'reflink' | 'durable'> {
+  prefix: string
+  mode: number
+  /** The template directory ('' for none) and its [dest, source] entries. */
+  templateDir: string
+  entries: [dest: string, source: string][]
+}
+
+export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress'> {
+  /** The caller's members of the metadata record; the core adds its own (name, template) and serialises it. */
+  info: JsonMembers
+  /** Issue 13: 0 or absent: none. */
+  quotaBytes?: number
+  quotaInodes?: number
+  /** Issue 14: the template (id or name) to clone the workspace from. */
+  fromTemplate?: string
+}
+
+export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress'> {
+  sourcePath: string
+  name: string
+  /** The caller's members of template.json; the core adds id, name, method and usage. */
+  info: JsonMembers
+  replace: boolean
+}
+
+export interface ClonePathOptions extends NativeCloneOptions {
+  src: string
+  dst: string
+}
+
+export interface ClonePathBeneathOptions extends NativeCloneOptions {
+  /** The workspace's lease fd (its directory) and path: `rel` is resolved beneath it. */
+  baseFd: number
+  basePath: string
+  src: string
+  rel: string
+}
+
 export interface Native {
-  openPool(
-    root: string,
-    create: boolean,
-    sharedGid: number,
-    format: 1 | 2,
-    minFreeBytes: number,
-    projectIdFirst: number,
-    projectIdLast: number,
-  ): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 }>
+  openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 }>
   closePool(handle: PoolHandle): Promise<void>
-  allocate(
-    handle: PoolHandle,
-    prefix: string,
-    mode: number,
-    templateDir: string,
-    entries: [dest: string, source: string][],
-    infoJson: string,
-    reflink: ReflinkCode,
-    overwrite: boolean,
-    durable: boolean,
-    progress: ProgressHandle | undefined,
-    writeback?: WritebackCode,
-    quotaBytes?: number,
-    quotaInodes?: number,
-    fromTemplate?: string,
-  ): Promise<NativeAllocateResult>
-  /** A staged, leased workspace built from allocate's arguments (infoJson unused), its copies written back. */
-  warmBuild(
-    handle: PoolHandle,
-    prefix: string,
-    mode: number,
-    templateDir: string,
-    entries: [dest: string, source: string][],
-    infoJson: string,
-    reflink: ReflinkCode,
-    overwrite: boolean,
-    durable: boolean,
-    progress: ProgressHandle | undefined,
-  ): Promise<WarmHandle>
+  allocate(handle: PoolHandle, options: AllocateNativeOptions): Promise<NativeAllocateResult>
+  /** A staged, leased workspace of that shape, its copies written back. */
+  warmBuild(handle: PoolHandle, shape: WorkspaceShape): Promise<WarmHandle>
   /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
-  warmTake(handle: PoolHandle, entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
+  warmTake(handle: PoolHandle, entry: WarmHandle, info: JsonMembers): Promise<NativeAllocateResult | null>
   warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
   // Issue 14 (native/core/template.h)
   commitTemplate(
     handle: PoolHandle,
-    sourcePath: string,
-    name: string,
-    infoJson: string,
-    replace: boolean,
-    reflink: ReflinkCode,
-    durable: boolean,
-    progress: ProgressHandle | undefined,
+    options: CommitTemplateOptions,
   ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
   listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string): Promise<{ id: string; removed: boolean }>
-  dispose(handle: PoolHandle, name: string, leaseFd: number): Promise<void>
+  dispose(handle: PoolHandle, options: { name: string; leaseFd: number }): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
-  sweep(handle: PoolHandle, dryRun: boolean, graceMs: number): Promise<NativeSweepReport>
-  clonePath(
-    src: string,
-    dst: string,
-    reflink: ReflinkCode,
-    overwrite: boolean,
-    durable: boolean,
-    progress: ProgressHandle | undefined,
-    writeback?: WritebackCode,
-  ): Promise<NativeCloneResult>
-  clonePathBeneath(
-    baseFd: number,
-    basePath: string,
-    src: string,
-    rel: string,
-    reflink: ReflinkCode,
-    overwrite: boolean,
-    durable: boolean,
-    progress: ProgressHandle | undefined,
-    writeback?: WritebackCode,
-  ): Promise<NativeCloneResult>
+  sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>
+  clonePath(options: ClonePathOptions): Promise<NativeCloneResult>
+  clonePathBeneath(options: ClonePathBeneathOptions): Promise<NativeCloneResult>
   probeQuota(path: string): Promise<NativeQuotaSupport>
   poolSpace(handle: PoolHandle): Promise<{ availableBytes: number; freeBytes: number; totalBytes: number; quota: NativeQuotaSupport }>
   usage(handle: PoolHandle, name: string, progress: ProgressHandle | undefined): Promise<NativeUsage>
@@ -175,13 +178,19 @@ export interface Native {
   releaseLease(fd: number): Promise<void>
   lockOpen(path: string, shared: boolean): Promise<{ fd: number; acquired: boolean }>
   /** done gets the fd the wait ends with (a new one when the file at `path` was replaced meanwhile): the caller's to release. */
-  lockWait(fd: number, path: string, shared: boolean, done: (errno: number, fd: number, syscall: string) => void): WaitHandle
+  lockWait(options: { fd: number; path: string; shared: boolean }, done: (errno: number, fd: number, syscall: string) => void): WaitHandle
   lockCancel(handle: WaitHandle): void
   lockRelease(fd: number): Promise<void>
-  readIndex(path: string): Promise<Buffer | undefined>
-  writeIndex(path: string, text: string, durable: boolean): Promise<void>
+  /** A file's bytes, undefined when it does not exist. */
+  readJsonFile(path: string): Promise<Buffer | undefined>
+  /** Replaces the file at `path` by one holding `text` (a temp file renamed over it; fsync'd when durable). */
+  replaceJsonFile(options: { path: string; text: string; durable: boolean }): Promise<void>
+}
+
+/** Test seams, in test builds only (VMSPACE_TEST_HOOKS; test/native-hooks.ts loads them). */
+export interface NativeTestHooks {
   setTestIds(ids: string[]): void
-  /** Test seam: the next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
+  /** The next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
   setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
 }
 

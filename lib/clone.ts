@@ -1,5 +1,5 @@
 /** Clone options and results, shared by the standalone clone(), Workspace.clone() and templates. */
-import { native, ReflinkCode, WritebackCode, type NativeCloneResult, type ProgressHandle } from './binding.js'
+import { native, type NativeCloneResult, type ProgressHandle } from './binding.js'
 import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
 import { AbortError, call, fromNative } from './errors.js'
 
@@ -95,19 +95,11 @@ export interface CloneResult {
 export const reflinkValues = ['always', 'auto', 'never'] as const
 export const writebackValues = ['none', 'start', 'wait'] as const
 
-export function writebackCode(w: Writeback): WritebackCode {
-  return w === 'start' ? WritebackCode.Start : w === 'wait' ? WritebackCode.Wait : WritebackCode.None
-}
-
-export function reflinkCode(r: Reflink): ReflinkCode {
-  return r === 'always' ? ReflinkCode.Always : r === 'never' ? ReflinkCode.Never : ReflinkCode.Auto
-}
-
 export interface CheckedCloneOptions {
-  reflink: ReflinkCode
+  reflink: Reflink
   overwrite: boolean
   durable: boolean
-  writeback: WritebackCode
+  writeback: Writeback
   onProgress?: (p: CloneProgressEvent) => void
   signal?: AbortSignal
 }
@@ -117,10 +109,10 @@ export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): 
     reflink: true, overwrite: true, durable: true, writeback: true, onProgress: true, signal: true,
   })
   return {
-    reflink: reflinkCode(oneOf('options.reflink', o.reflink, reflinkValues, defaultReflink)),
+    reflink: oneOf('options.reflink', o.reflink, reflinkValues, defaultReflink),
     overwrite: boolean('options.overwrite', o.overwrite, false),
     durable: boolean('options.durable', o.durable, false),
-    writeback: writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none')),
+    writeback: oneOf('options.writeback', o.writeback, writebackValues, 'none'),
     onProgress: func('options.onProgress', o.onProgress),
     signal: abortSignal('options.signal', o.signal),
   }

@@ -46,7 +46,7 @@ export type SystemErrorCode =
   | 'EUNKNOWN'
 
 /**
- * The fields the native binding rejects with (see native/binding.cc, errorObject): `code` for vmspace's own
+ * The fields the native binding rejects with (see native/binding/common.cc, errorObject): `code` for vmspace's own
  * conditions, `errno` (negative) for a system error, or both; the errno's name is added here.
  */
 interface NativeError {

@@ -27,7 +27,7 @@ async function cloneUntraced(source: string, dest: string, options: CloneOptions
   const src = absolutePath('source', source)
   const dst = absolutePath('dest', dest)
   const opts = cloneOptions(options)
-  const r = await withProgress(opts, (p) => native.clonePath(src, dst, opts.reflink, opts.overwrite, opts.durable, p, opts.writeback))
+  const r = await withProgress(opts, (p) => native.clonePath({ src, dst, reflink: opts.reflink, overwrite: opts.overwrite, durable: opts.durable, writeback: opts.writeback, progress: p }))
   return toResult(r, dst)
 }
 

@@ -2,7 +2,7 @@
  * Cross-process locks (flock(2)) and the locked JSON index (DESIGN.md, "Locked JSON index").
  *
  * A lock wait never occupies the libuv thread pool: the first try is non-blocking, and a wait runs on a thread
- * of its own (native/binding.cc, LockWait), so any number of waiters leave `fs` calls working.
+ * of its own (native/binding/lock.cc, LockWait), so any number of waiters leave `fs` calls working.
  */
 import { TextDecoder } from 'node:util'
 import { native, type WaitHandle } from './binding.js'
@@ -148,7 +148,7 @@ async function lockFileUntraced(path: string, options: LockOptions | undefined, 
       )
     }
     try {
-      handle = native.lockWait(fd, p, shared, onDone)
+      handle = native.lockWait({ fd, path: p, shared }, onDone)
     } catch (e) {
       // No thread could be started for the wait (EAGAIN: RLIMIT_NPROC or the kernel's limit); nothing waits.
       void releaseAndReject(fd, () => errnoError((e as { errno?: number }).errno ?? 11 /* EAGAIN */, 'pthread_create', p))
@@ -218,7 +218,7 @@ export async function updateJsonFile<T>(
   try {
     let bytes: Buffer | undefined
     try {
-      bytes = await call(native.readIndex(p))
+      bytes = await call(native.readJsonFile(p))
     } catch (e) {
       if (e instanceof VmspaceError && e.code === 'EISDIR') throw corrupt(p, 'is a directory', undefined, e)
       if (e instanceof VmspaceError && e.code === 'EINVAL') throw corrupt(p, 'is not a regular file', undefined, e)
@@ -245,7 +245,7 @@ export async function updateJsonFile<T>(
       )
       throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
     }
-    await call(native.writeIndex(p, text + '\n', durable))
+    await call(native.replaceJsonFile({ path: p, text: text + '\n', durable }))
     return next
   } finally {
     await lock.release()

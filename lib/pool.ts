@@ -4,7 +4,7 @@
  */
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { native, type PoolHandle } from './binding.js'
+import { jsonMembers, native, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
@@ -20,11 +20,9 @@ import {
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import {
   cloneOptions,
-  reflinkCode,
   reflinkValues,
   toResult,
   withProgress,
-  writebackCode,
   writebackValues,
   type CloneOptions,
   type CloneResult,
@@ -372,7 +370,7 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const format = integerIn('options.format', o.format, 1, 2, 1) as 1 | 2
   const minFreeBytes = integerIn('options.minFreeBytes', o.minFreeBytes, 0, Number.MAX_SAFE_INTEGER, 0)
   const [projectFirst, projectLast] = projectIdRange(o.projectIds)
-  const r = await call(native.openPool(dir, create, sharedGroup, format, minFreeBytes, projectFirst, projectLast))
+  const r = await call(native.openPool({ root: dir, create, sharedGid: sharedGroup, format, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
   const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
   if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
   return pool
@@ -442,16 +440,20 @@ export class Pool implements AsyncDisposable {
     const from = templateRef('options.from', o.from)
     const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
     const signal = abortSignal('options.signal', o.signal)
-    const writeback = writebackCode(oneOf('options.writeback', o.writeback, writebackValues, 'none'))
-    // The caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
-    const info = `${JSON.stringify({
-      format: 1,
-      createdAt: Date.now(),
-      pid: process.pid,
-      hostname: hostname(),
-      bootId: this.#bootId,
-      ...(quotaBytes || quotaInodes ? { quota: { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } } : {}),
-    }).slice(0, -1)},"meta":${metaText(o.meta)}}`
+    const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
+    // The record's members in this order; the core appends name and template and writes the object once. The
+    // caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
+    const info = jsonMembers(
+      {
+        format: 1,
+        createdAt: Date.now(),
+        pid: process.pid,
+        hostname: hostname(),
+        bootId: this.#bootId,
+        quota: quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined,
+      },
+      ['meta', metaText(o.meta)],
+    )
     this.#assertOpen()
     // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
     this.#open++
@@ -467,7 +469,10 @@ export class Pool implements AsyncDisposable {
       }
       r ??= await this.#inFlight.track(
         withProgress({ signal }, (p) =>
-          native.allocate(this.#handle, this.prefix, mode, dir, entries, info, reflinkCode(this.#reflink), false, this.#durable, p, writeback, quotaBytes, quotaInodes, from),
+          native.allocate(this.#handle, {
+            prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
+            info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
+          }),
         ),
       )
     } catch (e) {
@@ -642,7 +647,7 @@ export class Pool implements AsyncDisposable {
     const dryRun = boolean('options.dryRun', o.dryRun, false)
     const graceMs = integerIn('options.graceMs', o.graceMs, 0, 2 ** 31 - 1, 60_000)
     this.#assertOpen()
-    const r = await call(this.#inFlight.track(native.sweep(this.#handle, dryRun, graceMs)))
+    const r = await call(this.#inFlight.track(native.sweep(this.#handle, { dryRun, graceMs })))
     const entry = (e: { name: string; from: SweepEntry['from']; bytes: number }): SweepEntry => ({
       id: NAME.exec(e.name)?.[2] ?? e.name,
       name: e.name,
@@ -705,10 +710,12 @@ export class Pool implements AsyncDisposable {
       if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
       source = ws
     }
-    const info = `${JSON.stringify({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }).slice(0, -1)},"meta":${meta}}`
+    const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }, ['meta', meta])
     const r = await this.#inFlight.track(
       withProgress({ signal, onProgress: o.onProgress }, (p) =>
-        native.commitTemplate(this.#handle, source.path, name, info, replace, reflinkCode(this.#reflink), this.#durable, p),
+        native.commitTemplate(this.#handle, {
+          sourcePath: source.path, name, info, replace, reflink: this.#reflink, durable: this.#durable, progress: p,
+        }),
       ),
     )
     this._countClone(r.clone)
@@ -841,12 +848,12 @@ export class Pool implements AsyncDisposable {
   /** @internal Starts the warm reserve (openPool's `warm`); it counts as an open workspace until close(). */
   _startWarm(dir: string, entries: [string, string][], mode: number, count: number): void {
     this.#open++
-    const reflink = reflinkCode(this.#reflink)
+    const shape = { prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable }
     this.#warm = new WarmReserve(
       {
         build: () =>
-          call(this.#inFlight.track(native.warmBuild(this.#handle, this.prefix, mode, dir, entries, '', reflink, false, this.#durable, undefined))),
-        take: (entry, infoJson) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, infoJson))),
+          call(this.#inFlight.track(native.warmBuild(this.#handle, shape))),
+        take: (entry, info) => call(this.#inFlight.track(native.warmTake(this.#handle, entry, info))),
         discard: (entry) => call(this.#inFlight.track(native.warmDiscard(this.#handle, entry))),
       },
       WarmReserve.key(dir, entries, mode),
@@ -885,7 +892,7 @@ export class Pool implements AsyncDisposable {
   /** @internal */
   async _dispose(ws: Workspace, leaseFd: number): Promise<void> {
     try {
-      await call(native.dispose(this.#handle, ws.name, leaseFd))
+      await call(native.dispose(this.#handle, { name: ws.name, leaseFd }))
       this.#stats.disposed++
     } finally {
       await this._forget()
@@ -987,7 +994,10 @@ export class Workspace implements AsyncDisposable {
       throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
     const r = await this.#inFlight.track(
       withProgress(opts, (p) =>
-        native.clonePathBeneath(this.leaseFd, this.path, src, rel, opts.reflink, opts.overwrite, opts.durable, p, opts.writeback),
+        native.clonePathBeneath({
+          baseFd: this.leaseFd, basePath: this.path, src, rel, reflink: opts.reflink, overwrite: opts.overwrite,
+          durable: opts.durable, writeback: opts.writeback, progress: p,
+        }),
       ),
     )
     this.#pool._countClone(r)

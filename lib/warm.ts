@@ -4,7 +4,7 @@
  * (native/core/warm.cc) builds an entry, checks at hand-out that the template's sources are as they were before it
  * was built, and publishes or removes it; this class keeps the entries and decides when to build.
  */
-import type { NativeAllocateResult, WarmHandle } from './binding.js'
+import type { JsonMembers, NativeAllocateResult, WarmHandle } from './binding.js'
 import { fromNative } from './errors.js'
 import type { VmspaceError } from './errors.js'
 
@@ -33,7 +33,7 @@ export interface WarmStats {
 export interface WarmOps {
   build(): Promise<WarmHandle>
   /** The published workspace, or null when the entry was stale (it is then left for discard). */
-  take(entry: WarmHandle, infoJson: string): Promise<NativeAllocateResult | null>
+  take(entry: WarmHandle, info: JsonMembers): Promise<NativeAllocateResult | null>
   discard(entry: WarmHandle): Promise<void>
 }
 
@@ -86,11 +86,11 @@ export class WarmReserve {
    * one). A stale entry is removed in the background, off the caller's path. Errors: as publishing (the entry is
    * then removed).
    */
-  async take(infoJson: string): Promise<NativeAllocateResult | undefined> {
+  async take(info: JsonMembers): Promise<NativeAllocateResult | undefined> {
     try {
       while (this.#ready.length) {
         const entry = this.#ready.shift()!
-        const r = await this.#ops.take(entry, infoJson)
+        const r = await this.#ops.take(entry, info)
         if (r) {
           this.#stats.hits++
           return r

@@ -31,5 +31,5 @@ g++ -std=c++17 -fsyntax-only -Wall -Wextra -Wno-unused-parameter -Werror \
   -nostdinc -isystem "/usr/include/c++/$gxx" -isystem "/usr/include/$triple/c++/$gxx" \
   -isystem "/usr/lib/gcc/$triple/$gxx/include" -isystem "$musl" -isystem "$kernel" \
   -include "$kernel/libstdcxx-on-musl.h" -I "$nodeinc" -I "$(node -p "require('node-addon-api').include_dir")" \
-  native/binding.cc native/core/*.cc
+  native/binding/*.cc native/core/*.cc
 echo "check-musl: native/ compiles against musl $(dpkg-query -W -f '${Version}' musl-dev 2>/dev/null) headers"

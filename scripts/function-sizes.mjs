@@ -5,7 +5,7 @@
 // function's body is a `{` after `)` in namespace or class scope; lambdas count in the function that holds them);
 // clang-tidy measures the same, slower, with the compile commands:
 //   clang-tidy -p build-cmake --checks='-*,readability-function-size' \
-//     --config='{CheckOptions: {readability-function-size.LineThreshold: 60}}' native/*.cc native/core/*.cc
+//     --config='{CheckOptions: {readability-function-size.LineThreshold: 60}}' native/binding/*.cc native/core/*.cc
 import fs from 'node:fs'
 import path from 'node:path'
 import ts from 'typescript'

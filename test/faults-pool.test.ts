@@ -4,11 +4,12 @@
  * a sweep reports each entry's failure in that entry and goes on, and reports only real failures (an entry a
  * concurrent dispose or allocate finished is none).
  */
+// First: the test build of the addon, with its seams, for this whole process.
+import { testHooks as native } from './native-hooks.js'
 import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
-import { native } from '../lib/binding.js'
 import { openPool, VmspaceError } from '../lib/index.js'
 import {
   bindInto,

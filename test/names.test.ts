@@ -3,10 +3,11 @@
  * never adopted; a fresh name is drawn instead, at most 16 tries, then ERR_NAME_EXHAUSTED.
  * Collisions are forced with the native test seam setTestIds (the next ids randomId() returns, process-wide).
  */
+// First: the test build of the addon, with its seams, for this whole process.
+import { testHooks as native } from './native-hooks.js'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
-import { native } from '../lib/binding.js'
 import { openPool, VmspaceError } from '../lib/index.js'
 import { freshDir, metaPath, poolState, randomId, snapshotTree } from './helpers.js'
 

@@ -11,9 +11,11 @@
 namespace vmspace {
 namespace {
 
+#ifdef VMSPACE_TEST_HOOKS
 std::mutex g_testMutex;
 std::deque<std::string> g_testIds;  // guarded by g_testMutex
 bool g_testActive = false;          // read without the lock as a hint; the deque is the truth
+#endif
 
 void fillRandom(unsigned char* buf, size_t len) {
   size_t got = 0;
@@ -44,6 +46,7 @@ std::string randomHex(size_t bytes) {
 }
 
 std::string randomId() {
+#ifdef VMSPACE_TEST_HOOKS
   if (__atomic_load_n(&g_testActive, __ATOMIC_ACQUIRE)) {
     std::lock_guard<std::mutex> lock(g_testMutex);
     if (!g_testIds.empty()) {
@@ -53,13 +56,16 @@ std::string randomId() {
       return id;
     }
   }
+#endif
   return randomHex(kIdHexChars / 2);
 }
 
+#ifdef VMSPACE_TEST_HOOKS
 void setTestIds(std::vector<std::string> ids) {
   std::lock_guard<std::mutex> lock(g_testMutex);
   g_testIds.assign(ids.begin(), ids.end());
   __atomic_store_n(&g_testActive, !g_testIds.empty(), __ATOMIC_RELEASE);
 }
+#endif
 
 }  // namespace vmspace

@@ -15,7 +15,10 @@ std::string randomId();
 std::string randomHex(size_t bytes);
 
 // Test seam: the next randomId() calls return these ids in order, then random ones again. Lets tests make a
-// drawn name collide with an existing entry, which 128 random bits never do by chance. Process-wide.
+// drawn name collide with an existing entry, which 128 random bits never do by chance. Process-wide. Test builds
+// only (-DVMSPACE_TEST_HOOKS: CMakeLists.txt); the release addon (binding.gyp) has no such seam.
+#ifdef VMSPACE_TEST_HOOKS
 void setTestIds(std::vector<std::string> ids);
+#endif
 
 }  // namespace vmspace

@@ -296,13 +296,18 @@ bool isWorkspaceName(const char* name) {
   return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
 }
 
+#ifdef VMSPACE_TEST_HOOKS
 std::mutex g_faultMutex;
 std::vector<SweepFault> g_faults;  // guarded by g_faultMutex
 bool g_faultsActive = false;       // read without the mutex: a stale false only delays a fault set meanwhile
+#endif
 
 // Whether setSweepFaultsForTest set a fault for `name` of that kind (a flock errno, or bad_alloc when
 // `flockErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
 int takeSweepFault(const std::string& name, bool flockErrno) {
+#ifndef VMSPACE_TEST_HOOKS
+  return 0;  // a release build has no seam
+#else
   if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
   std::lock_guard<std::mutex> hold(g_faultMutex);
   for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
@@ -312,15 +317,18 @@ int takeSweepFault(const std::string& name, bool flockErrno) {
     return err;
   }
   return 0;
+#endif
 }
 
 }  // namespace
 
+#ifdef VMSPACE_TEST_HOOKS
 void setSweepFaultsForTest(std::vector<SweepFault> faults) {
   std::lock_guard<std::mutex> hold(g_faultMutex);
   g_faults = std::move(faults);
   __atomic_store_n(&g_faultsActive, !g_faults.empty(), __ATOMIC_RELEASE);
 }
+#endif
 
 const std::string& bootId() {
   static const std::string id = [] {
@@ -419,7 +427,7 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
   return writeFileNoReplace(metaFd_.get(), name + ".json", json, durable, metaPath(name));
 }
 
-AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.infoJson, req.clone); }
+AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.info, req.clone); }
 
 StagedWorkspace Pool::stage(const AllocateRequest& req) {
   // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
@@ -573,7 +581,7 @@ void Pool::discard(StagedWorkspace&& staged) {
   removeWorkspace(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
 }
 
-AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& clone) {
+AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone) {
   UniqueFd lease = std::move(staged.lease);
   AllocateResult res;
   res.id = std::move(staged.id);
@@ -598,15 +606,15 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
     res.name = prefix + res.id;
   };
   try {
-    // infoJson is an object from the caller; the name and the template sources are added to it here, where the
-    // sources' identity (device, inode, size, mtime at clone time) is known.
+    // The caller's members, then the name and the template sources, added here, where the sources' identity
+    // (device, inode, size, mtime at clone time) is known.
     auto metaJson = [&] {
-      std::string json = infoJson.empty() ? std::string("{") : infoJson.substr(0, infoJson.rfind('}'));
-      if (json.size() > 1) json += ",";
-      json += "\"name\":";
-      appendJsonString(&json, res.name);
-      if (!res.templateId.empty()) json += ",\"templateId\":\"" + res.templateId + "\"";  // issue 14: a commit's parent
-      json += ",\"template\":[";
+      JsonMembers members = info;
+      std::string name;
+      appendJsonString(&name, res.name);
+      members.emplace_back("name", std::move(name));
+      if (!res.templateId.empty()) members.emplace_back("templateId", "\"" + res.templateId + "\"");  // issue 14
+      std::string json = "[";
       for (size_t i = 0; i < res.clones.size(); i++) {
         const ClonedEntry& c = res.clones[i];
         const SourceIdentity& id = c.identity;
@@ -621,8 +629,9 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const std::string& infoJs
                 std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
                 methodName(c.result, clone.reflink) + "\"}";
       }
-      json += "]}\n";
-      return json;
+      json += "]";
+      members.emplace_back("template", std::move(json));
+      return jsonObject(members) + "\n";
     };
 
     // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone

@@ -16,6 +16,7 @@
 #include "clone.h"
 #include "error.h"
 #include "fd.h"
+#include "json_members.h"
 #include "template.h"
 #include "quota.h"
 #include "tree.h"
@@ -43,7 +44,7 @@ struct AllocateRequest {
   std::string templateDir;  // a directory whose contents become the workspace's contents (empty: none)
   std::vector<TemplateEntry> entries;  // and/or single sources cloned to workspace-relative paths
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
-  std::string infoJson;  // a JSON object written into the metadata file (the name and template are added)
+  JsonMembers info;      // the caller's members of the metadata record (the name and template are added)
   CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
   std::string fromTemplate;  // issue 14: the id or name of a committed template cloned first ("" none)
   QuotaLimits quota;     // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
@@ -131,11 +132,11 @@ class Pool {
 
   // allocate() in two steps, so that the slow one can run ahead of time (a warm reserve): stage() builds and
   // leases the workspace in staging (any failure removes it and throws); publish() writes its metadata
-  // (`infoJson`, as AllocateRequest::infoJson; `options` as the build's) and renames it into the root; on
+  // (`info`, as AllocateRequest::info; `options` as the build's) and renames it into the root; on
   // failure it removes the staged workspace and throws. discard() removes a staged workspace that will not be
   // published, then drops its lease.
   StagedWorkspace stage(const AllocateRequest& request);
-  AllocateResult publish(StagedWorkspace&& staged, const std::string& infoJson, const CloneOptions& options);
+  AllocateResult publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& options);
   void discard(StagedWorkspace&& staged);
 
   // Moves workspace `name` into trash, removes it safely, drops its metadata, closes `leaseFd`. The lease fd is
@@ -221,11 +222,13 @@ const std::string& bootId();
 
 // Test seam: faults no real file system gives on demand. The next sweep entry named `name` fails as if handling it
 // threw std::bad_alloc (flockErrno 0), or as if its lease probe failed with `flockErrno`; each applies once.
-// Process-wide; an empty list clears it.
+// Process-wide; an empty list clears it. Test builds only (-DVMSPACE_TEST_HOOKS), as setTestIds.
+#ifdef VMSPACE_TEST_HOOKS
 struct SweepFault {
   std::string name;
   int flockErrno = 0;
 };
 void setSweepFaultsForTest(std::vector<SweepFault> faults);
+#endif
 
 }  // namespace vmspace

@@ -336,18 +336,20 @@ CommitResult TemplateStore::commit(const CommitRequest& req) {
       if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
     }
 
-    std::string json = req.infoJson.empty() ? std::string("{") : req.infoJson.substr(0, req.infoJson.rfind('}'));
-    if (json.size() > 1) json += ",";
-    json += "\"id\":\"" + res.id + "\",\"name\":";
-    if (req.name.empty()) json += "null";
-    else appendJsonString(&json, req.name);
-    json += std::string(",\"method\":\"") + methodName(res.clone, req.clone.reflink) + "\"";
-    if (res.readOnlySubvolume) json += ",\"subvolume\":true";
+    // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
+    JsonMembers members = req.info;
+    std::string name;
+    if (req.name.empty()) name = "null";
+    else appendJsonString(&name, req.name);
+    members.emplace_back("id", "\"" + res.id + "\"");
+    members.emplace_back("name", std::move(name));
+    members.emplace_back("method", std::string("\"") + methodName(res.clone, req.clone.reflink) + "\"");
+    if (res.readOnlySubvolume) members.emplace_back("subvolume", "true");
     // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
     if (!res.clone.snapshot)
-      json += ",\"usage\":{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) + ",\"files\":" +
-              std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}";
-    json += "}\n";
+      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) + ",\"files\":" +
+                                        std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}");
+    std::string json = jsonObject(members) + "\n";
     writeNewFile(lease.get(), "template.json", json, 0444, opts.durable, stagingPath + "/template.json");
     res.metaText = json;
     writeNewFile(lease.get(), "used", "", 0644, false, stagingPath + "/used");

@@ -20,6 +20,7 @@
 
 #include "clone.h"
 #include "fd.h"
+#include "json_members.h"
 #include "tree.h"
 
 namespace vmspace {
@@ -29,7 +30,7 @@ struct SweepReport;
 struct CommitRequest {
   std::string sourcePath;  // the workspace directory
   std::string name;        // "" for an unnamed template; checked by the caller: [A-Za-z0-9][A-Za-z0-9._-]{0,127}
-  std::string infoJson;    // a JSON object from the caller (createdAt, parent, meta); id and usage are added
+  JsonMembers info;        // the caller's members of template.json (createdAt, parent, meta); id and usage are added
   bool replace = false;    // an existing name is swapped to the new template (RENAME_EXCHANGE) instead of EEXIST
   CloneOptions clone;
   CloneProgress* progress = nullptr;

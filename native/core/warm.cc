@@ -89,7 +89,7 @@ void buildWarm(Pool& pool, AllocateRequest r, WarmEntry* entry) {
   entry->digest = before;
 }
 
-bool takeWarm(Pool& pool, WarmEntry* entry, const std::string& infoJson, AllocateResult* result) {
+bool takeWarm(Pool& pool, WarmEntry* entry, const JsonMembers& info, AllocateResult* result) {
   std::lock_guard<std::mutex> lock(entry->mu);
   if (!entry->staged.lease) return false;
   uint64_t now;
@@ -99,7 +99,7 @@ bool takeWarm(Pool& pool, WarmEntry* entry, const std::string& infoJson, Allocat
     now = ~entry->digest;  // a source gone or unreadable: stale (the fresh build reports why)
   }
   if (now != entry->digest) return false;  // stale: left for discardWarm, off the caller's path
-  *result = pool.publish(std::move(entry->staged), infoJson, entry->request.clone);
+  *result = pool.publish(std::move(entry->staged), info, entry->request.clone);
   return true;
 }
 

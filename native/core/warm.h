@@ -21,7 +21,7 @@ uint64_t templateDigest(const AllocateRequest& request);
 
 struct WarmEntry {
   std::mutex mu;             // one build, take or discard at a time
-  AllocateRequest request;   // as built (its infoJson unused, progress cleared once built)
+  AllocateRequest request;   // as built (its info unused, progress cleared once built)
   StagedWorkspace staged;    // lease empty until built, and once taken or discarded
   uint64_t digest = 0;       // templateDigest before the build began
 };
@@ -36,7 +36,7 @@ void buildWarm(Pool& pool, AllocateRequest request, WarmEntry* entry);
 // were when it was built, and returns true; otherwise (stale, or already taken or discarded) returns false and
 // leaves the entry to discardWarm, so that removing a stale image is not on the caller's path. Errors: as
 // Pool::publish (the entry is then removed).
-bool takeWarm(Pool& pool, WarmEntry* entry, const std::string& infoJson, AllocateResult* result);
+bool takeWarm(Pool& pool, WarmEntry* entry, const JsonMembers& info, AllocateResult* result);
 
 // Removes the entry (nothing when it was taken or discarded already).
 void discardWarm(Pool& pool, WarmEntry* entry);

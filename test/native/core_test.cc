@@ -111,7 +111,7 @@ static void poolNamesAreDistinctAndCollisionsRetry() {
   CHECK(ids.size() == 200);
   AllocateRequest req;
   req.prefix = "vm";
-  req.infoJson = "{}";
+  req.info = {};
   std::string taken(32, 'a');
   mkdir((d + "/pool/vm-" + taken).c_str(), 0700);
   setTestIds({taken, std::string(32, 'b')});

@@ -1,0 +1,110 @@
+// clone: clonePath, clonePathBeneath and their progress/cancel handles (native/core/clone.h).
+#include "common.h"
+
+namespace vmspace::binding {
+
+namespace {
+
+// clonePath({src, dst, reflink, overwrite, durable, writeback, progress})
+Napi::Value ClonePath(const Napi::CallbackInfo& info) {
+  Options o(info, 0, "clonePath");
+  std::string src = o.string("src"), dst = o.string("dst");
+  vmspace::CloneOptions opts = cloneOptionsOf(o);
+  ProgressRef progress = progressOf(o);
+  return Work<vmspace::CloneSummary>::Start(
+      info.Env(), [src, dst, opts, progress] { return vmspace::clonePath(src, dst, opts, progress.get()); },
+      [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
+}
+
+// clonePathBeneath({baseFd, basePath, src, rel, reflink, overwrite, durable, writeback, progress})
+Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
+  Options o(info, 0, "clonePathBeneath");
+  int baseFd = o.int32("baseFd");
+  std::string basePath = o.string("basePath"), src = o.string("src"), rel = o.string("rel");
+  vmspace::CloneOptions opts = cloneOptionsOf(o);
+  ProgressRef progress = progressOf(o);
+  return Work<vmspace::CloneSummary>::Start(
+      info.Env(),
+      [baseFd, basePath, src, rel, opts, progress] {
+        return vmspace::clonePathBeneath(src, baseFd, basePath, rel, opts, progress.get());
+      },
+      [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
+}
+
+Napi::Value NewProgress(const Napi::CallbackInfo& info) {
+  return Napi::External<ProgressRef>::New(info.Env(), new ProgressRef(std::make_shared<vmspace::CloneProgress>()),
+                                          [](Napi::Env, ProgressRef* ref) { delete ref; });
+}
+
+// [files, bytes] so far; cheap enough for a 100 ms timer on the JS thread (two relaxed atomic loads).
+Napi::Value ReadProgress(const Napi::CallbackInfo& info) {
+  ProgressRef p = progressArg(info, 0);
+  Napi::Array out = Napi::Array::New(info.Env(), 2);
+  out.Set(0u, static_cast<double>(p ? p->files.load(std::memory_order_relaxed) : 0));
+  out.Set(1u, static_cast<double>(p ? p->bytes.load(std::memory_order_relaxed) : 0));
+  return out;
+}
+
+Napi::Value CancelProgress(const Napi::CallbackInfo& info) {
+  ProgressRef p = progressArg(info, 0);
+  if (p) p->cancel.store(true, std::memory_order_relaxed);
+  return info.Env().Undefined();
+}
+
+}  // namespace
+
+vmspace::CloneOptions cloneOptionsOf(const Options& o) {
+  static constexpr vmspace::Reflink reflinks[] = {vmspace::Reflink::Always, vmspace::Reflink::Auto,
+                                                  vmspace::Reflink::Never};
+  static constexpr vmspace::Writeback writebacks[] = {vmspace::Writeback::None, vmspace::Writeback::Start,
+                                                      vmspace::Writeback::Wait};
+  vmspace::CloneOptions c;
+  c.reflink = reflinks[o.oneOf("reflink", {"always", "auto", "never"}, 1)];
+  c.overwrite = o.booleanOr("overwrite", false);
+  c.durable = o.booleanOr("durable", false);
+  c.writeback = writebacks[o.oneOf("writeback", {"none", "start", "wait"}, 0)];
+  return c;
+}
+
+ProgressRef progressOf(const Options& o) {
+  ProgressRef* p = o.externalOr<ProgressRef>("progress");
+  return p ? *p : nullptr;
+}
+
+// Optional progress/cancel handle made by NewProgress; shared with the worker so it outlives whichever ends last.
+ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i) {
+  if (!info[i].IsExternal()) return nullptr;
+  return *info[i].As<Napi::External<ProgressRef>>().Data();
+}
+
+Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("kind", s.tree ? "tree" : "file");
+  o.Set("method", vmspace::methodName(s, reflink));
+  o.Set("files", static_cast<double>(s.files));
+  o.Set("bytes", static_cast<double>(s.bytes));
+  o.Set("reflinked", static_cast<double>(s.reflinked));
+  o.Set("copied", static_cast<double>(s.copied));
+  if (s.tree) {
+    o.Set("dirs", static_cast<double>(s.dirs));
+    o.Set("symlinks", static_cast<double>(s.symlinks));
+    o.Set("hardlinks", static_cast<double>(s.hardlinks));
+    o.Set("fifos", static_cast<double>(s.fifos));
+    o.Set("devices", static_cast<double>(s.devices));
+    Napi::Object skipped = Napi::Object::New(env);
+    skipped.Set("sockets", static_cast<double>(s.skippedSockets));
+    skipped.Set("devices", static_cast<double>(s.skippedDevices));
+    o.Set("skipped", skipped);
+  }
+  return o;
+}
+
+void initClone(Napi::Env env, Napi::Object exports) {
+  exportFunction(env, exports, "clonePath", ClonePath);
+  exportFunction(env, exports, "clonePathBeneath", ClonePathBeneath);
+  exportFunction(env, exports, "newProgress", NewProgress);
+  exportFunction(env, exports, "readProgress", ReadProgress);
+  exportFunction(env, exports, "cancelProgress", CancelProgress);
+}
+
+}  // namespace vmspace::binding

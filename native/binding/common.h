@@ -1,0 +1,207 @@
+// What every file of the N-API binding shares: the one unit of work on the libuv pool (Work), the per-env state
+// (Instance), the core Error as a JS object, and the readers of a call's options object. The binding converts JS
+// values to core arguments and back; no file-system logic lives in native/binding/ (that is native/core/, which
+// never includes N-API). One file per capability (docs/DESIGN.md, "Code map"); addon.cc registers them all.
+#pragma once
+
+#include <napi.h>
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include "../core/clone.h"
+#include "../core/error.h"
+#include "../core/pool.h"
+
+namespace vmspace::binding {
+
+// The one error helper: a core Error as a plain object with Node's fs error fields; lib/errors.ts turns it into
+// a VmspaceError where the caller's async stack is at hand.
+Napi::Object errorObject(Napi::Env env, const Error& e);
+
+// One operation on the libuv pool: Execute runs `exec` on a pool thread, OnOK resolves or rejects the promise on
+// the JS thread. Lifecycle: created and queued on the JS thread -> Execute (pool) -> OnOK (JS) -> deleted by
+// node-addon-api.
+template <typename R>
+class Work : public Napi::AsyncWorker {
+ public:
+  using Exec = std::function<R()>;
+  using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
+
+  // Queues the work; `drop` (optional) is called with a result that could not be delivered to JS.
+  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop = nullptr) {
+    auto* work = new Work(env, std::move(exec), std::move(toJs), std::move(drop));
+    Napi::Promise promise = work->deferred_.Promise();
+    work->Queue();
+    return promise;
+  }
+
+ private:
+  Work(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop)
+      : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
+        toJs_(std::move(toJs)), drop_(std::move(drop)) {}
+
+  // No V8 here: runs on a libuv pool thread. Every exception becomes the rejection (an exception escaping
+  // Execute would be turned by node-addon-api into a callback error that nothing delivers: the promise would
+  // never settle).
+  void Execute() override {
+    try {
+      result_ = exec_();
+    } catch (...) {
+      try {
+        error_ = std::make_unique<Error>(vmspace::currentError());
+      } catch (...) {
+        outOfMemory_ = true;  // not even the Error could be made
+      }
+    }
+  }
+
+  // On the JS thread, also while the env is being torn down (a worker thread ending with this work in flight):
+  // then no JS can run, node-addon-api throws, and the result must still not leak. A toJs that hands an fd to
+  // the instance sets it to -1 in the result; `drop` releases whatever is left.
+  void OnOK() override {
+    try {
+      Napi::Env env = Env();
+      Napi::HandleScope scope(env);
+      if (outOfMemory_) {
+        Error e;
+        e.err = ENOMEM;
+        e.syscall = "malloc";
+        deferred_.Reject(errorObject(env, e));
+        return;
+      }
+      if (error_) {
+        deferred_.Reject(errorObject(env, *error_));
+        return;
+      }
+      deferred_.Resolve(toJs_(env, result_));
+    } catch (...) {
+      if (!error_ && !outOfMemory_ && drop_) drop_(result_);
+    }
+  }
+
+  Napi::Promise::Deferred deferred_;
+  Exec exec_;
+  ToJs toJs_;
+  std::function<void(R&)> drop_;
+  R result_{};
+  std::unique_ptr<Error> error_;
+  bool outOfMemory_ = false;
+};
+
+struct LockWaiter;  // lock.cc
+
+// Per-instance state (one per env: the main thread and each worker thread): the lease fds and lock fds this
+// instance holds, and its lock waits still running. When the env ends (a worker thread exits, or the process),
+// the fds are closed and the waits cancelled, so no workspace stays leased and no lock stays held by a thread
+// that is gone. Touched on the env's JS thread only.
+struct Instance {
+  std::unordered_set<int> leases;
+  std::unordered_set<int> locks;
+  std::unordered_set<std::shared_ptr<LockWaiter>> waiters;
+  ~Instance();  // lock.cc (it cancels the waits)
+};
+
+inline Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
+
+// An operation with no result: resolves with undefined.
+Napi::Promise runVoid(Napi::Env env, std::function<void()> fn);
+
+// Closes an fd on the pool: the kernel drops its flock with the last fd of the open file description.
+Napi::Promise closeFd(Napi::Env env, int fd);
+
+// ---- argument conversion (types were checked by lib/; a mismatch here is a TypeError, never a crash) ----
+
+// One call's options object, read by name (as sharp and classic-level do): each getter throws a TypeError naming
+// the call and the key when the value has the wrong type; the *Or getters return `fallback` for undefined.
+class Options {
+ public:
+  // info[i] must be an object; `call` names the native function in errors.
+  Options(const Napi::CallbackInfo& info, size_t i, const char* call);
+
+  std::string string(const char* key) const;
+  std::string stringOr(const char* key, std::string fallback) const;
+  bool boolean(const char* key) const;
+  bool booleanOr(const char* key, bool fallback) const;
+  uint32_t uint32(const char* key) const;
+  int32_t int32(const char* key) const;
+  // An integer up to 2^53 (a JS safe integer): byte counts, milliseconds.
+  int64_t int64(const char* key) const;
+  int64_t int64Or(const char* key, int64_t fallback) const;
+  // A string naming one of `names` (in order); its index. Enums travel as their names, parsed here once.
+  size_t oneOf(const char* key, std::initializer_list<const char*> names, size_t fallback) const;
+  Napi::Array array(const char* key) const;
+  // [key, JSON text] string pairs: the caller's members of a metadata record (core/json_members.h).
+  vmspace::JsonMembers members(const char* key) const;
+  Napi::Env env() const { return env_; }
+  // A handle made by the binding (Napi::External<T>) or undefined (null).
+  template <typename T>
+  T* externalOr(const char* key) const {
+    Napi::Value v = get(key);
+    if (v.IsUndefined()) return nullptr;
+    if (!v.IsExternal()) throw wrongType(key, "a handle");
+    return v.As<Napi::External<T>>().Data();
+  }
+
+ private:
+  Napi::Value get(const char* key) const;
+  Napi::TypeError wrongType(const char* key, const char* what) const;
+  Napi::Env env_;
+  Napi::Object object_;
+  std::string call_;
+};
+
+std::string stringArg(const Napi::CallbackInfo& info, size_t i);
+// [key, JSON text] string pairs; `what` names the value in the TypeError.
+vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what);
+int64_t intArg(const Napi::CallbackInfo& info, size_t i);
+bool boolArg(const Napi::CallbackInfo& info, size_t i);
+
+struct PoolRef {
+  std::shared_ptr<vmspace::Pool> pool;
+};
+std::shared_ptr<vmspace::Pool> poolArg(const Napi::CallbackInfo& info, size_t i);
+
+// ---- shared between capabilities (defined in the file named) ----
+
+using ProgressRef = std::shared_ptr<vmspace::CloneProgress>;
+// clone.cc: the clone options, the optional progress/cancel handle, a clone's summary.
+// reflink ('always' | 'auto' | 'never', default 'auto'), overwrite, durable, writeback ('none' | 'start' | 'wait').
+vmspace::CloneOptions cloneOptionsOf(const Options& o);
+ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i);
+ProgressRef progressOf(const Options& o);  // the key "progress"
+Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
+// pool.cc: allocate's request and result, which a warm entry shares.
+// The workspace's shape: prefix, mode, templateDir, entries, reflink, durable (warmBuild takes these only);
+// allocate adds info, progress, writeback, quotaBytes, quotaInodes, fromTemplate.
+vmspace::AllocateRequest workspaceRequestOf(const Options& o);
+Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmspace::Reflink reflink);
+void dropAllocateResult(vmspace::AllocateResult& r);
+
+// Each capability's exports (addon.cc calls them all).
+void initPool(Napi::Env env, Napi::Object exports);
+void initWarm(Napi::Env env, Napi::Object exports);
+void initClone(Napi::Env env, Napi::Object exports);
+void initRemove(Napi::Env env, Napi::Object exports);
+void initRename(Napi::Env env, Napi::Object exports);
+void initLock(Napi::Env env, Napi::Object exports);
+void initJsonFile(Napi::Env env, Napi::Object exports);
+void initTemplate(Napi::Env env, Napi::Object exports);
+void initQuota(Napi::Env env, Napi::Object exports);
+#ifdef VMSPACE_TEST_HOOKS
+void initTestHooks(Napi::Env env, Napi::Object exports);  // test_hooks.cc
+#endif
+
+// exports[name] = fn
+inline void exportFunction(Napi::Env env, Napi::Object exports, const char* name, Napi::Function::Callback fn) {
+  exports.Set(name, Napi::Function::New(env, fn, name));
+}
+
+}  // namespace vmspace::binding

@@ -1,0 +1,233 @@
+// pool: open, allocate, dispose, list, adopt, sweep, release a lease (native/core/pool.h).
+#include <unistd.h>
+
+#include <utility>
+
+#include "../core/names.h"
+
+#include "common.h"
+
+namespace vmspace::binding {
+
+namespace {
+
+// openPool({root, create, sharedGid, format, minFreeBytes, projectIdFirst, projectIdLast})
+Napi::Value OpenPool(const Napi::CallbackInfo& info) {
+  Options o(info, 0, "openPool");
+  std::string root = o.string("root");
+  bool create = o.boolean("create");
+  int64_t sharedGid = o.int64Or("sharedGid", -1);  // -1: none
+  int format = o.int32("format");  // of a pool made here: 1 or 2
+  // quota (issue 13): minFreeBytes, project id range
+  uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
+  vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
+  return Work<std::shared_ptr<vmspace::Pool>>::Start(
+      info.Env(),
+      [root, create, sharedGid, format, minFreeBytes, projectIds] {
+        auto pool = vmspace::Pool::open(root, create, sharedGid, format);
+        pool->setSpaceConfig(minFreeBytes, projectIds);
+        vmspace::bootId();  // read once, here on the pool thread
+        return pool;
+      },
+      [](Napi::Env env, std::shared_ptr<vmspace::Pool>& pool) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("handle", Napi::External<PoolRef>::New(env, new PoolRef{pool},
+                                                     [](Napi::Env, PoolRef* ref) { delete ref; }));
+        o.Set("bootId", vmspace::bootId());
+        o.Set("format", pool->format());
+        return o;
+      });
+}
+
+Napi::Value ClosePool(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return runVoid(info.Env(), [pool] { pool->close(); });
+}
+
+// allocate(pool, {prefix, mode, templateDir, entries, reflink, durable, info, progress, writeback,
+// quotaBytes, quotaInodes, fromTemplate})
+Napi::Value Allocate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  Options o(info, 1, "allocate");
+  vmspace::AllocateRequest req = workspaceRequestOf(o);
+  req.info = o.members("info");
+  ProgressRef progress = progressOf(o);
+  req.progress = progress.get();
+  req.clone.writeback = cloneOptionsOf(o).writeback;
+  // quota (issue 13): allocate only (a warm build has none); 0: none
+  req.quota.bytes = static_cast<uint64_t>(o.int64Or("quotaBytes", 0));
+  req.quota.inodes = static_cast<uint64_t>(o.int64Or("quotaInodes", 0));
+  req.fromTemplate = o.stringOr("fromTemplate", "");  // issue 14
+  vmspace::Reflink reflink = req.clone.reflink;
+  return Work<vmspace::AllocateResult>::Start(
+      info.Env(), [pool, req, progress] { return pool->allocate(req); },
+      [reflink](Napi::Env env, vmspace::AllocateResult& r) { return allocateResultObject(env, r, reflink); },
+      dropAllocateResult);
+}
+
+// dispose(pool, {name, leaseFd})
+Napi::Value Dispose(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  Options o(info, 1, "dispose");
+  std::string name = o.string("name");
+  int leaseFd = o.int32("leaseFd");
+  instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
+  return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
+}
+
+// A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
+// path); `metaXattr` when it is the xattr's (format 2).
+void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
+             const std::string& metaText, bool inXattr) {
+  if (inXattr) o.Set("metaXattr", true);
+  if (metaErrno == 0) {
+    o.Set("metaText", metaText);
+    return;
+  }
+  vmspace::Error e;
+  e.err = metaErrno;
+  e.syscall = inXattr ? "fgetxattr" : "open";
+  e.path = inXattr ? pool.root() + "/" + name : pool.metaPath(name);
+  o.Set("metaError", errorObject(env, e));
+}
+
+Napi::Value Adopt(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  return Work<vmspace::AdoptResult>::Start(
+      info.Env(), [pool, name] { return pool->adopt(name); },
+      [pool, name](Napi::Env env, vmspace::AdoptResult& r) -> Napi::Value {
+        int fd = std::exchange(r.leaseFd, -1);
+        instance(env).leases.insert(fd);
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("leaseFd", fd);
+        setMeta(env, o, *pool, name, r.metaErrno, r.metaText, r.metaInXattr);
+        return o;
+      },
+      [](vmspace::AdoptResult& r) {
+        if (r.leaseFd >= 0) ::close(r.leaseFd);
+      });
+}
+
+// sweep(pool, {dryRun, graceMs})
+Napi::Value Sweep(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  Options o(info, 1, "sweep");
+  bool dryRun = o.boolean("dryRun");
+  int64_t graceMs = o.int64("graceMs");
+  return Work<vmspace::SweepReport>::Start(
+      info.Env(), [pool, dryRun, graceMs] { return pool->sweep(dryRun, graceMs); },
+      [](Napi::Env env, vmspace::SweepReport& r) -> Napi::Value {
+        auto entries = [&](const std::vector<vmspace::SweepEntry>& list, bool withError) {
+          Napi::Array a = Napi::Array::New(env, list.size());
+          for (size_t i = 0; i < list.size(); i++) {
+            Napi::Object e = Napi::Object::New(env);
+            e.Set("name", list[i].name);
+            e.Set("from", list[i].from);
+            e.Set("bytes", static_cast<double>(list[i].bytes));
+            if (withError) e.Set("error", errorObject(env, list[i].error));
+            a.Set(static_cast<uint32_t>(i), e);
+          }
+          return a;
+        };
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("reclaimed", entries(r.reclaimed, false));
+        o.Set("failed", entries(r.failed, true));
+        o.Set("live", static_cast<double>(r.live));
+        o.Set("metaRemoved", static_cast<double>(r.metaRemoved));
+        return o;
+      });
+}
+
+Napi::Value List(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return Work<std::vector<vmspace::ListEntry>>::Start(
+      info.Env(), [pool] { return pool->list(); },
+      [pool](Napi::Env env, std::vector<vmspace::ListEntry>& entries) -> Napi::Value {
+        Napi::Array out = Napi::Array::New(env, entries.size());
+        for (size_t i = 0; i < entries.size(); i++) {
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("name", entries[i].name);
+          o.Set("live", entries[i].live);
+          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText, entries[i].metaInXattr);
+          if (entries[i].probeErrno) {
+            vmspace::Error e;
+            e.err = entries[i].probeErrno;
+            e.syscall = entries[i].probeSyscall;
+            e.path = pool->root() + "/" + entries[i].name;
+            o.Set("probeError", errorObject(env, e));
+          }
+          out.Set(static_cast<uint32_t>(i), o);
+        }
+        return out;
+      });
+}
+
+// Closes a workspace's lease fd without removing the workspace (Workspace.release).
+Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
+  int fd = static_cast<int>(intArg(info, 0));
+  if (instance(info.Env()).leases.erase(fd) == 0)
+    throw Napi::Error::New(info.Env(), "vmspace binding: not a lease of this thread");
+  return closeFd(info.Env(), fd);
+}
+
+}  // namespace
+
+vmspace::AllocateRequest workspaceRequestOf(const Options& o) {
+  vmspace::AllocateRequest req;
+  req.prefix = o.string("prefix");
+  req.mode = static_cast<mode_t>(o.uint32("mode"));
+  req.templateDir = o.string("templateDir");
+  Napi::Array entries = o.array("entries");
+  for (uint32_t i = 0; i < entries.Length(); i++) {
+    Napi::Value pair = entries.Get(i);
+    Napi::Value dest, source;
+    if (pair.IsArray()) dest = pair.As<Napi::Array>().Get(0u), source = pair.As<Napi::Array>().Get(1u);
+    if (!pair.IsArray() || !dest.IsString() || !source.IsString())
+      throw Napi::TypeError::New(o.env(), "vmspace binding: option 'entries' must hold [dest, source] string pairs");
+    req.entries.push_back({dest.As<Napi::String>().Utf8Value(), source.As<Napi::String>().Utf8Value()});
+  }
+  vmspace::CloneOptions clone = cloneOptionsOf(o);
+  req.clone.reflink = clone.reflink;
+  req.clone.durable = clone.durable;
+  return req;
+}
+
+Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmspace::Reflink reflink) {
+  int fd = std::exchange(r.leaseFd, -1);
+  instance(env).leases.insert(fd);
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("id", r.id);
+  o.Set("name", r.name);
+  o.Set("leaseFd", fd);
+  o.Set("retries", r.retries);
+  Napi::Array clones = Napi::Array::New(env, r.clones.size());
+  for (size_t i = 0; i < r.clones.size(); i++) {
+    Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
+    c.Set("dest", r.clones[i].dest);
+    clones.Set(static_cast<uint32_t>(i), c);
+  }
+  o.Set("clones", clones);
+  if (!r.templateId.empty()) {  // issue 14
+    o.Set("templateId", r.templateId);
+    o.Set("templateMeta", r.templateMeta);
+  }
+  return o;
+}
+
+void dropAllocateResult(vmspace::AllocateResult& r) {
+  if (r.leaseFd >= 0) ::close(r.leaseFd);  // the workspace is then an orphan for a sweep
+}
+
+void initPool(Napi::Env env, Napi::Object exports) {
+  exportFunction(env, exports, "openPool", OpenPool);
+  exportFunction(env, exports, "closePool", ClosePool);
+  exportFunction(env, exports, "allocate", Allocate);
+  exportFunction(env, exports, "dispose", Dispose);
+  exportFunction(env, exports, "list", List);
+  exportFunction(env, exports, "adopt", Adopt);
+  exportFunction(env, exports, "sweep", Sweep);
+  exportFunction(env, exports, "releaseLease", ReleaseLease);
+}
+
+}  // namespace vmspace::binding

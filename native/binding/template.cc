@@ -1,0 +1,107 @@
+// template: commit, list, remove (native/core/template.h).
+#include "../core/template.h"
+
+#include "common.h"
+
+namespace vmspace::binding {
+
+namespace {
+
+// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, progress})
+Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  Options o(info, 1, "commitTemplate");
+  vmspace::CommitRequest req;
+  req.sourcePath = o.string("sourcePath");
+  req.name = o.string("name");
+  req.info = o.members("info");
+  req.replace = o.boolean("replace");
+  vmspace::CloneOptions clone = cloneOptionsOf(o);
+  req.clone.reflink = clone.reflink;
+  req.clone.durable = clone.durable;
+  ProgressRef progress = progressOf(o);
+  req.progress = progress.get();
+  return Work<vmspace::CommitResult>::Start(
+      info.Env(), [pool, req, progress] { return pool->templates(true)->commit(req); },
+      [reflink = req.clone.reflink](Napi::Env env, vmspace::CommitResult& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("id", r.id);
+        o.Set("metaText", r.metaText);
+        o.Set("clone", summaryObject(env, r.clone, reflink));
+        o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
+        if (!r.replacedId.empty()) {
+          o.Set("replacedId", r.replacedId);
+          o.Set("replacedRemoved", r.replacedRemoved);
+        }
+        return o;
+      });
+}
+
+Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  return Work<std::vector<vmspace::TemplateListing>>::Start(
+      info.Env(),
+      [pool] {
+        vmspace::TemplateStore* store = pool->templates(false);
+        return store ? store->list() : std::vector<vmspace::TemplateListing>();
+      },
+      [pool](Napi::Env env, std::vector<vmspace::TemplateListing>& list) -> Napi::Value {
+        Napi::Array out = Napi::Array::New(env, list.size());
+        for (size_t i = 0; i < list.size(); i++) {
+          const vmspace::TemplateListing& t = list[i];
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("id", t.id);
+          o.Set("currentName", t.currentName);
+          o.Set("lastUsedMs", static_cast<double>(t.lastUsedMs));
+          o.Set("retired", t.retired);
+          o.Set("metaPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
+          if (t.metaErrno == 0) {
+            o.Set("metaText", t.metaText);
+          } else {
+            vmspace::Error e;
+            e.err = t.metaErrno;
+            e.syscall = "open";
+            e.path = pool->root() + "/.vmspace/templates/" + t.id + "/template.json";
+            o.Set("metaError", errorObject(env, e));
+          }
+          out.Set(static_cast<uint32_t>(i), o);
+        }
+        return out;
+      });
+}
+
+Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string idOrName = stringArg(info, 1);
+  struct Removed {
+    std::string id;
+    bool removed = false;
+  };
+  return Work<Removed>::Start(
+      info.Env(),
+      [pool, idOrName] {
+        Removed r;
+        vmspace::TemplateStore* store = pool->templates(false);
+        if (!store)
+          vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
+                             "open", pool->root() + "/.vmspace/templates");
+        r.removed = store->remove(idOrName, &r.id);
+        return r;
+      },
+      [](Napi::Env env, Removed& r) -> Napi::Value {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("id", r.id);
+        o.Set("removed", r.removed);
+        return o;
+      });
+}
+
+}  // namespace
+
+void initTemplate(Napi::Env env, Napi::Object exports) {
+  exportFunction(env, exports, "commitTemplate", CommitTemplate);
+  exportFunction(env, exports, "listTemplates", ListTemplates);
+  exportFunction(env, exports, "removeTemplate", RemoveTemplate);
+}
+
+}  // namespace vmspace::binding
