@@ -520,7 +520,7 @@ static void sweepPassesOnAHandBuiltPool() {
   auto pool = Pool::open(root, true);
   AllocateRequest req;
   req.prefix = "vm";
-  req.infoJson = "{}";
+  req.info = {};
   AllocateResult live = pool->allocate(req);  // its lease held: never reclaimed
   std::string orphan = "vm-" + std::string(32, 'a'), ghost = "vm-" + std::string(32, 'c');
   CHECK(mkdir((root + "/" + orphan).c_str(), 0700) == 0);               // published, no lease
