@@ -7,7 +7,7 @@
 //   2. 8 processes updating one index at once, each adding its own keys: throughput, and a key count to show that
 //      no update was lost (for both implementations).
 // Every ratio compares figures measured in the same run (the machine is shared and noisy).
-//   node bench/index.mjs [--dir DIR] [--time MS] [--procs 8] [--ops 40] [--rounds 5]
+//   node bench/json-file.mjs [--dir DIR] [--time MS] [--procs 8] [--ops 40] [--rounds 5]
 import { spawn, execFileSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import { createRequire } from 'node:module'
