@@ -35,45 +35,13 @@ export type { UpdateJsonOptions } from './json-file.js'
 export type { Template, TemplateUsage, CommitResult, PruneOptions } from './template.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'
 
-import { AbortError, VmspaceError } from './errors.js'
-import { clone } from './clone.js'
-import { removeTree } from './remove.js'
-import { exchange, renameNoReplace } from './rename.js'
-import { FileLock, lockFile } from './lock.js'
-import { updateJsonFile } from './json-file.js'
-import { openPool, Pool, Workspace } from './pool.js'
-import { probeQuota } from './quota.js'
+// The module's own namespace (its exports object, complete by the time the line below runs): the default object is
+// its values, so that the list of the API's values stays the export lines above.
+import * as self from './index.js'
 
 /**
  * The whole API as one object, for `import vmspace from 'vmspace'`: the same functions and classes as the named
  * exports, from ES modules and from TypeScript's CommonJS output (`require('vmspace').default`) alike.
  */
-const vmspace = {
-  /** {@link openPool} */
-  openPool,
-  /** {@link Pool} */
-  Pool,
-  /** {@link Workspace} */
-  Workspace,
-  /** {@link clone} */
-  clone,
-  /** {@link removeTree} */
-  removeTree,
-  /** {@link renameNoReplace} */
-  renameNoReplace,
-  /** {@link exchange} */
-  exchange,
-  /** {@link VmspaceError} */
-  VmspaceError,
-  /** {@link AbortError} */
-  AbortError,
-  /** {@link lockFile} */
-  lockFile,
-  /** {@link updateJsonFile} */
-  updateJsonFile,
-  /** {@link FileLock} */
-  FileLock,
-  /** {@link probeQuota} */
-  probeQuota,
-}
+const vmspace: Omit<typeof self, 'default'> = (({ default: _, ...values }) => values)(self)
 export default vmspace
