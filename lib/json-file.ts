@@ -1,6 +1,8 @@
 /**
  * The locked JSON index: read-modify-write of a JSON file under a lockFile() lock (DESIGN.md, "Locked JSON index").
  */
+import * as fsp from 'node:fs/promises'
+import * as os from 'node:os'
 import { TextDecoder } from 'node:util'
 import { native } from './binding.js'
 import { abortSignal, absolutePath, boolean, func, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
@@ -39,8 +41,9 @@ const utf8 = new TextDecoder('utf-8', { fatal: true })
  * The replacement keeps the old file's mode and owner (where permitted); a new file gets 0666 less the umask.
  * Each write first removes the temps (`.<name>.tmp-<12 hex>`, regular files) that writers killed before their
  * rename left next to `path`: temps are made only under the lock, so no live writer owns one.
- * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is
- * replaced by a file: give the real path.
+ * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is refused
+ * with `ELOOP` (syscall `'open'`, as open(2) with O_NOFOLLOW; nothing made, not even the lock file): the rename
+ * would replace the link by a file, and a writer naming the target would lock another lock file. Give the real path.
  * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`
  * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing, and so does an
  * abort before the write starts (AbortError; see {@link UpdateJsonOptions.signal}). The lock is released on
@@ -59,6 +62,7 @@ export async function updateJsonFile<T>(
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
   const signal = abortSignal('options.signal', o.signal)
+  await refuseSymlink(p)
 
   const lock = await lockFile(p + '.lock', { timeoutMs, signal })
   try {
@@ -96,6 +100,27 @@ export async function updateJsonFile<T>(
   } finally {
     await lock.release()
   }
+}
+
+/**
+ * `ELOOP` when `path` is a symlink. Checked before the lock so that a refused call makes nothing; a link made there
+ * later by someone who does not take the lock is outside what the lock can order anyway. Any other lstat failure
+ * (ENOENT: a new index) is left to the read, which reports it under the lock.
+ */
+async function refuseSymlink(path: string): Promise<void> {
+  let st
+  try {
+    st = await fsp.lstat(path)
+  } catch {
+    return
+  }
+  if (st.isSymbolicLink())
+    throw new VmspaceError(`ELOOP: ${path} is a symbolic link; updateJsonFile replaces the file at its path, give the real path`, {
+      code: 'ELOOP',
+      errno: -os.constants.errno.ELOOP,
+      syscall: 'open',
+      path,
+    })
 }
 
 function isKind(v: unknown, kind: 'object' | 'array'): boolean {
