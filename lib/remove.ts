@@ -15,7 +15,9 @@ export interface RemoveTreeOptions {
 /**
  * Removes `path` and everything below it without following a symlink (a symlink is removed, never its target)
  * and without entering another mount: a mount point below gives `EBUSY` and is left as it is, with the
- * directories above it. `ENOENT` when `path` does not exist (unless `force`). Refuses the root directory.
+ * directories above it. `ENOENT` when `path` does not exist (unless `force`); the errno of the entry that failed
+ * otherwise (`path`: that entry). Refuses the root directory, an empty path or one with a NUL byte, and unknown
+ * option keys with `ERR_INVALID_ARG_VALUE` (a non-string `path` is `ERR_INVALID_ARG_TYPE`), before touching anything.
  */
 export async function removeTree(path: string, options?: RemoveTreeOptions): Promise<void> {
   const p = absolutePath('path', path)
