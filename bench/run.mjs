@@ -25,7 +25,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | index | lease | trace | warm | templates-btrfs
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | warm | templates-btrfs
     baseline: { type: 'string' }, // trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -513,11 +513,11 @@ if (want('templates-btrfs')) {
   else await (await import('./template.mjs')).benchTemplatesBtrfs({ vmspace, dir: mnt, load, sizes: args['template-files'].split(',').map(Number) })
 }
 
-// 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/index.mjs).
-if (want('index')) {
+// 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/json-file.mjs).
+if (want('json-file')) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
-  process.stdout.write(execFileSync(process.execPath, [path.join(here, 'index.mjs'), '--dir', t.dir]))
+  process.stdout.write(execFileSync(process.execPath, [path.join(here, 'json-file.mjs'), '--dir', t.dir]))
 }
 
 // 5. Tracing costs nothing unless someone listens: allocate+dispose with no subscriber, with a subscriber on the

@@ -8,21 +8,16 @@
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
 //   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth]
-import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
-import { createRequire } from 'node:module'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import * as readline from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import { execFileSync } from 'node:child_process'
 import { median } from './median.mjs'
+import { raceChildren, readyThenGo, vmspace } from './children.mjs'
 
-const require = createRequire(import.meta.url)
 const script = fileURLToPath(import.meta.url)
-const here = path.dirname(script)
-const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
 
 const { values: args } = parseArgs({
   options: {
@@ -83,10 +78,7 @@ async function implementations(dir) {
 if (args.child) {
   const impls = await implementations(args.dir)
   await loop(impls[args.child], 1, 200) // warm-up
-  process.stdout.write('ready\n')
-  const rl = readline.createInterface({ input: process.stdin })
-  await new Promise((r) => rl.once('line', r))
-  rl.close()
+  await readyThenGo()
   const n = await loop(impls[args.child], 1, timeMs)
   process.stdout.write(`${n}\n`)
   for (const p of impls.pools) await p.close()
@@ -143,23 +135,9 @@ if (want('inflight')) {
 }
 
 async function processes(name, procs) {
-  const children = Array.from({ length: procs }, () => {
-    const p = spawn(process.execPath, [script, '--child', name, '--dir', dir, '--time', String(timeMs)], { stdio: ['pipe', 'pipe', 'inherit'] })
-    const lines = readline.createInterface({ input: p.stdout })
-    const next = () => new Promise((resolve, reject) => {
-      lines.once('line', resolve)
-      p.once('exit', (code) => reject(new Error(`${name} child exited ${code}`)))
-    })
-    return { p, next }
-  })
-  await Promise.all(children.map((c) => c.next()))
-  const counts = children.map((c) => c.next())
-  const t0 = performance.now()
-  for (const c of children) c.p.stdin.write('go\n')
-  const n = (await Promise.all(counts)).reduce((a, b) => a + Number(b), 0)
-  const s = (performance.now() - t0) / 1000
-  await Promise.all(children.map((c) => (c.p.exitCode === null ? new Promise((r) => c.p.once('exit', r)) : null)))
-  return n / s
+  const argv = Array.from({ length: procs }, () => ['--child', name, '--dir', dir, '--time', String(timeMs)])
+  const { answers, seconds } = await raceChildren(script, name, argv)
+  return answers.reduce((a, b) => a + Number(b), 0) / seconds
 }
 
 if (want('procs')) {

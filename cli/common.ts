@@ -1,5 +1,6 @@
 /** What the commands share: exit codes, usage errors, pool roots, output formatting. */
 import * as fs from 'node:fs'
+import * as os from 'node:os'
 import * as path from 'node:path'
 
 /** Exit codes (documented in README.md, "The `vmspace` command"). `run` exits with its command's status instead. */
@@ -18,9 +19,18 @@ export function errorText(e: unknown): string {
   return String(e)
 }
 
-/** The error fields --json output gives for a failed entry: stable keys, null where unknown. */
+// errno number -> name, for Node's own fs errors: libuv has no UV_EDQUOT, so Node reports a quota hit as code
+// 'UNKNOWN' with errno -122; the number is what counts (vmspace's errors are named this way already).
+const errnoNames = new Map(Object.entries(os.constants.errno).map(([name, n]) => [n, name]))
+
+/**
+ * The error fields --json output gives for a failed entry: stable keys, null where unknown. A Node error with code
+ * 'UNKNOWN' and an errno Node's table names (EDQUOT) gets that name, in `code` and at the start of `message`.
+ */
 export function errorJson(e: unknown): { code: string | null; message: string } {
-  const code = (e as { code?: unknown } | null)?.code
+  const { code, errno } = (e ?? {}) as { code?: unknown; errno?: unknown }
+  const named = code === 'UNKNOWN' && typeof errno === 'number' ? errnoNames.get(-errno) : undefined
+  if (named) return { code: named, message: errorText(e).replace(/^UNKNOWN\b/, named) }
   return { code: typeof code === 'string' ? code : null, message: errorText(e) }
 }
 

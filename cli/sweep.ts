@@ -13,11 +13,22 @@ export async function sweep(rootArg: string, opts: { dryRun?: boolean; grace?: n
   } finally {
     await pool.close()
   }
-  const entry = (e: SweepEntry) => ({ id: e.id, name: e.name, from: e.from, bytes: e.bytes })
-  const failed = report.failed.map((f) => ({ ...entry(f), ...errorJson(f.error) }))
+  // `bytes` is null where the sweep measured nothing (the --json rule: null where unknown): in a dry run, which
+  // removes nothing, and for a failed entry; Pool.sweep() reports 0 there (SweepEntry.bytes).
+  const entry = (e: SweepEntry, measured: boolean) => ({ id: e.id, name: e.name, from: e.from, bytes: measured ? e.bytes : null })
+  const failed = report.failed.map((f) => ({ ...entry(f, false), ...errorJson(f.error) }))
   const bytesFreed = report.reclaimed.reduce((n, e) => n + e.bytes, 0)
   if (opts.json) {
-    printJson({ root, dryRun, graceMs, reclaimed: report.reclaimed.map(entry), bytesFreed, live: report.live, failed, metadataRemoved: report.metadataRemoved })
+    printJson({
+      root,
+      dryRun,
+      graceMs,
+      reclaimed: report.reclaimed.map((e) => entry(e, !dryRun)),
+      bytesFreed: dryRun ? null : bytesFreed,
+      live: report.live,
+      failed,
+      metadataRemoved: report.metadataRemoved,
+    })
   } else {
     const verb = dryRun ? 'would reclaim' : 'reclaimed'
     for (const e of report.reclaimed) process.stdout.write(`${verb} ${e.name} (${e.from}${dryRun ? '' : `, ${humanBytes(e.bytes)}`})\n`)

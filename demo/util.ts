@@ -145,6 +145,7 @@ export async function fsyncPath(p: string, flags = 'r'): Promise<void> {
   }
 }
 
+/** The first executable file of `names` (in that order of preference) on PATH or in `extraDirs`, or undefined. */
 export function which(names: string[], extraDirs: string[]): string | undefined {
   const dirs = [...(process.env.PATH ?? '').split(path.delimiter).filter(Boolean), ...extraDirs]
   for (const name of names)

@@ -1,7 +1,8 @@
-/** Clone options and results, shared by the standalone clone(), Workspace.clone() and templates. */
+/** The standalone clone(), and the clone options and results it shares with Workspace.clone() and templates. */
 import { native, type NativeCloneResult, type ProgressHandle } from './binding.js'
-import { abortSignal, boolean, func, oneOf, optionsObject } from './args.js'
+import { abortSignal, absolutePath, boolean, func, oneOf, optionsObject } from './args.js'
 import { AbortError, call, fromNative } from './errors.js'
+import { cloneChannel, cloneResult, traced } from './trace.js'
 
 /** How a clone gets its data: see {@link CloneOptions.reflink}. */
 export type Reflink = 'always' | 'auto' | 'never'
@@ -187,4 +188,30 @@ async function withProgressHandle<T>(
     if (timer) clearInterval(timer)
     signal?.removeEventListener('abort', onAbort)
   }
+}
+
+/**
+ * Clones `source`, a regular file or a directory tree, to `dest` (see {@link CloneOptions}). The destination
+ * appears complete or not at all (built under a temp name, published with renameat2(RENAME_NOREPLACE), or for a
+ * file link + unlink where the file system lacks that flag); the source is only read. Files keep their mode, less
+ * set-user-ID (set-group-ID) unless the caller is the source's owner (its group is the clone's); trees keep mode,
+ * owner (where permitted), times and xattrs, set-id bits and security.capability only where the owner is kept, and
+ * recreate symlinks, hard links, fifos and device nodes (where permitted) without following any symlink. A copy
+ * reads to end of file (procfs, sysfs files) and its `bytes` are exactly those read.
+ * Throws `EEXIST` when `dest` exists (unless `overwrite`), `ENOENT` when its directory does not,
+ * `ERR_REFLINK_UNSUPPORTED` under `reflink: 'always'` where extents cannot be shared (cause `EAGAIN` when the file
+ * system kept answering "not now"), `ERR_RENAME_NOREPLACE_UNSUPPORTED` for a tree on a file system without
+ * RENAME_NOREPLACE, an AbortError on `signal`, or the errno of the entry that failed (`path`: that source entry,
+ * `dest`: its destination).
+ */
+export function clone(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
+  return traced(cloneChannel, () => ({ source, dest }), () => cloneUntraced(source, dest, options), cloneResult)
+}
+
+async function cloneUntraced(source: string, dest: string, options: CloneOptions | undefined): Promise<CloneResult> {
+  const src = absolutePath('source', source)
+  const dst = absolutePath('dest', dest)
+  const opts = cloneOptions(options)
+  const r = await withProgress(opts, (p) => native.clonePath({ src, dst, reflink: opts.reflink, overwrite: opts.overwrite, durable: opts.durable, writeback: opts.writeback, progress: p }))
+  return toResult(r, dst)
 }

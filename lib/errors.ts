@@ -131,6 +131,23 @@ if (['x64', 'arm64', 'arm', 'ia32', 'riscv64', 's390x', 'ppc64', 'loong64'].incl
   for (const [n, name] of linux) if (!errnoNames.has(n)) errnoNames.set(n, name)
 }
 
+// Descriptions (glibc's strerror, lower-cased as libuv's) of the errnos that libuv's table lacks, so that an error
+// made here from a bare number reads as one from the addon. EDQUOT matters most: libuv has no UV_EDQUOT, so Node
+// itself reports a quota hit as code 'UNKNOWN' ("Unknown system error -122").
+const missingDescriptions: Record<string, string> = {
+  EDQUOT: 'disk quota exceeded', ENOTBLK: 'block device required', EBADE: 'invalid exchange',
+  EBADR: 'invalid request descriptor', EXFULL: 'exchange full', EREMOTE: 'object is remote',
+  EBADFD: 'file descriptor in bad state', EUCLEAN: 'structure needs cleaning', EREMOTEIO: 'remote I/O error',
+  ENOMEDIUM: 'no medium found', EMEDIUMTYPE: 'wrong medium type', ENOKEY: 'required key not available',
+  EKEYEXPIRED: 'key has expired', EKEYREVOKED: 'key has been revoked', EKEYREJECTED: 'key was rejected by service',
+  EOWNERDEAD: 'owner died', ENOTRECOVERABLE: 'state not recoverable',
+}
+
+/** The description of a positive errno: libuv's, else glibc's for the Linux errnos libuv lacks, else 'unknown error'. */
+function errnoDescription(errno: number): string {
+  return util.getSystemErrorMap().get(-errno)?.[1] ?? missingDescriptions[errnoName(errno)] ?? 'unknown error'
+}
+
 /** The name of a positive errno (`'ENOENT'`), or `'EUNKNOWN'` for a number Node does not name. */
 export function errnoName(errno: number): string {
   return errnoNames.get(errno) ?? 'EUNKNOWN'
@@ -194,8 +211,7 @@ export function vmspaceError(
 
 /** A system error from a bare errno (positive), shaped like the binding's. */
 export function errnoError(errno: number, syscall: string, path?: string): VmspaceError {
-  const description = util.getSystemErrorMap().get(-errno)?.[1] ?? 'unknown error'
-  return fromNative({ errno: -errno, description, syscall, path }) as VmspaceError
+  return fromNative({ errno: -errno, description: errnoDescription(errno), syscall, path }) as VmspaceError
 }
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */

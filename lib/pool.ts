@@ -266,7 +266,10 @@ export interface SweepEntry {
    * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`).
    */
   from: 'published' | 'staging' | 'trash' | 'template' | 'template-staging'
-  /** Space freed (allocated blocks, bytes). */
+  /**
+   * Space freed (allocated blocks, bytes). 0 where nothing was measured: with `dryRun` (nothing is removed) and for
+   * an entry in `failed`.
+   */
   bytes: number
 }
 

@@ -2,7 +2,8 @@
 // portable); they match what glibc names them, shared numbers included.
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
-import { errnoName, VmspaceError } from '../lib/errors.js'
+import { errnoError, errnoName, VmspaceError } from '../lib/errors.js'
+import { errorJson } from '../cli/common.js'
 import { removeTree } from '../lib/index.js'
 import { freshDir } from './helpers.js'
 
@@ -14,6 +15,24 @@ describe('errno names', () => {
       [39, 'ENOTEMPTY'], [95, 'EOPNOTSUPP'], [117, 'EUCLEAN'], [121, 'EREMOTEIO'], [122, 'EDQUOT'], [125, 'ECANCELED'],
       [126, 'ENOKEY'],
     ])
+  })
+
+  test('an error made from a bare errno names EDQUOT and ENOSPC, with the description libc gives (libuv has none for EDQUOT)', () => {
+    expect(errnoError(122, 'write', '/q/f')).toMatchObject({ code: 'EDQUOT', errno: -122, syscall: 'write', path: '/q/f' })
+    expect(errnoError(122, 'write', '/q/f').message).toBe("EDQUOT: disk quota exceeded, write '/q/f'")
+    expect(errnoError(28, 'write', '/q/f')).toMatchObject({ code: 'ENOSPC', errno: -28 })
+    expect(errnoError(28, 'write', '/q/f').message).toBe("ENOSPC: no space left on device, write '/q/f'")
+    expect(errnoError(117, 'openat').message).toBe('EUCLEAN: structure needs cleaning, openat')
+  })
+
+  test("the CLI's --json error fields name a Node error that libuv calls UNKNOWN by its errno (EDQUOT); other codes pass as they are", () => {
+    // What Node's fs throws for EDQUOT: libuv has no UV_EDQUOT.
+    const quota = Object.assign(new Error("UNKNOWN: unknown error, write"), { code: 'UNKNOWN', errno: -122, syscall: 'write' })
+    expect(errorJson(quota)).toEqual({ code: 'EDQUOT', message: 'EDQUOT: unknown error, write' })
+    const full = Object.assign(new Error("ENOSPC: no space left on device, write"), { code: 'ENOSPC', errno: -28, syscall: 'write' })
+    expect(errorJson(full)).toEqual({ code: 'ENOSPC', message: 'ENOSPC: no space left on device, write' })
+    const unnamed = Object.assign(new Error('UNKNOWN: unknown error, read'), { code: 'UNKNOWN', errno: -4095 })
+    expect(errorJson(unnamed)).toEqual({ code: 'UNKNOWN', message: 'UNKNOWN: unknown error, read' })
   })
 
   test('a number nobody names is EUNKNOWN', () => {

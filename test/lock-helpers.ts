@@ -57,10 +57,10 @@ export function waitersOn(file: string, n: number, pid?: number): Promise<void> 
   return eventually(() => flockWaiters(file, pid) >= n)
 }
 
-/** test/fixtures/index-child.cjs: a process doing lockFile/updateJsonFile on command (see that file). */
+/** test/fixtures/json-file-child.cjs: a process doing lockFile/updateJsonFile on command (see that file). */
 export class IndexChild extends Child {
   constructor() {
-    super(path.join(fixtures, 'index-child.cjs'))
+    super(path.join(fixtures, 'json-file-child.cjs'))
   }
 
   command(cmd: Record<string, unknown>): void {

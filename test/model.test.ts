@@ -406,17 +406,26 @@ class Stale extends Cmd {
   }
 }
 
-class Dispose extends Cmd {
+/** A command on one of the actor's held handles (`handle` picks which), which has to succeed. */
+abstract class OnHeldHandle extends Cmd {
   constructor(readonly by: ActorName, readonly handle: number) {
     super()
   }
   check(m: Readonly<Model>) {
     return handlesOf(m, this.by, true).length > 0
   }
-  async act(m: Model, r: Real) {
+  /** Sends `op` for the picked handle and expects success; returns the handle and the answer. */
+  protected async runOk(m: Model, r: Real, op: string) {
     const h = pick(handlesOf(m, this.by, true), this.handle)
-    const res = await actor(r, this.by).run({ op: 'dispose', tag: h.tag })
+    const res = await actor(r, this.by).run({ op, tag: h.tag })
     expectOk(res, String(this))
+    return { h, res }
+  }
+}
+
+class Dispose extends OnHeldHandle {
+  async act(m: Model, r: Real) {
+    const { h, res } = await this.runOk(m, r, 'dispose')
     expect(res.status).toBe('disposed')
     h.state = 'disposed'
     m.workspaces.delete(h.id)
@@ -427,17 +436,9 @@ class Dispose extends Cmd {
   }
 }
 
-class Release extends Cmd {
-  constructor(readonly by: ActorName, readonly handle: number) {
-    super()
-  }
-  check(m: Readonly<Model>) {
-    return handlesOf(m, this.by, true).length > 0
-  }
+class Release extends OnHeldHandle {
   async act(m: Model, r: Real) {
-    const h = pick(handlesOf(m, this.by, true), this.handle)
-    const res = await actor(r, this.by).run({ op: 'release', tag: h.tag })
-    expectOk(res, String(this))
+    const { h, res } = await this.runOk(m, r, 'release')
     expect(res.status).toBe('released')
     h.state = 'released'
     m.workspaces.get(h.id)!.holder = null
@@ -448,17 +449,9 @@ class Release extends Cmd {
 }
 
 /** The lease handed to a VM process (spawn stdio), the handle released: live until that process dies. */
-class Handoff extends Cmd {
-  constructor(readonly by: ActorName, readonly handle: number) {
-    super()
-  }
-  check(m: Readonly<Model>) {
-    return handlesOf(m, this.by, true).length > 0
-  }
+class Handoff extends OnHeldHandle {
   async act(m: Model, r: Real) {
-    const h = pick(handlesOf(m, this.by, true), this.handle)
-    const res = await actor(r, this.by).run({ op: 'handoff', tag: h.tag })
-    expectOk(res, String(this))
+    const { h, res } = await this.runOk(m, r, 'handoff')
     r.vms.add(res.pid)
     expect(res.status).toBe('released')
     h.state = 'released'

@@ -619,7 +619,7 @@ describe.skipIf(!mounts.small)(`ENOSPC on a small ext4 ${needs('a small loop-mou
     const dst = path.join(freshTreeDir(mounts.small!), 'dst')
     const e = (await clone(src, dst).catch((e: unknown) => e)) as VmspaceError
     expect(e).toMatchObject({ code: 'ENOSPC' })
-    // lib/fs.ts, clone(): "or the errno of the entry that failed (`path`: that source entry, `dest`: its
+    // lib/clone.ts, clone(): "or the errno of the entry that failed (`path`: that source entry, `dest`: its
     // destination)"; the EACCES tests below see exactly that.
     expect(e.path, e.message).toMatch(new RegExp(`^${src}/big/`))
     expect(e.dest, e.message).toBe(path.join(dst, path.relative(src, e.path!)))

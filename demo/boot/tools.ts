@@ -6,6 +6,7 @@
 import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
+import { which as whichOf } from '../util.js'
 
 /** The packages the boot demo needs, as `apt-get install --no-install-recommends` takes them (Debian 12). */
 export const BOOT_PACKAGES = ['qemu-system-x86', 'linux-image-amd64', 'busybox-static', 'e2fsprogs', 'cpio'] as const
@@ -45,17 +46,7 @@ const EXTRA_DIRS = ['/usr/sbin', '/sbin', '/usr/local/sbin', '/usr/bin', '/bin']
 
 /** The first executable named `name` on PATH or in sbin, or undefined. */
 export function which(name: string): string | undefined {
-  const dirs = [...(process.env.PATH ?? '').split(':').filter(Boolean), ...EXTRA_DIRS]
-  for (const dir of dirs) {
-    const p = path.join(dir, name)
-    try {
-      fs.accessSync(p, fs.constants.X_OK)
-      if (fs.statSync(p).isFile()) return p
-    } catch {
-      // not here: try the next directory
-    }
-  }
-  return undefined
+  return whichOf([name], EXTRA_DIRS)
 }
 
 /**

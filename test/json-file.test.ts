@@ -401,6 +401,30 @@ describe('what is written', () => {
     expect(fs.statSync(file).mode & 0o7777).toBe(0o640)
   })
 
+  test('a symlink at the path is refused with ELOOP: the link, its target and the directory are as they were, no lock file made', async () => {
+    const dir = freshDir()
+    const target = path.join(dir, 'real.json')
+    fs.writeFileSync(target, '{"a":1}\n')
+    const link = path.join(dir, 'index.json')
+    fs.symlinkSync('real.json', link)
+    const dangling = path.join(dir, 'dangling.json')
+    fs.symlinkSync('missing.json', dangling)
+    const print = () => [fingerprint(target), ...[link, dangling].map((l) => `ino=${fs.lstatSync(l).ino} -> ${fs.readlinkSync(l)}`)]
+    const before = print()
+    let called = 0
+    for (const p of [link, dangling]) {
+      const err = await updateJsonFile<Index>(p, () => (++called, { b: 2 })).catch((e: unknown) => e)
+      expect(err).toBeInstanceOf(VmspaceError)
+      expect(err).toMatchObject({ code: 'ELOOP', errno: -40, syscall: 'open', path: p })
+      expect((err as Error).message).toBe(`ELOOP: ${p} is a symbolic link; updateJsonFile replaces the file at its path, give the real path`)
+    }
+    expect(called).toBe(0)
+    expect(print()).toEqual(before)
+    expect(fs.readdirSync(dir).sort()).toEqual(['dangling.json', 'index.json', 'real.json'])
+    // The real path works as ever.
+    expect(await updateJsonFile<Index>(target, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
+  })
+
   test('durable: true writes the same and leaves no temp file', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')

@@ -7,21 +7,17 @@
 //   2. 8 processes updating one index at once, each adding its own keys: throughput, and a key count to show that
 //      no update was lost (for both implementations).
 // Every ratio compares figures measured in the same run (the machine is shared and noisy).
-//   node bench/index.mjs [--dir DIR] [--time MS] [--procs 8] [--ops 40] [--rounds 5]
-import { spawn, execFileSync } from 'node:child_process'
+//   node bench/json-file.mjs [--dir DIR] [--time MS] [--procs 8] [--ops 40] [--rounds 5]
+import { execFileSync } from 'node:child_process'
 import * as fs from 'node:fs'
-import { createRequire } from 'node:module'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import * as readline from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import { median } from './median.mjs'
+import { raceChildren, readyThenGo, require, vmspace } from './children.mjs'
 
-const require = createRequire(import.meta.url)
 const script = fileURLToPath(import.meta.url)
-const here = path.dirname(script)
-const vmspace = require(path.join(here, '..', 'dist', 'index.js'))
 const lockfile = require('proper-lockfile')
 const writeFileAtomic = require('write-file-atomic')
 
@@ -79,10 +75,7 @@ const impls = {
 if (args.child) {
   const update = impls[args.child]
   const n = Number(args.ops)
-  process.stdout.write('ready\n')
-  const rl = readline.createInterface({ input: process.stdin })
-  await new Promise((resolve) => rl.once('line', resolve))
-  rl.close()
+  await readyThenGo()
   let failed = 0
   for (let i = 0; i < n; i++) {
     try {
@@ -102,7 +95,7 @@ if (args.child) {
 
 // ---- main ----
 const base = args.dir ?? os.tmpdir()
-const work = fs.mkdtempSync(path.join(base, 'vmspace-index-bench-'))
+const work = fs.mkdtempSync(path.join(base, 'vmspace-json-file-bench-'))
 process.on('exit', () => fs.rmSync(work, { recursive: true, force: true }))
 for (const sig of ['SIGINT', 'SIGTERM']) process.on(sig, () => process.exit(130))
 
@@ -162,27 +155,8 @@ async function contended(name, round) {
   const procs = Number(args.procs)
   const ops = Number(args.ops)
   const file = path.join(work, `contended-${name}-${round}.json`)
-  const children = Array.from({ length: procs }, (_, i) => {
-    const p = spawn(process.execPath, [script, '--child', name, '--file', file, '--ops', String(ops), '--prefix', `p${i}-`], {
-      stdio: ['pipe', 'pipe', 'pipe'],
-    })
-    let stderr = ''
-    p.stderr.setEncoding('utf8').on('data', (s) => (stderr += s))
-    const lines = readline.createInterface({ input: p.stdout })
-    const next = () =>
-      new Promise((resolve, reject) => {
-        lines.once('line', resolve)
-        p.once('exit', (code) => reject(new Error(`${name} child exited ${code}: ${stderr}`)))
-      })
-    return { p, next, stderr: () => stderr }
-  })
-  await Promise.all(children.map((c) => c.next())) // all loaded and waiting: the barrier
-  const done = children.map((c) => c.next())
-  const t0 = process.hrtime.bigint()
-  for (const c of children) c.p.stdin.write('go\n')
-  const answers = await Promise.all(done)
-  const seconds = Number(process.hrtime.bigint() - t0) / 1e9
-  await Promise.all(children.map((c) => (c.p.exitCode === null ? new Promise((r) => c.p.once('exit', r)) : null)))
+  const argv = Array.from({ length: procs }, (_, i) => ['--child', name, '--file', file, '--ops', String(ops), '--prefix', `p${i}-`])
+  const { answers, seconds } = await raceChildren(script, name, argv)
   const failed = answers.reduce((n, a) => n + Number(a.split(' ')[1]), 0)
   const keys = Object.keys(JSON.parse(fs.readFileSync(file, 'utf8'))).length
   return { opsPerSec: (procs * ops) / seconds, keys, expected: procs * ops, failed }
