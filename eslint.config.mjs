@@ -6,7 +6,7 @@ import globals from 'globals'
 import tseslint from 'typescript-eslint'
 
 export default tseslint.config(
-  { ignores: ['dist/**', 'build*/**', 'prebuilds/**', 'node_modules/**', 'bench/**', 'scripts/**'] },
+  { ignores: ['dist/**', 'build*/**', 'prebuilds/**', 'node_modules/**', 'bench/**', 'scripts/**', 'docs/api/**'] },
   js.configs.recommended,
   // typescript-eslint's recommended set: unsafe declarations, unused names, `any` leaks, namespace misuse.
   ...tseslint.configs.recommended,
