@@ -113,6 +113,21 @@ async function lockFileUntraced(path: string, options: LockOptions | undefined, 
       cause: errnoError(11 /* EWOULDBLOCK */, 'flock', p),
     })
   }
+  return waitForLock(p, shared, fd, timeoutMs, signal, granted)
+}
+
+/**
+ * The wait for a lock that lockOpen found held: a thread of its own blocks in flock(2) on `fd` (LockWait), the
+ * timeout and the signal cancel it. `granted` records the grant in the trace.
+ */
+function waitForLock(
+  p: string,
+  shared: boolean,
+  fd: number,
+  timeoutMs: number | undefined,
+  signal: AbortSignal | undefined,
+  granted: (waited: boolean) => void,
+): Promise<FileLock> {
   return new Promise<FileLock>((resolve, reject) => {
     let cancelledBy: 'timeout' | 'abort' | undefined
     let repeat: NodeJS.Timeout | undefined

@@ -4,7 +4,7 @@
  */
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { jsonMembers, native, type PoolHandle } from './binding.js'
+import { jsonMembers, native, type JsonMembers, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
@@ -435,6 +435,23 @@ export class Pool implements AsyncDisposable {
   }
 
   async #allocate(options: AllocateOptions | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
+    const req = this.#allocateRequest(options)
+    this.#assertOpen()
+    // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
+    this.#open++
+    let r: NativeAllocateResult
+    try {
+      r = await this.#build(req)
+    } catch (e) {
+      this.#stats.failed++
+      await this._forget()
+      throw e
+    }
+    return this.#published(r, req.signal, t)
+  }
+
+  /** allocate()'s options, checked, and the metadata record's members (nothing is touched yet). */
+  #allocateRequest(options: AllocateOptions | undefined): CheckedAllocate {
     const o = optionsObject<AllocateOptions>('options', options, {
       template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true,
     })
@@ -457,32 +474,35 @@ export class Pool implements AsyncDisposable {
       },
       ['meta', metaText(o.meta)],
     )
-    this.#assertOpen()
-    // Counted as open from the start, so that a close() meanwhile keeps the pool's fds for it.
-    this.#open++
-    let r: NativeAllocateResult | undefined
-    try {
-      if (signal?.aborted) throw new AbortError(signal.reason)
-      // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
-      // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
-      // or with their project id before anything is cloned in).
-      if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
-        const warm = this.#warm
-        if (warm?.matches(WarmReserve.key(dir, entries, mode))) r = await warm.take(info)
+    return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
+  }
+
+  /** Builds and publishes the workspace: from the warm reserve when it can serve the request, else in the core. */
+  async #build(req: CheckedAllocate): Promise<NativeAllocateResult> {
+    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info } = req
+    if (signal?.aborted) throw new AbortError(signal.reason)
+    // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
+    // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
+    // or with their project id before anything is cloned in).
+    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
+      const warm = this.#warm
+      if (warm?.matches(WarmReserve.key(dir, entries, mode))) {
+        const r = await warm.take(info)
+        if (r) return r
       }
-      r ??= await this.#inFlight.track(
-        withProgress({ signal }, (p) =>
-          native.allocate(this.#handle, {
-            prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
-            info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
-          }),
-        ),
-      )
-    } catch (e) {
-      this.#stats.failed++
-      await this._forget()
-      throw e
     }
+    return this.#inFlight.track(
+      withProgress({ signal }, (p) =>
+        native.allocate(this.#handle, {
+          prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
+          info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
+        }),
+      ),
+    )
+  }
+
+  /** The Workspace of a published build: its clones counted, its template's metadata checked, an abort honoured. */
+  async #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
     const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
@@ -1068,6 +1088,19 @@ export class Workspace implements AsyncDisposable {
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
+}
+
+/** allocate()'s options as checked, with the metadata record's members. */
+interface CheckedAllocate {
+  quotaBytes: number
+  quotaInodes: number
+  dir: string
+  entries: [string, string][]
+  from: string | undefined
+  mode: number
+  signal: AbortSignal | undefined
+  writeback: Writeback
+  info: JsonMembers
 }
 
 function templateEntries(template: unknown, name = 'options.template'): { dir: string; entries: [string, string][] } {
