@@ -114,3 +114,41 @@ export function func<F extends (...args: never[]) => unknown>(name: string, valu
   if (typeof value !== 'function') throw invalidType(name, 'a function', value)
   return value as F
 }
+
+/**
+ * JSON.stringify of `value` when JSON.parse gives back exactly that value: null, booleans, finite numbers, strings,
+ * arrays without holes and plain objects (prototype Object.prototype or null) of those. JSON.stringify alone would
+ * change the others silently (ECMA-262 SerializeJSONProperty: `undefined`, functions and symbols dropped, NaN and
+ * ±Infinity written as null, a Date as a string, a Map or a class instance as its own keys), so each is
+ * ERR_INVALID_ARG_VALUE naming where it is (`options.meta["when"]`); so are cycles and BigInt.
+ */
+export function exactJson(name: string, value: unknown): string {
+  let text: string
+  try {
+    text = JSON.stringify(value)
+  } catch {
+    throw invalidValue(name, 'a JSON-serialisable value (no cycle, no BigInt)', value)
+  }
+  // No cycle remains past JSON.stringify through plain objects and arrays, and the walk stops at anything else.
+  const stack: [unknown, string][] = [[value, name]]
+  while (stack.length) {
+    const [v, at] = stack.pop()!
+    if (v === null || typeof v === 'string' || typeof v === 'boolean') continue
+    if (typeof v === 'number') {
+      if (!Number.isFinite(v)) throw invalidValue(at, 'a finite number (JSON has no NaN or Infinity)', v)
+      continue
+    }
+    if (Array.isArray(v)) {
+      if (Object.keys(v).length !== v.length) throw invalidValue(at, 'an array without holes or extra keys', v)
+      v.forEach((item, i) => stack.push([item, `${at}[${i}]`]))
+      continue
+    }
+    const proto = typeof v === 'object' ? Object.getPrototypeOf(v) : undefined
+    if (typeof v !== 'object' || (proto !== Object.prototype && proto !== null))
+      throw invalidValue(at, 'a JSON value (null, boolean, finite number, string, array or plain object)', v)
+    if (Object.getOwnPropertySymbols(v).some((s) => Object.prototype.propertyIsEnumerable.call(v, s)))
+      throw invalidValue(at, 'an object without symbol keys', v)
+    for (const [k, item] of Object.entries(v)) stack.push([item, `${at}[${JSON.stringify(k)}]`])
+  }
+  return text
+}

@@ -9,6 +9,7 @@ import {
   abortSignal,
   absolutePath,
   boolean,
+  exactJson,
   integerIn,
   invalidType,
   invalidValue,
@@ -129,7 +130,11 @@ export interface AllocateOptions {
    * waits for this clone: the workspace gets the whole old tree or the whole new one.
    */
   from?: string
-  /** A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list(). */
+  /**
+   * A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list() exactly as given:
+   * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, a Map, a class instance, a function, an array
+   * hole) is `ERR_INVALID_ARG_VALUE` naming where it is, e.g. `options.meta["when"]`.
+   */
   meta?: JsonObject
   /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
   mode?: number
@@ -1137,12 +1142,8 @@ function hostname(): string {
 function metaText(meta: unknown): string {
   if (meta === undefined) return '{}'
   if (!isPlainObject(meta)) throw invalidType('options.meta', 'a JSON object', meta)
-  let text: string
-  try {
-    text = JSON.stringify(meta)
-  } catch (e) {
-    throw invalidValue('options.meta', 'a JSON-serialisable object', meta)
-  }
+  // Refused rather than changed by JSON.stringify (a Date, undefined, NaN...): list() gives back what was given.
+  const text = exactJson('options.meta', meta)
   if (Buffer.byteLength(text) > MAX_META_BYTES)
     throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON`, meta, true)
   return text
