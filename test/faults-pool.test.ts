@@ -151,6 +151,19 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     expect(fs.readdirSync(target)).toEqual([])
   })
 
+  test('a root that is a dangling symlink is ENOENT and its target is not made (as mkdir -p); through a symlink to an existing directory, the missing pool directory is made', async () => {
+    const dir = freshDir()
+    const link = path.join(dir, 'root')
+    fs.symlinkSync(path.join(dir, 'target'), link)
+    await expect(openPool(link)).rejects.toMatchObject({ code: 'ENOENT', syscall: 'open', path: link })
+    await expect(openPool(path.join(link, 'pool'))).rejects.toMatchObject({ code: 'ENOENT' })
+    expect(fs.readdirSync(dir)).toEqual(['root'])
+    fs.mkdirSync(path.join(dir, 'target'), { mode: 0o755 })
+    const pool = await openPool(path.join(link, 'pool'))
+    expect(fs.readdirSync(path.join(dir, 'target', 'pool')).sort()).toEqual(['.vmspace'])
+    await pool.close()
+  })
+
   describe('sharedGroup', () => {
     test('a group-writable root is refused without it, accepted with its gid, refused with another gid', async () => {
       const root = await madePool()

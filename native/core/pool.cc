@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -134,13 +135,19 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
   std::string shown = "/";
   auto join = [](const std::string& dir, const std::string& name) { return dir == "/" ? "/" + name : dir + "/" + name; };
   int links = 0;
+  // Components at or above this depth of `todo` come from a symlink's target, which must exist as mkdir -p
+  // requires (mkdir(2) of a dangling symlink is EEXIST): only components of the path as given are made.
+  size_t targetFloor = SIZE_MAX;
   while (!todo.empty()) {
     std::string name = std::move(todo.back());
     todo.pop_back();
+    const bool fromTarget = todo.size() >= targetFloor;
+    if (!fromTarget) targetFloor = SIZE_MAX;
     std::string next = name == ".." ? (shown.rfind('/') == 0 ? "/" : shown.substr(0, shown.rfind('/'))) : join(shown, name);
     UniqueFd fd(openat(cur.get(), name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
     if (!fd) {
-      if (errno != ENOENT || !create) throwErrno(errno, "open", path);  // as open(2) of the whole path names it
+      // As open(2) of the whole path names it; a symlink's missing target is ENOENT, never made.
+      if (errno != ENOENT || !create || fromTarget) throwErrno(errno, "open", path);
       makeDirExact(cur.get(), name.c_str(), todo.empty() ? rootMode : 0755, todo.empty() ? t.sharedGid : -1, next);
       todo.push_back(name);  // made or made meanwhile: open and check it as any other
       continue;
@@ -155,6 +162,7 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
       if (n < 0) throwErrno(errno, "readlink", next);
       if (n == 0 || static_cast<size_t>(n) == sizeof target) throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", next);
       std::string to(target, static_cast<size_t>(n));
+      targetFloor = std::min(targetFloor, todo.size());
       push(to);
       if (to[0] == '/') {
         cur = openRoot();

@@ -84,6 +84,11 @@ function checkBuild(): void {
   if (!fs.existsSync(addon)) stale.push('build/Release/vmspace.node is missing')
   else if (fs.statSync(addon).mtimeMs < newest(path.join(repoRoot, 'native'), /\.(cc|h)$/))
     stale.push('build/Release/vmspace.node is older than native/')
+  // The test build with the seams (test/hooks-env.ts), unless the run is pointed at another one (the sanitizer run).
+  const hooked = path.join(repoRoot, 'build-cmake', 'Release', 'vmspace.node')
+  if (!process.env.VMSPACE_PREBUILD && fs.existsSync(hooked) &&
+      fs.statSync(hooked).mtimeMs < newest(path.join(repoRoot, 'native'), /\.(cc|h)$/))
+    stale.push('build-cmake/Release/vmspace.node (the test build) is older than native/: npm run build:test-addon')
   // The modules the package entry loads (lib/index.ts and what it imports, transitively).
   const seen = new Set<string>()
   const visit = (name: string) => {
