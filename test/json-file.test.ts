@@ -8,7 +8,7 @@
 import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { describe, expect, test } from 'vitest'
+import { describe, expect, onTestFinished, test } from 'vitest'
 import { FileLock, lockFile, updateJsonFile, VmspaceError } from '../lib/index.js'
 import { eventually, freshDir, MiB, mounts, needs, repoRoot, tryFlockPath } from './helpers.js'
 import { flocksOn, IndexChild, indexTemps, waitersOn } from './lock-helpers.js'
@@ -93,6 +93,9 @@ describe('no update is lost', () => {
     const lockPath = file + '.lock'
     fs.writeFileSync(file, '{"base":0}\n')
     const dataIno = fs.statSync(file).ino
+    // Held open so that its inode number is not given to B's new file once A's rename frees it (ext4 reuses them).
+    const keep = fs.openSync(file, 'r')
+    onTestFinished(() => fs.closeSync(keep))
     const [a, b] = await children(2)
     a.command({ op: 'update', file, key: 'a', value: 1, hold: true })
     expect((await a.expect('mutate')).current).toEqual({ base: 0 })

@@ -258,7 +258,8 @@ int linkTmpfile(int fd, int dirFd, const char* name) {
     if (errno != ENOENT) return errno;
   }
   char proc[40];
-  snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+  int n = snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+  if (n < 0 || static_cast<size_t>(n) >= sizeof proc) return ENAMETOOLONG;  // an int always fits: checked anyway
   if (linkat(AT_FDCWD, proc, dirFd, name, AT_SYMLINK_FOLLOW) != 0) return errno;
   emptyPathRefused.store(true, std::memory_order_relaxed);
   return 0;
