@@ -242,3 +242,49 @@ for (const { label, from, to, why } of crossings) {
     })
   })
 }
+
+describe('the source: opened once, file or tree chosen from what was opened', () => {
+  test("a missing source is ENOENT from 'open' (path and dest named) and leaves nothing", async () => {
+    const dir = freshDir()
+    const src = path.join(dir, 'missing.img')
+    const dst = path.join(dir, 'out.img')
+    const err = await clone(src, dst).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ENOENT', errno: -2, syscall: 'open', path: src, dest: dst })
+    expect(fs.readdirSync(dir)).toEqual([])
+  })
+
+  test('a symlink given as the source is followed to its file (as cp does): the clone is a regular file with its bytes', async () => {
+    const dir = freshDir()
+    const target = path.join(dir, 'base.img')
+    const link = path.join(dir, 'link.img')
+    const dst = path.join(dir, 'out.img')
+    writeRandomFile(target, 256 * 1024)
+    fs.symlinkSync(target, link)
+    const r = await clone(link, dst)
+    expect(r).toMatchObject({ kind: 'file', path: dst, bytes: 256 * 1024 })
+    expect(fs.lstatSync(dst).isFile()).toBe(true)
+    expect(await sha256File(dst)).toBe(await sha256File(target))
+  })
+
+  test('Workspace.clone into the workspace itself and below it leaves no fd open and the workspace fd usable', async () => {
+    const dir = freshDir()
+    const src = path.join(dir, 'base.img')
+    writeRandomFile(src, 64 * 1024)
+    const pool = await openPool(path.join(dir, 'pool'))
+    const ws = await pool.allocate()
+    fs.mkdirSync(path.join(ws.path, 'sub'))
+    await ws.clone(src, 'first.img') // whatever the first call opens for good (the thread pool) is opened by now
+    const fds = fs.readdirSync('/proc/self/fd').length
+    // One component: the clone works in the workspace's own fd, which must be neither closed nor leaked.
+    for (let i = 0; i < 20; i++) await ws.clone(src, `top-${i}.img`)
+    for (let i = 0; i < 5; i++) await ws.clone(src, `sub/nested-${i}.img`)
+    expect(fs.readdirSync('/proc/self/fd').length).toBe(fds)
+    expect(fs.readdirSync(ws.path).length).toBe(22)
+    expect(fs.readdirSync(path.join(ws.path, 'sub')).length).toBe(5)
+    expect(await sha256File(path.join(ws.path, 'top-19.img'))).toBe(await sha256File(src))
+    await ws.dispose()
+    expect(fs.existsSync(ws.path)).toBe(false)
+    await pool.close()
+  })
+})

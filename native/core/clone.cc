@@ -285,17 +285,22 @@ CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOp
   return result;
 }
 
-}  // namespace
-
-CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
-                            const std::atomic<bool>* cancel) {
-  // O_NONBLOCK: a fifo given as the source must not park this thread in open(2) waiting for a writer; it is
-  // refused below like any other file that is not regular. (No effect on regular files.)
+// Opens a clone source, file or directory, once: the caller chooses from its fstat, with no stat(2) of the path
+// before (a syscall fewer, and no window between that stat and the open). O_RDONLY opens a directory as well as
+// a file (open(2)); O_NONBLOCK keeps a fifo from parking this thread in open(2) waiting for a writer (it is refused
+// as not regular after the fstat), and has no effect on regular files or directories. A symlink given as the
+// source itself is followed, as cp does.
+UniqueFd openSource(const std::string& srcPath, const std::string& dstPath, struct stat* st) {
   UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!src) throwErrno(errno, "open", srcPath);
-  struct stat st;
-  if (fstat(src.get(), &st) != 0) throwErrno(errno, "fstat", srcPath);
+  if (!src) throwErrno(errno, "open", srcPath, dstPath);
+  if (fstat(src.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
+  return src;
+}
+
+// cloneFileAt for the source `src` already open (stat `st`).
+CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
+                              const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
+                              SourceIdentity* identity, const std::atomic<bool>* cancel) {
   if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "clone", srcPath, dstPath);
   if (!S_ISREG(st.st_mode)) throwErrno(EINVAL, "clone", srcPath, dstPath);
   fillIdentity(identity, st);
@@ -307,7 +312,7 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   if (!options.overwrite && !tmpfileLinkRefused.load(std::memory_order_relaxed)) {
     UniqueFd dst(openat(dstDirFd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC | O_NOCTTY, 0600));
     if (dst) {
-      CloneFileResult result = fillClone(src.get(), st, dst.get(), options, srcPath, dstPath, cancel);
+      CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, cancel);
       int err = linkTmpfile(dst.get(), dstDirFd, dstName.c_str());
       if (err == 0) {
         if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
@@ -327,7 +332,7 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   UniqueFd dst(openat(dstDirFd, tmpName.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
-    CloneFileResult result = fillClone(src.get(), st, dst.get(), options, srcPath, dstPath, cancel);
+    CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, cancel);
     if (options.overwrite) {
       // rename(2) replaces the destination atomically; it refuses (EISDIR) to replace a directory with a file.
       if (renameat(dstDirFd, tmpName.c_str(), dstDirFd, dstName.c_str()) != 0)
@@ -347,26 +352,35 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
   }
 }
 
-int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
-                      bool createParents) {
+}  // namespace
+
+CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
+                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
+                            const std::atomic<bool>* cancel) {
+  struct stat st;
+  UniqueFd src = openSource(srcPath, dstPath, &st);
+  return cloneOpenFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, identity, cancel);
+}
+
+ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
+                            bool createParents) {
   size_t start = 0;
-  UniqueFd cur;  // empty while the current directory is baseFd itself (not ours to close)
+  ParentDir parent;  // owned stays empty while the current directory is baseFd itself (not ours to close)
+  parent.fd = baseFd;
   for (;;) {
     size_t slash = rel.find('/', start);
     if (slash == std::string::npos) {
       *leaf = rel.substr(start);
-      if (cur) return cur.release();
-      int dup = fcntl(baseFd, F_DUPFD_CLOEXEC, 0);
-      if (dup < 0) throwErrno(errno, "fcntl", basePath);
-      return dup;
+      return parent;
     }
     std::string comp = rel.substr(start, slash - start);
-    int at = cur ? cur.get() : baseFd;
     std::string shown = basePath + "/" + rel.substr(0, slash);
-    if (createParents && mkdirat(at, comp.c_str(), 0777) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", shown);
-    int next = openat(at, comp.c_str(), kDirFlags);
+    if (createParents && mkdirat(parent.fd, comp.c_str(), 0777) != 0 && errno != EEXIST)
+      throwErrno(errno, "mkdir", shown);
+    int next = openat(parent.fd, comp.c_str(), kDirFlags);
     if (next < 0) throwErrno(errno == ELOOP ? ENOTDIR : errno, "open", shown);
-    cur.reset(next);
+    parent.owned.reset(next);
+    parent.fd = next;
     start = slash + 1;
   }
 }
@@ -382,11 +396,11 @@ const char* methodName(const CloneSummary& s, Reflink reflink) {
 namespace {
 
 // clonePathAt of a source that is no directory: one file, counted as the tree walk counts its files.
-CloneSummary cloneOneFile(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                          const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
-                          SourceIdentity* identity) {
-  CloneFileResult r =
-      cloneFileAt(srcPath, dstDirFd, dstName, dstPath, options, identity, progress ? &progress->cancel : nullptr);
+CloneSummary cloneOneFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
+                          const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
+                          CloneProgress* progress, SourceIdentity* identity) {
+  CloneFileResult r = cloneOpenFile(src, st, srcPath, dstDirFd, dstName, dstPath, options, identity,
+                                    progress ? &progress->cancel : nullptr);
   CloneSummary s;
   s.files = 1;
   s.bytes = r.bytes;
@@ -424,9 +438,11 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
                          const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
                          SourceIdentity* identity) {
   struct stat st;
-  if (stat(srcPath.c_str(), &st) != 0) throwErrno(errno, "stat", srcPath, dstPath);
-  if (!S_ISDIR(st.st_mode)) return cloneOneFile(srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
-  UniqueFd src = openSourceDir(srcPath, dstDirFd, dstPath, options, identity, &st);
+  UniqueFd src = openSource(srcPath, dstPath, &st);
+  if (!S_ISDIR(st.st_mode))
+    return cloneOneFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
+  fillIdentity(identity, st);
+  checkSameFs(st, dstDirFd, options, srcPath, dstPath);
 
   // The tree is built under a private temp name (0700 until its own metadata is applied, last).
   std::string tmp = ".vmspace-tmp-" + randomHex(8);
@@ -464,7 +480,7 @@ CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, c
 CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
                               const std::string& rel, const CloneOptions& options, CloneProgress* progress) {
   std::string leaf;
-  UniqueFd dir(openParentBeneath(baseFd, rel, &leaf, basePath, false));
+  ParentDir dir = openParentBeneath(baseFd, rel, &leaf, basePath, false);
   return clonePathAt(srcPath, dir.get(), leaf, basePath + "/" + rel, options, progress);
 }
 

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "fd.h"
+
 namespace vmspace {
 
 enum class Reflink { Always, Auto, Never };
@@ -68,13 +70,22 @@ CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std:
                             const std::string& dstPath, const CloneOptions& options,
                             SourceIdentity* identity = nullptr, const std::atomic<bool>* cancel = nullptr);
 
-// Opens the parent of the relative path `rel` beneath `baseFd` and returns its fd (O_CLOEXEC; the caller closes
-// it); `leaf` receives the last component. With `createParents`, missing directories are made (mode 0777 & ~umask);
-// without, a missing one is ENOENT. Every component is opened with O_NOFOLLOW, so a
+// The directory a path beneath a base fd ends in: the base itself (borrowed; `owned` empty) or a directory opened
+// beneath it (owned, closed with this).
+struct ParentDir {
+  UniqueFd owned;
+  int fd = -1;
+  int get() const { return fd; }
+};
+
+// Opens the parent of the relative path `rel` beneath `baseFd`; `leaf` receives the last component. A one-component
+// `rel` gives `baseFd` itself, neither duplicated nor closed (it must stay open while the result is used); a deeper
+// one a directory opened O_CLOEXEC, closed with the result. With `createParents`, missing directories are made
+// (mode 0777 & ~umask); without, a missing one is ENOENT. Every component is opened with O_NOFOLLOW, so a
 // symlink anywhere on the way gives ENOTDIR/ELOOP instead of redirecting outside `baseFd`. `rel` must be
 // normalised (no empty, "." or ".." components; checked by the caller).
-int openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
-                      bool createParents);
+ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
+                            bool createParents);
 
 // Shared between the thread that walks and the JS thread that polls it (every 100 ms at most) or cancels it.
 struct CloneProgress {
@@ -100,7 +111,8 @@ struct CloneSummary {
 const char* methodName(const CloneSummary& s, Reflink reflink);
 
 // Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
-// does) to `dstName` in `dstDirFd`. Built under a temp name and published with renameat2(RENAME_NOREPLACE)
+// does) to `dstName` in `dstDirFd`. The source is opened once, and file or tree chosen from its fstat (a source
+// that cannot be opened: the errno of "open", path and dest). Built under a temp name and published with renameat2(RENAME_NOREPLACE)
 // (with `overwrite`: rename(2) for a file, RENAME_EXCHANGE and removal of the old tree for a directory). On any
 // failure, or on cancel (ECANCELED), the temp tree is removed and the error names the entry that failed (path:
 // the source entry, dest: its destination). With reflink Always, a source on another file system than the

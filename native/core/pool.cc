@@ -564,7 +564,7 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) {
     }
     for (const TemplateEntry& entry : req.entries) {
       std::string leaf;
-      UniqueFd parent(openParentBeneath(lease.get(), entry.dest, &leaf, stagingPath, true));
+      ParentDir parent = openParentBeneath(lease.get(), entry.dest, &leaf, stagingPath, true);
       ClonedEntry c{entry.dest, entry.source, {}, {}};
       c.result = clonePathAt(entry.source, parent.get(), leaf, path(res.name) + "/" + entry.dest, opts, req.progress,
                              &c.identity);

@@ -99,7 +99,7 @@ class Remover {
   // shallowest open directory but the top one and tries again: removal needs two fds, not kMaxOpenFrames.
   int openDir(int dfd, const char* name) {
     for (;;) {
-      int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+      int fd = openat(dfd, name, kDirFlags);
       if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
       int err = errno;
       if (!closeShallowest()) {
@@ -148,7 +148,7 @@ class Remover {
       return;
     }
     const char* name = de->d_name;
-    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) return;
+    if (isDotOrDotDot(name)) return;
     int dfd = dirfd(top.dir);
     // d_type saves a stat per entry; DT_UNKNOWN (some file systems) is resolved by trying to open as a directory.
     if (de->d_type == DT_DIR || de->d_type == DT_UNKNOWN) {
@@ -257,7 +257,7 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
   }
   struct statx parent;
   if (statxFd(parentFd, kStatxMntId, &parent) != 0) throwErrno(errno, "statx", displayPath);
-  int fd = openat(parentFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  int fd = openat(parentFd, name.c_str(), kDirFlags);
   if (fd < 0) {
     if (errno == ENOTDIR || errno == ELOOP) {
       // Not a directory: a file, or a symlink that is removed itself, never its target.
@@ -290,7 +290,7 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
 void removeTreeNoFollow(const std::string& path) {
   std::string parent, leaf;
   splitPath(path, &parent, &leaf);
-  UniqueFd dir(open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  UniqueFd dir(open(parent.c_str(), kDirPathFlags));
   if (!dir) throwErrno(errno, "open", path);
   removeTreeNoFollow(dir.get(), leaf, path);
 }

@@ -711,7 +711,6 @@ class TreeCloner {
 
 }  // namespace
 
-namespace {
 void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
                  const std::string& dstPath) {
   if (opts.reflink != Reflink::Always) return;
@@ -721,7 +720,6 @@ void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts,
     throwCode("ERR_REFLINK_UNSUPPORTED", "source and destination are on different file systems (reflink: 'always')",
               EXDEV, "clone", srcPath, dstPath);
 }
-}  // namespace
 
 UniqueFd openSourceDir(const std::string& srcPath, int dstDirFd, const std::string& dstPath,
                        const CloneOptions& options, SourceIdentity* identity, struct stat* st) {

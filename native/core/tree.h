@@ -19,6 +19,11 @@ namespace vmspace {
 CloneSummary cloneTreeInto(const std::string& srcPath, int dstFd, const std::string& dstPath,
                            const CloneOptions& options, CloneProgress* progress, SourceIdentity* identity = nullptr);
 
+// With reflink Always, a destination directory `dstDirFd` on another file system than the source (stat `src`) is
+// ERR_REFLINK_UNSUPPORTED (cause EXDEV), thrown before anything is written; otherwise nothing.
+void checkSameFs(const struct stat& src, int dstDirFd, const CloneOptions& opts, const std::string& srcPath,
+                 const std::string& dstPath);
+
 // Opens the source directory `srcPath` of a tree clone (O_DIRECTORY; a symlink given as the source itself is
 // followed), fills *st and `identity` from it; with reflink Always, a destination `dstDirFd` on another file
 // system is ERR_REFLINK_UNSUPPORTED (cause EXDEV) before anything is written.
