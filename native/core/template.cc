@@ -522,6 +522,59 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
   notFound(idOrName, dir_ + "/names/" + idOrName);
 }
 
+namespace {
+
+// The walk of a template's mode list over a clone of its tree (the records stripWriteBits wrote): one directory fd,
+// down by name, up through ".." (checked against the way down).
+class ModeListWalk {
+ public:
+  ModeListWalk(int wsFd, const std::string& wsPath) : wsPath_(wsPath), trail_(1) {
+    cur_.reset(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
+    if (!cur_) throwErrno(errno, "fcntl", wsPath);
+    if (fstat(cur_.get(), &trail_[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  }
+
+  // 'u': back to the parent; false at the top (a list that does not parse).
+  bool up() {
+    if (trail_.size() < 2) return false;
+    trail_.pop_back();
+    walkUp(cur_, trail_.back(), wsPath_ + rel_);
+    rel_.erase(rel_.rfind('/'));
+    return true;
+  }
+
+  // 'd': down into the directory `name`.
+  void down(const char* name) {
+    UniqueFd down(openat(cur_.get(), name, kDirFlags));
+    if (!down) throwErrno(errno, "open", wsPath_ + rel_ + "/" + name);
+    struct stat st;
+    if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath_ + rel_ + "/" + name);
+    trail_.push_back(st);
+    cur_ = std::move(down);
+    rel_ += std::string("/") + name;
+  }
+
+  // 'm': the write bits `bits` given back to `leaf`.
+  void restore(const char* leaf, mode_t bits) {
+    struct stat st;
+    if (fstatat(cur_.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) return;  // not recreated (a socket, a device without CAP_MKNOD)
+      throwErrno(errno, "stat", wsPath_ + rel_ + "/" + leaf);
+    }
+    if (S_ISLNK(st.st_mode)) return;
+    if (fchmodat(cur_.get(), leaf, (st.st_mode & 07777) | bits, 0) != 0)
+      throwErrno(errno, "chmod", wsPath_ + rel_ + "/" + leaf);
+  }
+
+ private:
+  const std::string& wsPath_;
+  UniqueFd cur_;
+  std::vector<struct stat> trail_;
+  std::string rel_;  // of `cur_` below the workspace, for errors only (grows with depth, not with entries)
+};
+
+}  // namespace
+
 void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const std::string& wsPath) {
   const std::string shown = path(reader.id) + "/modes";
   int mfd = openat(reader.fd.get(), "modes", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
@@ -536,12 +589,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
   char* line = nullptr;
   size_t cap = 0;
   std::unique_ptr<char, void (*)(void*)> freeLine(nullptr, free);
-  // The walk of the mode list: one directory fd, down by name, up through ".." (checked against the way down).
-  UniqueFd cur(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
-  if (!cur) throwErrno(errno, "fcntl", wsPath);
-  std::vector<struct stat> trail(1);
-  std::string rel;  // of `cur` below the workspace, for errors only (grows with depth, not with entries)
-  if (fstat(cur.get(), &trail[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  ModeListWalk walk(wsFd, wsPath);
   auto corrupt = [&] {
     throwCode("ERR_CORRUPT_METADATA", "a record of the template's mode list does not parse", EINVAL, "read", shown);
   };
@@ -557,20 +605,11 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
     if (line[n - 1] != '\0') corrupt();
     char kind = line[0];
     if (kind == 'u') {
-      if (trail.size() < 2) corrupt();
-      trail.pop_back();
-      walkUp(cur, trail.back(), wsPath + rel);
-      rel.erase(rel.rfind('/'));
+      if (!walk.up()) corrupt();
       continue;
     }
     if (kind == 'd') {
-      UniqueFd down(openat(cur.get(), line + 1, kDirFlags));
-      if (!down) throwErrno(errno, "open", wsPath + rel + "/" + (line + 1));
-      struct stat st;
-      if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath + rel + "/" + (line + 1));
-      trail.push_back(st);
-      cur = std::move(down);
-      rel += std::string("/") + (line + 1);
+      walk.down(line + 1);
       continue;
     }
     if ((kind != 'm' && kind != 'r') || n < 5) corrupt();
@@ -581,14 +620,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
     if (kind == 'r') continue;  // the workspace directory keeps the mode allocate gave it
     const char* leaf = line + 4;
     if (!*leaf) corrupt();
-    struct stat st;
-    if (fstatat(cur.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-      if (errno == ENOENT) continue;  // not recreated (a socket, a device without CAP_MKNOD)
-      throwErrno(errno, "stat", wsPath + rel + "/" + leaf);
-    }
-    if (S_ISLNK(st.st_mode)) continue;
-    if (fchmodat(cur.get(), leaf, (st.st_mode & 07777) | static_cast<mode_t>(bits), 0) != 0)
-      throwErrno(errno, "chmod", wsPath + rel + "/" + leaf);
+    walk.restore(leaf, static_cast<mode_t>(bits));
   }
   // The last-used time (TemplateListing.lastUsedMs): informative only, so a refusal (a pool shared by a group,
   // whose member does not own the file: EPERM) does not fail the allocate.
