@@ -437,276 +437,363 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
 
 AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.info, req.clone); }
 
-StagedWorkspace Pool::stage(const AllocateRequest& req) {
-  // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
-  // (rename(2) replaces an empty directory; link(2) takes no directory). Refused before anything is made.
-  if (noReplaceErr_)
-    throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
-              "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
-              "a workspace needs",
-              noReplaceErr_, "renameat2", root_);
-  // Quota and free-space floor (issue 13, quota.h): refused before anything is made.
-  QuotaSupport quotaSupport;
-  if (req.quota.any()) {
-    quotaSupport = probeQuota(rootFd_.get());
-    if (quotaSupport.err) throwCode("ERR_QUOTA_UNSUPPORTED", quotaSupport.detail, quotaSupport.err, "quotactl", root_);
-    if (req.quota.inodes && !quotaSupport.inodes)
-      throwCode("ERR_QUOTA_UNSUPPORTED", "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here",
-                EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", root_);
+namespace {
+
+// Draws the next name, `prefix` (ending in its "-") and a fresh id, for a workspace; `*tries` counts the draws of one
+// build (stage and publish together): ERR_NAME_EXHAUSTED past kMaxNameTries.
+void drawName(int* tries, const std::string& prefix, const std::string& root, std::string* id, std::string* name) {
+  if (*tries == kMaxNameTries)
+    throwCode("ERR_NAME_EXHAUSTED",
+              "every one of " + std::to_string(kMaxNameTries) + " names drawn for a workspace existed already", EEXIST,
+              "mkdir", root);
+  ++*tries;
+  *id = randomId();
+  *name = prefix + *id;
+}
+
+}  // namespace
+
+// One build of a workspace in staging (Pool::stage): a function per phase. The checks and the template come first,
+// so that a refused request leaves nothing; then a name is claimed (directory or snapshot, and its lease), and the
+// quota and the clones go into it.
+class PoolStage {
+ public:
+  PoolStage(Pool& pool, const AllocateRequest& req)
+      : pool_(pool), req_(req), stagingDir_(pool.root_ + "/.vmspace/staging/") {}
+  // Issue 14: a template being read is released when the build ends, after its lease was dropped (a failure).
+  ~PoolStage() {
+    if (store_) store_->release(reader_);
   }
-  if (minFreeBytes_ && fsSpace(rootFd_.get(), root_).available < minFreeBytes_) throwErrno(ENOSPC, "statvfs", root_);
-  const bool subvolume = req.quota.any() && quotaSupport.backend == QuotaBackend::Btrfs;
-  StagedWorkspace res;
+
+  StagedWorkspace run() {
+    checkCanBuild();
+    acquireTemplate();
+    // Issue 14: from a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no
+    // walk); where the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
+    snapshot_ = reader_.subvolume && req_.clone.reflink != Reflink::Never;
+    UniqueFd lease = claimName();
+    std::string stagingPath = stagingDir_ + res_.name;
+    try {
+      // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
+      if (req_.quota.any())
+        res_.quota = applyQuota(lease.get(), stagingPath, quotaSupport_, req_.quota,
+                                quotaSupport_.backend == QuotaBackend::Project ? pool_.projectsFd(true) : -1,
+                                pool_.projectIds_, res_.name);
+      cloneSources(lease.get(), stagingPath);
+    } catch (...) {
+      try {
+        pool_.removeWorkspace(pool_.stagingFd_.get(), res_.name, stagingPath);
+      } catch (...) {
+        // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
+        // whatever the cleanup met (an Error, or bad_alloc).
+      }
+      throw;
+    }
+    res_.lease = std::move(lease);
+    res_.draws = tries_;
+    return std::move(res_);
+  }
+
+ private:
+  // Refusals before anything is made.
+  void checkCanBuild() {
+    // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
+    // (rename(2) replaces an empty directory; link(2) takes no directory).
+    if (pool_.noReplaceErr_)
+      throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
+                "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
+                "a workspace needs",
+                pool_.noReplaceErr_, "renameat2", pool_.root_);
+    // Quota and free-space floor (issue 13, quota.h).
+    if (req_.quota.any()) {
+      quotaSupport_ = probeQuota(pool_.rootFd_.get());
+      if (quotaSupport_.err)
+        throwCode("ERR_QUOTA_UNSUPPORTED", quotaSupport_.detail, quotaSupport_.err, "quotactl", pool_.root_);
+      if (req_.quota.inodes && !quotaSupport_.inodes)
+        throwCode("ERR_QUOTA_UNSUPPORTED", "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here",
+                  EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", pool_.root_);
+    }
+    if (pool_.minFreeBytes_ && fsSpace(pool_.rootFd_.get(), pool_.root_).available < pool_.minFreeBytes_)
+      throwErrno(ENOSPC, "statvfs", pool_.root_);
+    subvolume_ = req_.quota.any() && quotaSupport_.backend == QuotaBackend::Btrfs;
+  }
+
   // Issue 14: a template is resolved and held for reading (flock LOCK_SH) before anything is made, so an
   // unknown one (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
-  TemplateStore* store = nullptr;
-  TemplateReader reader;
-  struct ReleaseReader {
-    TemplateStore*& store;
-    TemplateReader& reader;
-    ~ReleaseReader() {
-      if (store) store->release(reader);
-    }
-  } releaseReader{store, reader};
-  if (!req.fromTemplate.empty()) {
-    TemplateStore* s = templates(false);
+  void acquireTemplate() {
+    if (req_.fromTemplate.empty()) return;
+    TemplateStore* s = pool_.templates(false);
     if (!s)
-      throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req.fromTemplate + "'", ENOENT,
-                "open", root_ + "/.vmspace/templates");
-    reader = s->acquire(req.fromTemplate);
-    store = s;
-    res.templateId = reader.id;
-    res.templateMeta = reader.metaText;
+      throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req_.fromTemplate + "'", ENOENT,
+                "open", pool_.root_ + "/.vmspace/templates");
+    reader_ = s->acquire(req_.fromTemplate);
+    store_ = s;
+    res_.templateId = reader_.id;
+    res_.templateMeta = reader_.metaText;
   }
-  int tries = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
-  int reclaimed = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
-  auto draw = [&] {
-    if (tries == kMaxNameTries)
-      throwCode("ERR_NAME_EXHAUSTED",
-                "every one of " + std::to_string(kMaxNameTries) + " names drawn for a workspace existed already", EEXIST,
-                "mkdir", root_);
-    tries++;
-    res.id = randomId();
-    res.name = req.prefix + "-" + res.id;
-  };
 
   // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted. The
   // lease is taken before anything is inside, so a sweep sees a leased staging entry as being built.
-  UniqueFd lease;
-  // Issue 14: from a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no
-  // walk); where the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
-  bool snapshot = reader.subvolume && req.clone.reflink != Reflink::Never;
-  for (;; res.retries++) {
-    draw();
-    std::string shown = root_ + "/.vmspace/staging/" + res.name;
-    if (snapshot) {
-      int err = makeWorkspaceSnapshot(reader.subvolume.get(), stagingFd_.get(), res.name, req.mode);
-      if (err == EEXIST) continue;
-      if (err != 0 && err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY && err != EOPNOTSUPP)
-        throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", shown);
-      snapshot = err == 0;
-    }
-    if (!snapshot) {
-      if (int err = makeWorkspaceDir(stagingFd_.get(), res.name, req.mode, subvolume)) {  // quota: a subvolume
-        if (err != EEXIST) throwErrno(err, subvolume ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", shown);
-        continue;
+  UniqueFd claimName() {
+    UniqueFd lease;
+    for (;; res_.retries++) {
+      drawName(&tries_, req_.prefix + "-", pool_.root_, &res_.id, &res_.name);
+      if (snapshot_) {
+        int err = makeSnapshot();
+        if (err == EEXIST) continue;
+        snapshot_ = err == 0;
       }
+      if (!snapshot_ && makeDir() == EEXIST) continue;
+      if (takeLease(&lease)) break;
+      tries_--;  // not a collision
     }
-    // Until the lease is ours, a sweep with a grace period shorter than this build's age may reclaim the entry:
-    // then it is gone (ENOENT here) or no longer the directory at the name (below), and a fresh name is claimed.
-    lease.reset(openat(stagingFd_.get(), res.name.c_str(), kDirFlags));
-    if (!lease) {
+    return lease;
+  }
+
+  // Issue 14: staging/<name> as a writable snapshot of the template's subvolume. 0 (made), EEXIST (a collision), or
+  // the errno with which the kernel refused a snapshot (the caller then makes a directory and clones into it).
+  int makeSnapshot() {
+    int err = makeWorkspaceSnapshot(reader_.subvolume.get(), pool_.stagingFd_.get(), res_.name, req_.mode);
+    if (err != 0 && err != EEXIST && err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY &&
+        err != EOPNOTSUPP)
+      throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", stagingDir_ + res_.name);
+    return err;
+  }
+
+  // staging/<name> as a directory, or a btrfs subvolume for a quota. 0 (made) or EEXIST (a collision).
+  int makeDir() {
+    int err = makeWorkspaceDir(pool_.stagingFd_.get(), res_.name, req_.mode, subvolume_);
+    if (err != 0 && err != EEXIST)
+      throwErrno(err, subvolume_ ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", stagingDir_ + res_.name);
+    return err;
+  }
+
+  // The lease on the entry just made: true when held on it. Until the lease is ours, a sweep with a grace period
+  // shorter than this build's age may reclaim the entry: then it is gone (ENOENT here) or no longer the directory at
+  // the name (below), false is returned, and a fresh name is claimed.
+  bool takeLease(UniqueFd* lease) {
+    std::string shown = stagingDir_ + res_.name;
+    lease->reset(openat(pool_.stagingFd_.get(), res_.name.c_str(), kDirFlags));
+    if (!*lease) {
       int err = errno;
-      if (err == ENOENT && ++reclaimed < kMaxNameTries) {
-        tries--;  // not a collision
-        continue;
-      }
-      unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
+      if (err == ENOENT && ++reclaimed_ < kMaxNameTries) return false;
+      unlinkat(pool_.stagingFd_.get(), res_.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "open", shown);
     }
     // A probe of that sweep holds the lock for a moment: wait for it.
-    if (flock(lease.get(), LOCK_EX | LOCK_NB) != 0 && (errno != EWOULDBLOCK || flock(lease.get(), LOCK_EX) != 0)) {
+    if (flock(lease->get(), LOCK_EX | LOCK_NB) != 0 && (errno != EWOULDBLOCK || flock(lease->get(), LOCK_EX) != 0)) {
       int err = errno;
-      unlinkat(stagingFd_.get(), res.name.c_str(), AT_REMOVEDIR);
+      unlinkat(pool_.stagingFd_.get(), res_.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "flock", shown);
     }
     struct stat own;
-    if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", shown);
-    if (sameEntry(stagingFd_.get(), res.name, own)) break;
-    if (++reclaimed == kMaxNameTries) throwErrno(ENOENT, "open", shown);
-    tries--;  // not a collision
+    if (fstat(lease->get(), &own) != 0) throwErrno(errno, "fstat", shown);
+    if (sameEntry(pool_.stagingFd_.get(), res_.name, own)) return true;
+    if (++reclaimed_ == kMaxNameTries) throwErrno(ENOENT, "open", shown);
+    return false;
   }
-  std::string stagingPath = root_ + "/.vmspace/staging/" + res.name;
-  try {
-    // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
-    if (req.quota.any())
-      res.quota = applyQuota(lease.get(), stagingPath, quotaSupport, req.quota,
-                             quotaSupport.backend == QuotaBackend::Project ? projectsFd(true) : -1, projectIds_, res.name);
-    CloneOptions opts = req.clone;
+
+  // The template's committed tree (a snapshot made already, or cloned here), then the template directory and the
+  // entries of the request, into the leased workspace `wsFd`.
+  void cloneSources(int wsFd, const std::string& stagingPath) {
+    CloneOptions opts = req_.clone;
     opts.overwrite = false;
-    if (store) {  // issue 14: the committed tree, then the write bits the commit removed
-      ClonedEntry c{"", reader.treePath, {}, {}};
-      if (snapshot) {
+    if (store_) {  // issue 14: the committed tree, then the write bits the commit removed
+      ClonedEntry c{"", reader_.treePath, {}, {}};
+      if (snapshot_) {
         struct stat st;
-        if (fstat(reader.subvolume.get(), &st) != 0) throwErrno(errno, "fstat", reader.treePath);
+        if (fstat(reader_.subvolume.get(), &st) != 0) throwErrno(errno, "fstat", reader_.treePath);
         fillIdentity(&c.identity, st);
         c.result.tree = c.result.snapshot = true;
       } else {
-        c.result = cloneTreeInto(reader.treePath, lease.get(), path(res.name), opts, req.progress, &c.identity);
+        c.result = cloneTreeInto(reader_.treePath, wsFd, pool_.path(res_.name), opts, req_.progress, &c.identity);
       }
-      store->restoreModes(reader, lease.get(), stagingPath);
-      res.clones.push_back(std::move(c));
+      store_->restoreModes(reader_, wsFd, stagingPath);
+      res_.clones.push_back(std::move(c));
     }
-    if (!req.templateDir.empty()) {
-      ClonedEntry c{"", req.templateDir, {}, {}};
-      c.result = cloneTreeInto(req.templateDir, lease.get(), path(res.name), opts, req.progress, &c.identity);
-      res.clones.push_back(std::move(c));
+    if (!req_.templateDir.empty()) {
+      ClonedEntry c{"", req_.templateDir, {}, {}};
+      c.result = cloneTreeInto(req_.templateDir, wsFd, pool_.path(res_.name), opts, req_.progress, &c.identity);
+      res_.clones.push_back(std::move(c));
     }
-    for (const TemplateEntry& entry : req.entries) {
+    for (const TemplateEntry& entry : req_.entries) {
       std::string leaf;
-      ParentDir parent = openParentBeneath(lease.get(), entry.dest, &leaf, stagingPath, true);
+      ParentDir parent = openParentBeneath(wsFd, entry.dest, &leaf, stagingPath, true);
       ClonedEntry c{entry.dest, entry.source, {}, {}};
-      c.result = clonePathAt(entry.source, parent.get(), leaf, path(res.name) + "/" + entry.dest, opts, req.progress,
-                             &c.identity);
-      res.clones.push_back(std::move(c));
+      c.result = clonePathAt(entry.source, parent.get(), leaf, pool_.path(res_.name) + "/" + entry.dest, opts,
+                             req_.progress, &c.identity);
+      res_.clones.push_back(std::move(c));
     }
-  } catch (...) {
-    try {
-      removeWorkspace(stagingFd_.get(), res.name, stagingPath);
-    } catch (...) {
-      // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
-      // whatever the cleanup met (an Error, or bad_alloc).
-    }
-    throw;
   }
-  res.lease = std::move(lease);
-  res.draws = tries;
-  return res;
-}
+
+  Pool& pool_;
+  const AllocateRequest& req_;
+  const std::string stagingDir_;  // "<root>/.vmspace/staging/", as errors show it
+  StagedWorkspace res_;
+  int tries_ = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
+  int reclaimed_ = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
+  QuotaSupport quotaSupport_;
+  bool subvolume_ = false;  // the workspace is a btrfs subvolume (its quota is a qgroup)
+  TemplateStore* store_ = nullptr;
+  TemplateReader reader_;
+  bool snapshot_ = false;  // issue 14: the workspace is a snapshot of the template's subvolume
+};
+
+StagedWorkspace Pool::stage(const AllocateRequest& req) { return PoolStage(*this, req).run(); }
 
 void Pool::discard(StagedWorkspace&& staged) {
   UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
   removeWorkspace(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
 }
 
-AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone) {
-  UniqueFd lease = std::move(staged.lease);
-  AllocateResult res;
-  res.id = std::move(staged.id);
-  res.name = std::move(staged.name);
-  res.retries = staged.retries;
-  res.clones = std::move(staged.clones);
-  res.templateId = std::move(staged.templateId);  // issue 14
-  res.templateMeta = std::move(staged.templateMeta);
-  std::string stagingName = res.name;
-  std::string stagingPath = root_ + "/.vmspace/staging/" + stagingName;
-  std::string metaPublished;
-  bool published = false;
-  int tries = staged.draws;  // ERR_NAME_EXHAUSTED past kMaxNameTries, counting the stage's draws
-  auto draw = [&] {
-    if (tries == kMaxNameTries)
-      throwCode("ERR_NAME_EXHAUSTED",
-                "every one of " + std::to_string(kMaxNameTries) + " names drawn for a workspace existed already", EEXIST,
-                "mkdir", root_);
-    tries++;
-    std::string prefix = res.name.substr(0, res.name.size() - res.id.size());  // "<prefix>-"
-    res.id = randomId();
-    res.name = prefix + res.id;
-  };
-  try {
-    // The caller's members, then the name and the template sources, added here, where the sources' identity
-    // (device, inode, size, mtime at clone time) is known.
-    auto metaJson = [&] {
-      JsonMembers members = info;
-      std::string name;
-      appendJsonString(&name, res.name);
-      members.emplace_back("name", std::move(name));
-      if (!res.templateId.empty()) members.emplace_back("templateId", "\"" + res.templateId + "\"");  // issue 14
-      std::string json = "[";
-      for (size_t i = 0; i < res.clones.size(); i++) {
-        const ClonedEntry& c = res.clones[i];
-        const SourceIdentity& id = c.identity;
-        if (i) json += ",";
-        json += "{\"dest\":";
-        appendJsonString(&json, c.dest);
-        json += ",\"source\":";
-        appendJsonString(&json, c.source);
-        json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" +
-                std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" +
-                std::to_string(id.size) + ",\"mtimeNs\":\"" +
-                std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
-                methodName(c.result, clone.reflink) + "\"}";
-      }
-      json += "]";
-      members.emplace_back("template", std::move(json));
-      return jsonObject(members) + "\n";
-    };
+// One publish of a staged workspace (Pool::publish): its metadata written, then its name claimed in the root, a fresh
+// one drawn on each collision; any failure removes the workspace and its metadata.
+class PoolPublish {
+ public:
+  PoolPublish(Pool& pool, StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone)
+      : pool_(pool), info_(info), clone_(clone), lease_(std::move(staged.lease)), projectId_(staged.quota.projectId),
+        tries_(staged.draws) {  // ERR_NAME_EXHAUSTED past kMaxNameTries, counting the stage's draws
+    res_.id = std::move(staged.id);
+    res_.name = std::move(staged.name);
+    res_.retries = staged.retries;
+    res_.clones = std::move(staged.clones);
+    res_.templateId = std::move(staged.templateId);  // issue 14
+    res_.templateMeta = std::move(staged.templateMeta);
+    stagingName_ = res_.name;
+    stagingPath_ = pool.root_ + "/.vmspace/staging/" + stagingName_;
+    inXattr_ = pool.format_ >= 2;
+  }
 
-    // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone
-    // copied onto it) while it is still in staging, so it is never seen without it; written again after a redraw
-    // (it names the workspace). A file system that refuses the xattr gets the file, as format 1.
-    bool inXattr = format_ >= 2;
-    auto setMetaXattr = [&] {
-      std::string json = metaJson();
-      if (fsetxattr(lease.get(), kMetaXattr, json.data(), json.size(), 0) == 0) return;
-      if (!xattrRefused(errno)) throwErrno(errno, "fsetxattr", stagingPath);
-      inXattr = false;
-      // A copy from the template (which fit, when ours did not) must not shadow the file.
-      if (fremovexattr(lease.get(), kMetaXattr) != 0 && errno != ENODATA && errno != ENOTSUP)
-        throwErrno(errno, "fremovexattr", stagingPath);
-    };
-    if (inXattr) setMetaXattr();
-    if (inXattr && clone.durable && fsync(lease.get()) != 0) throwErrno(errno, "fsync", stagingPath);
-
-    // Publish: the metadata name (format 1) and then the workspace name are each claimed with RENAME_NOREPLACE;
-    // an existing entry under either is a collision, answered with a fresh name, never by adopting it.
-    for (;;) {
-      if (inXattr || publishMeta(res.name, metaJson(), clone.durable)) {
-        if (!inXattr) metaPublished = res.name;
-        if (renameat2(stagingFd_.get(), stagingName.c_str(), rootFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0) {
-          published = true;
-          break;
-        }
-        if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath, path(res.name));
-        if (!inXattr) {
-          unlinkat(metaFd_.get(), (res.name + ".json").c_str(), 0);  // ours: we just made it
-          metaPublished.clear();
-        }
-      }
-      // A fresh name is claimed in staging too (the staging entry is renamed to it with RENAME_NOREPLACE), so that
-      // a staging name always belongs to one build, as the first exclusive mkdir made it.
-      for (;;) {
-        res.retries++;
-        draw();
-        if (renameat2(stagingFd_.get(), stagingName.c_str(), stagingFd_.get(), res.name.c_str(), RENAME_NOREPLACE) == 0)
-          break;
-        if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath, root_ + "/.vmspace/staging/" + res.name);
-      }
-      stagingName = res.name;
-      stagingPath = root_ + "/.vmspace/staging/" + stagingName;
-      if (staged.quota.projectId) renameProjectClaim(projectsFd(false), staged.quota.projectId, res.name);  // quota
-      if (inXattr) setMetaXattr();
-      if (inXattr && clone.durable && fsync(lease.get()) != 0) throwErrno(errno, "fsync", stagingPath);
-    }
-    if (clone.durable) {
-      if (!inXattr && fsync(metaFd_.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/meta");
-      if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
-    }
-  } catch (...) {
-    if (!metaPublished.empty()) unlinkat(metaFd_.get(), (metaPublished + ".json").c_str(), 0);
+  AllocateResult run() {
     try {
-      if (published)  // only when the final fsync failed
-        removeWorkspace(rootFd_.get(), res.name, path(res.name));
+      if (inXattr_) setMetaXattr();
+      // The metadata name (format 1) and then the workspace name are each claimed with RENAME_NOREPLACE; an
+      // existing entry under either is a collision, answered with a fresh name, never by adopting it.
+      while (!claimName()) redraw();
+      if (clone_.durable) {
+        if (!inXattr_ && fsync(pool_.metaFd_.get()) != 0) throwErrno(errno, "fsync", pool_.root_ + "/.vmspace/meta");
+        if (fsync(pool_.rootFd_.get()) != 0) throwErrno(errno, "fsync", pool_.root_);
+      }
+    } catch (...) {
+      cleanUp();
+      throw;
+    }
+    res_.leaseFd = lease_.release();
+    return std::move(res_);
+  }
+
+ private:
+  // The caller's members, then the name and the template sources, added here, where the sources' identity
+  // (device, inode, size, mtime at clone time) is known.
+  std::string metaJson() const {
+    JsonMembers members = info_;
+    std::string name;
+    appendJsonString(&name, res_.name);
+    members.emplace_back("name", std::move(name));
+    if (!res_.templateId.empty()) members.emplace_back("templateId", "\"" + res_.templateId + "\"");  // issue 14
+    std::string json = "[";
+    for (size_t i = 0; i < res_.clones.size(); i++) {
+      const ClonedEntry& c = res_.clones[i];
+      const SourceIdentity& id = c.identity;
+      if (i) json += ",";
+      json += "{\"dest\":";
+      appendJsonString(&json, c.dest);
+      json += ",\"source\":";
+      appendJsonString(&json, c.source);
+      json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" +
+              std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" +
+              std::to_string(id.size) + ",\"mtimeNs\":\"" +
+              std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
+              methodName(c.result, clone_.reflink) + "\"}";
+    }
+    json += "]";
+    members.emplace_back("template", std::move(json));
+    return jsonObject(members) + "\n";
+  }
+
+  // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone
+  // copied onto it) while it is still in staging, so it is never seen without it; written again after a redraw
+  // (it names the workspace). A file system that refuses the xattr gets the file, as format 1.
+  void setMetaXattr() {
+    std::string json = metaJson();
+    if (fsetxattr(lease_.get(), kMetaXattr, json.data(), json.size(), 0) == 0) {
+      syncXattr();
+      return;
+    }
+    if (!xattrRefused(errno)) throwErrno(errno, "fsetxattr", stagingPath_);
+    inXattr_ = false;
+    // A copy from the template (which fit, when ours did not) must not shadow the file.
+    if (fremovexattr(lease_.get(), kMetaXattr) != 0 && errno != ENODATA && errno != ENOTSUP)
+      throwErrno(errno, "fremovexattr", stagingPath_);
+  }
+  void syncXattr() {
+    if (clone_.durable && fsync(lease_.get()) != 0) throwErrno(errno, "fsync", stagingPath_);
+  }
+
+  // The metadata file (format 1), then the workspace, under res_.name: false on a collision (nothing left there).
+  bool claimName() {
+    if (!inXattr_ && !pool_.publishMeta(res_.name, metaJson(), clone_.durable)) return false;
+    if (!inXattr_) metaPublished_ = res_.name;
+    if (renameat2(pool_.stagingFd_.get(), stagingName_.c_str(), pool_.rootFd_.get(), res_.name.c_str(),
+                  RENAME_NOREPLACE) == 0) {
+      published_ = true;
+      return true;
+    }
+    if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.path(res_.name));
+    if (!inXattr_) {
+      unlinkat(pool_.metaFd_.get(), (res_.name + ".json").c_str(), 0);  // ours: we just made it
+      metaPublished_.clear();
+    }
+    return false;
+  }
+
+  // A fresh name is claimed in staging too (the staging entry is renamed to it with RENAME_NOREPLACE), so that
+  // a staging name always belongs to one build, as the first exclusive mkdir made it.
+  void redraw() {
+    for (;;) {
+      res_.retries++;
+      drawName(&tries_, res_.name.substr(0, res_.name.size() - res_.id.size()), pool_.root_, &res_.id,
+               &res_.name);  // the prefix: "<prefix>-"
+      if (renameat2(pool_.stagingFd_.get(), stagingName_.c_str(), pool_.stagingFd_.get(), res_.name.c_str(),
+                    RENAME_NOREPLACE) == 0)
+        break;
+      if (errno != EEXIST)
+        throwErrno(errno, "renameat2", stagingPath_, pool_.root_ + "/.vmspace/staging/" + res_.name);
+    }
+    stagingName_ = res_.name;
+    stagingPath_ = pool_.root_ + "/.vmspace/staging/" + stagingName_;
+    if (projectId_) renameProjectClaim(pool_.projectsFd(false), projectId_, res_.name);  // quota
+    if (inXattr_) setMetaXattr();
+  }
+
+  void cleanUp() {
+    if (!metaPublished_.empty()) unlinkat(pool_.metaFd_.get(), (metaPublished_ + ".json").c_str(), 0);
+    try {
+      if (published_)  // only when the final fsync failed
+        pool_.removeWorkspace(pool_.rootFd_.get(), res_.name, pool_.path(res_.name));
       else
-        removeWorkspace(stagingFd_.get(), stagingName, stagingPath);
+        pool_.removeWorkspace(pool_.stagingFd_.get(), stagingName_, stagingPath_);
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
     }
-    throw;
   }
-  res.leaseFd = lease.release();
-  return res;
+
+  Pool& pool_;
+  const JsonMembers& info_;
+  const CloneOptions& clone_;
+  UniqueFd lease_;
+  AllocateResult res_;
+  const uint32_t projectId_;  // quota: its claim follows the name
+  int tries_;
+  std::string stagingName_, stagingPath_;
+  std::string metaPublished_;  // format 1: the metadata file made, removed on a failure
+  bool published_ = false;     // the workspace is in the root (only a final fsync can fail then)
+  bool inXattr_;               // format 2: the metadata is an xattr (false where refused: the file)
+};
+
+AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone) {
+  return PoolPublish(*this, std::move(staged), info, clone).run();
 }
 
 int Pool::readMeta(int wsFd, const std::string& name, std::string* text, bool* inXattr) {

@@ -178,6 +178,8 @@ class Pool {
 
  private:
   friend class PoolSweep;  // pool.cc: Pool::sweep's passes
+  friend class PoolStage;  // pool.cc: Pool::stage's phases
+  friend class PoolPublish;  // pool.cc: Pool::publish's phases
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in

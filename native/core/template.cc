@@ -273,161 +273,209 @@ std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::strin
   return s;
 }
 
-CommitResult TemplateStore::commit(const CommitRequest& req) {
-  const std::string nameShown = dir_ + "/names/" + req.name;
-  // Refused before anything is built; the symlinkat below decides for real.
-  if (!req.name.empty() && !req.replace && exists(namesFd_.get(), req.name))
-    throwErrno(EEXIST, "symlink", nameShown);
-  CommitResult res;
-  for (int tries = 0;; tries++) {
-    if (tries == kMaxNameTries)
-      throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir", dir_ + "/staging");
-    res.id = randomId();
-    if (mkdirat(stagingFd_.get(), res.id.c_str(), 0700) == 0) break;
-    if (errno != EEXIST) throwErrno(errno, "mkdir", dir_ + "/staging/" + res.id);
+// One commit of a template (TemplateStore::commit): a function per phase. An id is claimed in staging and leased;
+// the tree is made there (a snapshot, or a subvolume or directory the walk fills), its write bits stripped into the
+// mode list, template.json written; then it is published under its id and named (claimed, or swapped in for
+// replace), and a template it replaced is removed. Any failure before the end removes what it made.
+class TemplateCommit {
+ public:
+  TemplateCommit(TemplateStore& store, const CommitRequest& req)
+      : store_(store), req_(req), nameShown_(store.dir_ + "/names/" + req.name) {
+    opts_ = req.clone;
+    opts_.overwrite = false;
   }
-  const std::string stagingPath = dir_ + "/staging/" + res.id;
-  bool named = false, published = false;
-  try {
-    UniqueFd lease(openat(stagingFd_.get(), res.id.c_str(), kDirFlags));
-    if (!lease) throwErrno(errno, "open", stagingPath);
-    // The build's lease: a sweep reclaims a staging entry only when no one holds it (a probe waits it out here).
-    if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath);
-    CloneOptions opts = req.clone;
-    opts.overwrite = false;
-    // On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a snapshot of a workspace
-    // that is a subvolume, else a subvolume the walk fills and that is then made read-only.
-    const bool subvolume = opts.reflink != Reflink::Never && isSubvolumeFs(lease.get());
-    if (subvolume) res.clone.snapshot = snapshotWorkspace(req.sourcePath, lease.get());
-    if (!res.clone.snapshot) {
+
+  CommitResult run() {
+    // Refused before anything is built; the symlinkat below decides for real.
+    if (!req_.name.empty() && !req_.replace && exists(store_.namesFd_.get(), req_.name))
+      throwErrno(EEXIST, "symlink", nameShown_);
+    claimId();
+    stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+    try {
+      UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
+      if (!lease) throwErrno(errno, "open", stagingPath_);
+      // The build's lease: a sweep reclaims a staging entry only when no one holds it (a probe waits it out here).
+      if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
+      makeTree(lease.get());
+      UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+      writeModes(lease.get(), tree.get());
+      writeMeta(lease.get(), tree.get());
+      publish(lease.get());
+      if (!req_.name.empty() && req_.replace) swapName();
+    } catch (...) {
+      cleanUp();
+      throw;
+    }
+    if (!res_.replacedId.empty()) removeReplaced();
+    return std::move(res_);
+  }
+
+ private:
+  // The exclusive mkdir in staging claims a fresh id.
+  void claimId() {
+    for (int tries = 0;; tries++) {
+      if (tries == kMaxNameTries)
+        throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir",
+                  store_.dir_ + "/staging");
+      res_.id = randomId();
+      if (mkdirat(store_.stagingFd_.get(), res_.id.c_str(), 0700) == 0) break;
+      if (errno != EEXIST) throwErrno(errno, "mkdir", store_.dir_ + "/staging/" + res_.id);
+    }
+  }
+
+  // tree/ below the lease. On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a
+  // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
+  void makeTree(int leaseFd) {
+    const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
+    if (subvolume) res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd);
+    if (!res_.clone.snapshot) {
       // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
       // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
-      bool sub = subvolume && makeWorkspaceDir(lease.get(), "tree", 0700, true) == 0;
-      if (!sub && mkdirat(lease.get(), "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath + "/tree");
-      UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
-      if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
-      res.clone = cloneTreeInto(req.sourcePath, tree.get(), stagingPath + "/tree", opts, req.progress);
-      res.readOnlySubvolume = sub;
+      bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
+      if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath_ + "/tree");
+      UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+      res_.clone = cloneTreeInto(req_.sourcePath, tree.get(), stagingPath_ + "/tree", opts_, req_.progress);
+      res_.readOnlySubvolume = sub;
     }
-    res.clone.tree = true;
-    res.readOnlySubvolume = res.readOnlySubvolume || res.clone.snapshot;
-    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
-    if (!tree) throwErrno(errno, "open", stagingPath + "/tree");
+    res_.clone.tree = true;
+    res_.readOnlySubvolume = res_.readOnlySubvolume || res_.clone.snapshot;
+  }
 
-    {
-      const std::string modesShown = stagingPath + "/modes";
-      int mfd = openat(lease.get(), "modes", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
-      if (mfd < 0) throwErrno(errno, "open", modesShown);
-      FILE* f = fdopen(mfd, "w");
-      if (!f) {
-        int err = errno;
-        ::close(mfd);
-        throwErrno(err, "fdopen", modesShown);
-      }
-      std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
-      // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
-      // stays empty, and a walk is made only where one made the tree already (to measure it).
-      if (!res.clone.snapshot)
-        stripWriteBits(tree.get(), stagingPath + "/tree", f, &res.allocatedBytes, !res.readOnlySubvolume);
-      if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
-      if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
-      if (opts.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
-      FILE* done = closer.release();
-      if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+  // The mode list (stripWriteBits), read-only once written.
+  void writeModes(int leaseFd, int treeFd) {
+    const std::string modesShown = stagingPath_ + "/modes";
+    int mfd = openat(leaseFd, "modes", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
+    if (mfd < 0) throwErrno(errno, "open", modesShown);
+    FILE* f = fdopen(mfd, "w");
+    if (!f) {
+      int err = errno;
+      ::close(mfd);
+      throwErrno(err, "fdopen", modesShown);
     }
+    std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
+    // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
+    // stays empty, and a walk is made only where one made the tree already (to measure it).
+    if (!res_.clone.snapshot)
+      stripWriteBits(treeFd, stagingPath_ + "/tree", f, &res_.allocatedBytes, !res_.readOnlySubvolume);
+    if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
+    if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
+    if (opts_.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
+    FILE* done = closer.release();
+    if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+  }
 
+  // template.json and the last-used file, then the tree made read-only.
+  void writeMeta(int leaseFd, int treeFd) {
     // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
-    JsonMembers members = req.info;
+    JsonMembers members = req_.info;
     std::string name;
-    if (req.name.empty()) name = "null";
-    else appendJsonString(&name, req.name);
-    members.emplace_back("id", "\"" + res.id + "\"");
+    if (req_.name.empty()) name = "null";
+    else appendJsonString(&name, req_.name);
+    members.emplace_back("id", "\"" + res_.id + "\"");
     members.emplace_back("name", std::move(name));
-    members.emplace_back("method", std::string("\"") + methodName(res.clone, req.clone.reflink) + "\"");
-    if (res.readOnlySubvolume) members.emplace_back("subvolume", "true");
+    members.emplace_back("method", std::string("\"") + methodName(res_.clone, req_.clone.reflink) + "\"");
+    if (res_.readOnlySubvolume) members.emplace_back("subvolume", "true");
     // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
-    if (!res.clone.snapshot)
-      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res.allocatedBytes) + ",\"files\":" +
-                                        std::to_string(res.clone.files) + ",\"bytes\":" + std::to_string(res.clone.bytes) + "}");
+    if (!res_.clone.snapshot)
+      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) + ",\"files\":" +
+                                        std::to_string(res_.clone.files) + ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
     std::string json = jsonObject(members) + "\n";
-    writeNewFile(lease.get(), "template.json", json, 0444, opts.durable, stagingPath + "/template.json");
-    res.metaText = json;
-    writeNewFile(lease.get(), "used", "", 0644, false, stagingPath + "/used");
-    if (opts.durable && (fsync(tree.get()) != 0 || fsync(lease.get()) != 0)) throwErrno(errno, "fsync", stagingPath);
+    writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
+    res_.metaText = json;
+    writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
+    if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
     // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
-    if (res.readOnlySubvolume && !res.clone.snapshot) {
-      if (int err = setSubvolumeReadOnly(tree.get(), true))
-        throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath + "/tree");
+    if (res_.readOnlySubvolume && !res_.clone.snapshot) {
+      if (int err = setSubvolumeReadOnly(treeFd, true))
+        throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath_ + "/tree");
     }
+  }
 
-    // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
-    // so a name never points at a template another commit of the same name published.
-    if (!req.name.empty() && !req.replace) {
-      if (symlinkat(res.id.c_str(), namesFd_.get(), req.name.c_str()) != 0)
-        throwErrno(errno, "symlink", nameShown);
-      named = true;
+  // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
+  // so a name never points at a template another commit of the same name published.
+  void publish(int leaseFd) {
+    if (!req_.name.empty() && !req_.replace) {
+      if (symlinkat(res_.id.c_str(), store_.namesFd_.get(), req_.name.c_str()) != 0)
+        throwErrno(errno, "symlink", nameShown_);
+      named_ = true;
     }
-    if (renameat2(stagingFd_.get(), res.id.c_str(), fd_.get(), res.id.c_str(), RENAME_NOREPLACE) != 0)
-      throwErrno(errno, "renameat2", stagingPath, path(res.id));
-    published = true;
+    if (renameat2(store_.stagingFd_.get(), res_.id.c_str(), store_.fd_.get(), res_.id.c_str(), RENAME_NOREPLACE) != 0)
+      throwErrno(errno, "renameat2", stagingPath_, store_.path(res_.id));
+    published_ = true;
     // 0555 only once published: moving a directory to another parent needs write permission on it (the kernel
     // rewrites its ".."; vfs_rename), which an owner without CAP_DAC_OVERRIDE lacks on a 0555 one (EACCES).
-    if (fchmod(lease.get(), 0555) != 0) throwErrno(errno, "fchmod", path(res.id));
-    if (opts.durable && fsync(fd_.get()) != 0) throwErrno(errno, "fsync", dir_);
-    if (!req.name.empty() && req.replace) {
-      // The name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template or
-      // the new one, never no name. The swapped-out link tells which template was replaced.
-      std::string tmp = "." + req.name + ".new-" + randomHex(6);
-      if (symlinkat(res.id.c_str(), namesFd_.get(), tmp.c_str()) != 0) throwErrno(errno, "symlink", dir_ + "/names/" + tmp);
-      for (;;) {
-        if (renameat2(namesFd_.get(), tmp.c_str(), namesFd_.get(), req.name.c_str(), RENAME_EXCHANGE) == 0) {
-          named = true;
-          std::string old;
-          if (readLink(namesFd_.get(), tmp, &old) && isHexId(old) && old != res.id) res.replacedId = old;
-          unlinkat(namesFd_.get(), tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
-          break;
-        }
-        if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
-          if (renameat2(namesFd_.get(), tmp.c_str(), namesFd_.get(), req.name.c_str(), RENAME_NOREPLACE) == 0) {
-            named = true;
-            break;
-          }
-          if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
-        }
-        int err = errno;
-        unlinkat(namesFd_.get(), tmp.c_str(), 0);
-        throwErrno(err, "renameat2", dir_ + "/names/" + tmp, nameShown);
+    if (fchmod(leaseFd, 0555) != 0) throwErrno(errno, "fchmod", store_.path(res_.id));
+    if (opts_.durable && fsync(store_.fd_.get()) != 0) throwErrno(errno, "fsync", store_.dir_);
+  }
+
+  // Replace: the name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template
+  // or the new one, never no name. The swapped-out link tells which template was replaced.
+  void swapName() {
+    const int namesFd = store_.namesFd_.get();
+    std::string tmp = "." + req_.name + ".new-" + randomHex(6);
+    if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
+      throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
+    for (;;) {
+      if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_EXCHANGE) == 0) {
+        named_ = true;
+        std::string old;
+        if (readLink(namesFd, tmp, &old) && isHexId(old) && old != res_.id) res_.replacedId = old;
+        unlinkat(namesFd, tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
+        return;
       }
+      if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
+        if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_NOREPLACE) == 0) {
+          named_ = true;
+          return;
+        }
+        if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
+      }
+      int err = errno;
+      unlinkat(namesFd, tmp.c_str(), 0);
+      throwErrno(err, "renameat2", store_.dir_ + "/names/" + tmp, nameShown_);
     }
-  } catch (...) {
+  }
+
+  void cleanUp() {
     try {
       std::string target;
-      if (named && !req.replace && readLink(namesFd_.get(), req.name, &target) && target == res.id)
-        unlinkat(namesFd_.get(), req.name.c_str(), 0);
-      if (published) removeIfFree(res.id, -1);  // never named: no reader can hold it
-      else removeTemplateDir(stagingFd_.get(), res.id, stagingPath);
+      if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
+        unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
+      if (published_) store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
+      else removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
     } catch (...) {
       // Left for a sweep; the original error is the one to report.
     }
-    throw;
   }
-  if (!res.replacedId.empty()) {
-    // The new template is published and named: the commit has succeeded whatever happens to the old one here.
-    // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
-    // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
-    // removeTemplate or pruneTemplates removes it).
+
+  // The new template is published and named: the commit has succeeded whatever happens to the old one here.
+  // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
+  // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
+  // removeTemplate or pruneTemplates removes it).
+  void removeReplaced() {
     try {
-      UniqueFd marker(openat(retiredFd_.get(), res.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+      UniqueFd marker(openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
       if (marker) {
         marker.reset();
-        res.replacedRemoved = removeIfFree(res.replacedId, -1);
+        res_.replacedRemoved = store_.removeIfFree(res_.replacedId, -1);
       }
     } catch (const Error&) {
-      res.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
+      res_.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
     }
   }
-  return res;
-}
+
+  TemplateStore& store_;
+  const CommitRequest& req_;
+  const std::string nameShown_;
+  CloneOptions opts_;
+  CommitResult res_;
+  std::string stagingPath_;
+  bool named_ = false, published_ = false;  // what a failure undoes: the name claimed, the template published
+};
+
+CommitResult TemplateStore::commit(const CommitRequest& req) { return TemplateCommit(*this, req).run(); }
 
 std::string TemplateStore::resolve(const std::string& idOrName, bool* byName) {
   *byName = !isHexId(idOrName);
@@ -474,6 +522,59 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
   notFound(idOrName, dir_ + "/names/" + idOrName);
 }
 
+namespace {
+
+// The walk of a template's mode list over a clone of its tree (the records stripWriteBits wrote): one directory fd,
+// down by name, up through ".." (checked against the way down).
+class ModeListWalk {
+ public:
+  ModeListWalk(int wsFd, const std::string& wsPath) : wsPath_(wsPath), trail_(1) {
+    cur_.reset(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
+    if (!cur_) throwErrno(errno, "fcntl", wsPath);
+    if (fstat(cur_.get(), &trail_[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  }
+
+  // 'u': back to the parent; false at the top (a list that does not parse).
+  bool up() {
+    if (trail_.size() < 2) return false;
+    trail_.pop_back();
+    walkUp(cur_, trail_.back(), wsPath_ + rel_);
+    rel_.erase(rel_.rfind('/'));
+    return true;
+  }
+
+  // 'd': down into the directory `name`.
+  void down(const char* name) {
+    UniqueFd down(openat(cur_.get(), name, kDirFlags));
+    if (!down) throwErrno(errno, "open", wsPath_ + rel_ + "/" + name);
+    struct stat st;
+    if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath_ + rel_ + "/" + name);
+    trail_.push_back(st);
+    cur_ = std::move(down);
+    rel_ += std::string("/") + name;
+  }
+
+  // 'm': the write bits `bits` given back to `leaf`.
+  void restore(const char* leaf, mode_t bits) {
+    struct stat st;
+    if (fstatat(cur_.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) return;  // not recreated (a socket, a device without CAP_MKNOD)
+      throwErrno(errno, "stat", wsPath_ + rel_ + "/" + leaf);
+    }
+    if (S_ISLNK(st.st_mode)) return;
+    if (fchmodat(cur_.get(), leaf, (st.st_mode & 07777) | bits, 0) != 0)
+      throwErrno(errno, "chmod", wsPath_ + rel_ + "/" + leaf);
+  }
+
+ private:
+  const std::string& wsPath_;
+  UniqueFd cur_;
+  std::vector<struct stat> trail_;
+  std::string rel_;  // of `cur_` below the workspace, for errors only (grows with depth, not with entries)
+};
+
+}  // namespace
+
 void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const std::string& wsPath) {
   const std::string shown = path(reader.id) + "/modes";
   int mfd = openat(reader.fd.get(), "modes", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
@@ -488,12 +589,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
   char* line = nullptr;
   size_t cap = 0;
   std::unique_ptr<char, void (*)(void*)> freeLine(nullptr, free);
-  // The walk of the mode list: one directory fd, down by name, up through ".." (checked against the way down).
-  UniqueFd cur(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
-  if (!cur) throwErrno(errno, "fcntl", wsPath);
-  std::vector<struct stat> trail(1);
-  std::string rel;  // of `cur` below the workspace, for errors only (grows with depth, not with entries)
-  if (fstat(cur.get(), &trail[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  ModeListWalk walk(wsFd, wsPath);
   auto corrupt = [&] {
     throwCode("ERR_CORRUPT_METADATA", "a record of the template's mode list does not parse", EINVAL, "read", shown);
   };
@@ -509,20 +605,11 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
     if (line[n - 1] != '\0') corrupt();
     char kind = line[0];
     if (kind == 'u') {
-      if (trail.size() < 2) corrupt();
-      trail.pop_back();
-      walkUp(cur, trail.back(), wsPath + rel);
-      rel.erase(rel.rfind('/'));
+      if (!walk.up()) corrupt();
       continue;
     }
     if (kind == 'd') {
-      UniqueFd down(openat(cur.get(), line + 1, kDirFlags));
-      if (!down) throwErrno(errno, "open", wsPath + rel + "/" + (line + 1));
-      struct stat st;
-      if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath + rel + "/" + (line + 1));
-      trail.push_back(st);
-      cur = std::move(down);
-      rel += std::string("/") + (line + 1);
+      walk.down(line + 1);
       continue;
     }
     if ((kind != 'm' && kind != 'r') || n < 5) corrupt();
@@ -533,14 +620,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
     if (kind == 'r') continue;  // the workspace directory keeps the mode allocate gave it
     const char* leaf = line + 4;
     if (!*leaf) corrupt();
-    struct stat st;
-    if (fstatat(cur.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-      if (errno == ENOENT) continue;  // not recreated (a socket, a device without CAP_MKNOD)
-      throwErrno(errno, "stat", wsPath + rel + "/" + leaf);
-    }
-    if (S_ISLNK(st.st_mode)) continue;
-    if (fchmodat(cur.get(), leaf, (st.st_mode & 07777) | static_cast<mode_t>(bits), 0) != 0)
-      throwErrno(errno, "chmod", wsPath + rel + "/" + leaf);
+    walk.restore(leaf, static_cast<mode_t>(bits));
   }
   // The last-used time (TemplateListing.lastUsedMs): informative only, so a refusal (a pool shared by a group,
   // whose member does not own the file: EPERM) does not fail the allocate.

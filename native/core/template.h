@@ -92,6 +92,7 @@ class TemplateStore {
   std::string path(const std::string& id) const { return dir_ + "/" + id; }
 
  private:
+  friend class TemplateCommit;  // template.cc: commit's phases
   TemplateStore() = default;
   std::string resolve(const std::string& idOrName, bool* byName);
   // Removes the published template `id` when flock(LOCK_EX|LOCK_NB) gets it (fd: open on it, or -1): moved
