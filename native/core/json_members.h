@@ -12,6 +12,26 @@ namespace vmspace {
 // [key, value as JSON text] in order; keys are plain identifiers chosen by vmspace (never escaped).
 using JsonMembers = std::vector<std::pair<std::string, std::string>>;
 
+// Appends `s` as a JSON string: quotes, backslash and control characters escaped (RFC 8259 section 7); other
+// bytes as they are (UTF-8 passes through).
+inline void appendJsonString(std::string* out, const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  out->push_back('"');
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(static_cast<char>(c));
+    } else if (c < 0x20) {
+      out->append("\\u00");
+      out->push_back(kHex[c >> 4]);
+      out->push_back(kHex[c & 15]);
+    } else {
+      out->push_back(static_cast<char>(c));
+    }
+  }
+  out->push_back('"');
+}
+
 // {"key":value,...} (no newline).
 inline std::string jsonObject(const JsonMembers& members) {
   std::string out = "{";

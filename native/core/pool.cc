@@ -19,6 +19,7 @@
 
 #include "error.h"
 #include "io.h"
+#include "json_members.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
@@ -227,24 +228,6 @@ int probeNoReplace(int dirFd) {
     unlinkat(dirFd, probe.c_str(), 0);
   }
   return err;
-}
-
-void appendJsonString(std::string* out, const std::string& s) {
-  static const char kHex[] = "0123456789abcdef";
-  out->push_back('"');
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out->push_back('\\');
-      out->push_back(static_cast<char>(c));
-    } else if (c < 0x20) {
-      out->append("\\u00");
-      out->push_back(kHex[c >> 4]);
-      out->push_back(kHex[c & 15]);
-    } else {
-      out->push_back(static_cast<char>(c));
-    }
-  }
-  out->push_back('"');
 }
 
 // How long a lease held only by shared probes (list() in some process, each a few microseconds) is tried

@@ -19,6 +19,7 @@
 
 #include "error.h"
 #include "io.h"
+#include "json_members.h"
 #include "names.h"
 #include "pool.h"
 #include "quota.h"
@@ -72,24 +73,6 @@ bool readLink(int dirFd, const std::string& name, std::string* target) {
   }
   target->assign(buf, static_cast<size_t>(n));
   return true;
-}
-
-void appendJsonString(std::string* out, const std::string& s) {
-  static const char kHex[] = "0123456789abcdef";
-  out->push_back('"');
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out->push_back('\\');
-      out->push_back(static_cast<char>(c));
-    } else if (c < 0x20) {
-      out->append("\\u00");
-      out->push_back(kHex[c >> 4]);
-      out->push_back(kHex[c & 15]);
-    } else {
-      out->push_back(static_cast<char>(c));
-    }
-  }
-  out->push_back('"');
 }
 
 [[noreturn]] void notFound(const std::string& idOrName, const std::string& shown) {
