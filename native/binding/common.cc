@@ -44,7 +44,8 @@ Napi::Promise runVoid(Napi::Env env, std::function<void()> fn) {
 
 Options::Options(const Napi::CallbackInfo& info, size_t i, const char* call) : env_(info.Env()), call_(call) {
   if (!info[i].IsObject())
-    throw Napi::TypeError::New(env_, "vmspace binding: " + call_ + ": argument " + std::to_string(i) + " must be an options object");
+    throw Napi::TypeError::New(
+        env_, "vmspace binding: " + call_ + ": argument " + std::to_string(i) + " must be an options object");
   object_ = info[i].As<Napi::Object>();
 }
 
@@ -123,7 +124,9 @@ Napi::Array Options::array(const char* key) const {
 }
 
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what) {
-  auto wrong = [&] { return Napi::TypeError::New(env, "vmspace binding: " + what + " must be [key, JSON text] string pairs"); };
+  auto wrong = [&] {
+    return Napi::TypeError::New(env, "vmspace binding: " + what + " must be [key, JSON text] string pairs");
+  };
   if (!v.IsArray()) throw wrong();
   Napi::Array a = v.As<Napi::Array>();
   vmspace::JsonMembers out;
@@ -142,17 +145,20 @@ vmspace::JsonMembers Options::members(const char* key) const {
 }
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i) {
-  if (!info[i].IsString()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a string");
+  if (!info[i].IsString())
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a string");
   return info[i].As<Napi::String>().Utf8Value();
 }
 
 int64_t intArg(const Napi::CallbackInfo& info, size_t i) {
-  if (!info[i].IsNumber()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a number");
+  if (!info[i].IsNumber())
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a number");
   return info[i].As<Napi::Number>().Int64Value();
 }
 
 bool boolArg(const Napi::CallbackInfo& info, size_t i) {
-  if (!info[i].IsBoolean()) throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a boolean");
+  if (!info[i].IsBoolean())
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a boolean");
   return info[i].As<Napi::Boolean>().Value();
 }
 

@@ -27,8 +27,8 @@ struct LockWaiter {
   bool shared;
   pthread_t thread{};
   std::mutex mu;
-  bool done = false;       // guarded by mu: once set, the thread may be gone and must not be signalled
-  bool tsfnGone = false;   // guarded by mu: the env tore the callback down (a worker thread ended)
+  bool done = false;      // guarded by mu: once set, the thread may be gone and must not be signalled
+  bool tsfnGone = false;  // guarded by mu: the env tore the callback down (a worker thread ended)
   std::atomic<bool> cancelled{false};
   LockWaitTsfn tsfn;
 };
@@ -55,7 +55,6 @@ void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter*, LockWaitDone*
   cb.Call({Napi::Number::New(env, done->err), Napi::Number::New(env, done->waiter->fd),
            Napi::String::New(env, done->syscall)});
 }
-
 
 namespace {
 
@@ -85,7 +84,6 @@ Napi::Value LockOpen(const Napi::CallbackInfo& info) {
         if (o.fd >= 0) ::close(o.fd);
       });
 }
-
 
 // Interrupts a waiting thread (see LockCancel); a no-op once the thread is done.
 void cancelWaiter(LockWaiter& w) {

@@ -17,7 +17,7 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   std::string root = o.string("root");
   bool create = o.boolean("create");
   int64_t sharedGid = o.int64Or("sharedGid", -1);  // -1: none
-  int format = o.int32("format");  // of a pool made here: 1 or 2
+  int format = o.int32("format");                  // of a pool made here: 1 or 2
   // quota (issue 13): minFreeBytes, project id range
   uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
   vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
@@ -31,8 +31,8 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
       },
       [](Napi::Env env, std::shared_ptr<vmspace::Pool>& pool) -> Napi::Value {
         Napi::Object o = Napi::Object::New(env);
-        o.Set("handle", Napi::External<PoolRef>::New(env, new PoolRef{pool},
-                                                     [](Napi::Env, PoolRef* ref) { delete ref; }));
+        o.Set("handle",
+              Napi::External<PoolRef>::New(env, new PoolRef{pool}, [](Napi::Env, PoolRef* ref) { delete ref; }));
         o.Set("bootId", vmspace::bootId());
         o.Set("format", pool->format());
         return o;

@@ -34,7 +34,10 @@ Napi::Value PoolSpace(const Napi::CallbackInfo& info) {
     vmspace::QuotaSupport quota;
   };
   return Work<Space>::Start(
-      info.Env(), [pool] { return Space{pool->space(), pool->quotaSupport()}; },
+      info.Env(),
+      [pool] {
+        return Space{pool->space(), pool->quotaSupport()};
+      },
       [](Napi::Env env, Space& s) -> Napi::Value {
         Napi::Object o = Napi::Object::New(env);
         o.Set("availableBytes", static_cast<double>(s.space.available));

@@ -14,8 +14,6 @@ Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
 
 }  // namespace
 
-void initRemove(Napi::Env env, Napi::Object exports) {
-  exportFunction(env, exports, "removeTree", RemoveTree);
-}
+void initRemove(Napi::Env env, Napi::Object exports) { exportFunction(env, exports, "removeTree", RemoveTree); }
 
 }  // namespace vmspace::binding

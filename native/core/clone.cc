@@ -104,7 +104,8 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
     }
     throwErrno(err, "copy_file_range", srcPath, dstPath);
   }
-  if (done < len) done += copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
+  if (done < len)
+    done += copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
   return done;
 }
 
@@ -172,8 +173,8 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     if (n > 0) {
       pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
-      end += static_cast<off_t>(copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath,
-                                                   dstPath, cancel));
+      end += static_cast<off_t>(
+          copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath, dstPath, cancel));
     }
   }
   // Trailing hole (and the size itself): extending by ftruncate allocates nothing.
@@ -225,8 +226,8 @@ void writeBack(int fd, Writeback writeback, const std::string& path) {
 
 void fillIdentity(SourceIdentity* identity, const struct stat& st) {
   if (identity)
-    *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-                 static_cast<uint64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+    *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+                 st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
 }
 
 namespace {
@@ -485,4 +486,3 @@ CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std:
 }
 
 }  // namespace vmspace
-

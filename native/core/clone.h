@@ -23,8 +23,8 @@ enum class Writeback { None, Start, Wait };
 
 struct CloneOptions {
   Reflink reflink = Reflink::Auto;
-  bool overwrite = false;  // replace an existing destination (atomically, by rename) instead of EEXIST
-  bool durable = false;    // fsync the file before publish and the directory after
+  bool overwrite = false;                 // replace an existing destination (atomically, by rename) instead of EEXIST
+  bool durable = false;                   // fsync the file before publish and the directory after
   Writeback writeback = Writeback::None;  // for copied files only
 };
 
@@ -60,15 +60,15 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
 // cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete: without `overwrite` it is
 // an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
-// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in errors. Fills `identity` when given. The clone is owned by
-// the caller: set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group
-// is the source's (as cp(1) drops them when it does not keep the owner). The named temp file is published with
-// publishFileNoReplace (rename.h), or rename(2) with `overwrite`.
+// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
+// errors. Fills `identity` when given. The clone is owned by the caller: set-user-ID is kept only where that is the
+// source's owner, set-group-ID only where the clone's group is the source's (as cp(1) drops them when it does not keep
+// the owner). The named temp file is published with publishFileNoReplace (rename.h), or rename(2) with `overwrite`.
 // Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
 // ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options,
-                            SourceIdentity* identity = nullptr, const std::atomic<bool>* cancel = nullptr);
+                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity = nullptr,
+                            const std::atomic<bool>* cancel = nullptr);
 
 // The directory a path beneath a base fd ends in: the base itself (borrowed; `owned` empty) or a directory opened
 // beneath it (owned, closed with this).
@@ -103,7 +103,7 @@ struct CloneSummary {
   uint64_t dirs = 0, symlinks = 0, hardlinks = 0, fifos = 0, devices = 0;
   uint64_t skippedSockets = 0;  // sockets cannot be recreated meaningfully
   uint64_t skippedDevices = 0;  // device nodes where mknod is not permitted (not root)
-  bool snapshot = false;  // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
+  bool snapshot = false;        // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
 };
 
 // "snapshot" (a btrfs subvolume snapshot), "reflink", "copy" or "mixed" (both happened); a clone without regular
@@ -112,10 +112,10 @@ const char* methodName(const CloneSummary& s, Reflink reflink);
 
 // Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
 // does) to `dstName` in `dstDirFd`. The source is opened once, and file or tree chosen from its fstat (a source
-// that cannot be opened: the errno of "open", path and dest). Built under a temp name and published with renameat2(RENAME_NOREPLACE)
-// (with `overwrite`: rename(2) for a file, RENAME_EXCHANGE and removal of the old tree for a directory). On any
-// failure, or on cancel (ECANCELED), the temp tree is removed and the error names the entry that failed (path:
-// the source entry, dest: its destination). With reflink Always, a source on another file system than the
+// that cannot be opened: the errno of "open", path and dest). Built under a temp name and published with
+// renameat2(RENAME_NOREPLACE) (with `overwrite`: rename(2) for a file, RENAME_EXCHANGE and removal of the old tree for
+// a directory). On any failure, or on cancel (ECANCELED), the temp tree is removed and the error names the entry that
+// failed (path: the source entry, dest: its destination). With reflink Always, a source on another file system than the
 // destination fails (ERR_REFLINK_UNSUPPORTED, cause EXDEV) before anything is written.
 // Kept: mode incl. setuid/setgid/sticky, owner and group (where permitted), atime/mtime in ns, xattrs
 // (incl. security.capability, set after chown, which clears it); directory metadata is set after its contents.
@@ -134,4 +134,3 @@ CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std:
                               const std::string& rel, const CloneOptions& options, CloneProgress* progress);
 
 }  // namespace vmspace
-

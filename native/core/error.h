@@ -4,7 +4,8 @@
 
 // Every part of vmspace is Linux system calls (renameat2, FICLONE, statx, flock on fds).
 #if !defined(__linux__)
-#error "vmspace is a Linux addon (renameat2, statx, FICLONE, flock on fds): it builds on Linux only; see README, Portability"
+#error \
+    "vmspace is a Linux addon (renameat2, statx, FICLONE, flock on fds): it builds on Linux only; see README, Portability"
 #endif
 
 #include <string.h>
@@ -21,12 +22,12 @@
 namespace vmspace {
 
 struct Error : std::exception {
-  int err = 0;           // positive errno; 0 for a condition without one
-  std::string code;      // empty: the errno's name (EEXIST, ...); else a vmspace code (ERR_...)
-  std::string syscall;   // the syscall that failed, as Node names it (mkdirat, renameat2, ioctl(FICLONE), ...)
+  int err = 0;          // positive errno; 0 for a condition without one
+  std::string code;     // empty: the errno's name (EEXIST, ...); else a vmspace code (ERR_...)
+  std::string syscall;  // the syscall that failed, as Node names it (mkdirat, renameat2, ioctl(FICLONE), ...)
   std::string path;
   std::string dest;
-  std::string detail;    // extra words for the message (vmspace conditions)
+  std::string detail;  // extra words for the message (vmspace conditions)
   // ERR_POOL_UNSAFE: owner, group and mode (st_mode & 07777) of the entry at `path`; -1 where not set.
   long long uid = -1, gid = -1;
   int mode = -1;

@@ -15,8 +15,7 @@
 
 namespace vmspace {
 
-int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, std::string* out,
-                      const char** syscall) {
+int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, std::string* out, const char** syscall) {
   const char* ignored;
   const char*& step = syscall ? *syscall : ignored;
   step = "open";

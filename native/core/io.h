@@ -49,7 +49,7 @@ class TempFile {
   ~TempFile();
   int fd() const { return fd_; }
   const std::string& name() const { return name_; }
-  void close();            // the fd only (the data is written); the temp name stays until published or destroyed
+  void close();  // the fd only (the data is written); the temp name stays until published or destroyed
   void published() { published_ = true; }
 
  private:

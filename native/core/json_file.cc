@@ -88,7 +88,8 @@ void replaceFile(const std::string& path, const std::string& data, bool durable)
     throwErrno(errno, "chmod", dir + "/" + tmp);
   }
   fd.close();
-  if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0) throwErrno(errno, "rename", dir + "/" + tmp, path);
+  if (renameat(dirFd.get(), tmp.c_str(), dirFd.get(), leaf.c_str()) != 0)
+    throwErrno(errno, "rename", dir + "/" + tmp, path);
   fd.published();
   if (durable && fsync(dirFd.get()) != 0) throwErrno(errno, "fsync", dir);
 }

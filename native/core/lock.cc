@@ -25,7 +25,7 @@ int lockOpenFile(const std::string& path, int* err) {
   if (fd < 0 && (errno == EACCES || errno == EISDIR || errno == EROFS)) {
     int first = errno;
     fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);  // flock needs no write access
-    if (fd < 0 && errno == ENOENT) errno = first;  // missing and not creatable: the first
+    if (fd < 0 && errno == ENOENT) errno = first;                           // missing and not creatable: the first
   }
   if (fd < 0) *err = errno;
   return fd;
@@ -77,13 +77,9 @@ int lockFollowPath(const std::string& path, int* fd, const char** syscall) {
   return EAGAIN;
 }
 
-int lockTry(int fd, bool shared) {
-  return flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0 ? 0 : errno;
-}
+int lockTry(int fd, bool shared) { return flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0 ? 0 : errno; }
 
-int lockWaitBlocking(int fd, bool shared) {
-  return flock(fd, shared ? LOCK_SH : LOCK_EX) == 0 ? 0 : errno;
-}
+int lockWaitBlocking(int fd, bool shared) { return flock(fd, shared ? LOCK_SH : LOCK_EX) == 0 ? 0 : errno; }
 
 namespace {
 void onCancelSignal(int) {}

@@ -86,7 +86,8 @@ bool makeDirExact(int at, const char* name, mode_t mode, long long gid, const st
   struct stat st;
   if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", shown);
   // A setgid bit the kernel gave it (inherited from a setgid parent, mkdir(2)) is kept: entries keep that group.
-  if (gid < 0) mode |= st.st_mode & S_ISGID;
+  if (gid < 0)
+    mode |= st.st_mode & S_ISGID;
   else if (fchown(fd.get(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
     throwErrno(errno, "fchown", shown);
   if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
@@ -134,7 +135,9 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
   };
   UniqueFd cur = openRoot();
   std::string shown = "/";
-  auto join = [](const std::string& dir, const std::string& name) { return dir == "/" ? "/" + name : dir + "/" + name; };
+  auto join = [](const std::string& dir, const std::string& name) {
+    return dir == "/" ? "/" + name : dir + "/" + name;
+  };
   int links = 0;
   // Components at or above this depth of `todo` come from a symlink's target, which must exist as mkdir -p
   // requires (mkdir(2) of a dangling symlink is EEXIST): only components of the path as given are made.
@@ -144,7 +147,8 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
     todo.pop_back();
     const bool fromTarget = todo.size() >= targetFloor;
     if (!fromTarget) targetFloor = SIZE_MAX;
-    std::string next = name == ".." ? (shown.rfind('/') == 0 ? "/" : shown.substr(0, shown.rfind('/'))) : join(shown, name);
+    std::string next =
+        name == ".." ? (shown.rfind('/') == 0 ? "/" : shown.substr(0, shown.rfind('/'))) : join(shown, name);
     UniqueFd fd(openat(cur.get(), name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
     if (!fd) {
       // As open(2) of the whole path names it; a symlink's missing target is ENOENT, never made.
@@ -161,7 +165,8 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
       char target[PATH_MAX];
       ssize_t n = readlinkat(fd.get(), "", target, sizeof target);
       if (n < 0) throwErrno(errno, "readlink", next);
-      if (n == 0 || static_cast<size_t>(n) == sizeof target) throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", next);
+      if (n == 0 || static_cast<size_t>(n) == sizeof target)
+        throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", next);
       std::string to(target, static_cast<size_t>(n));
       targetFloor = std::min(targetFloor, todo.size());
       push(to);
@@ -269,7 +274,8 @@ bool tryLease(int fd, long deadline) {
 // by fd against what is at its name now, after anything else could have moved it.
 bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
   struct stat at;
-  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino && at.st_dev == own.st_dev;
+  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
+         at.st_dev == own.st_dev;
 }
 
 bool isHexId(const char* s) {
@@ -393,13 +399,13 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   if (version == "1" || version == "2")
     pool->format_ = version[0] - '0';
   else
-    throwCode("ERR_POOL_FORMAT",
-              "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2)", 0, "open",
-              versionPath);
+    throwCode("ERR_POOL_FORMAT", "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2)", 0,
+              "open", versionPath);
 
   for (auto& sub : subs) {
     std::string shown = state + "/" + sub.name;
-    if (!*sub.fd) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
+    if (!*sub.fd)
+      *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
     if (!*sub.fd) throwErrno(ENOENT, "open", shown);
   }
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
@@ -410,7 +416,8 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
 // Issue 14: templates/ is made on the first commit, so pools without templates stay as older code made them.
 TemplateStore* Pool::templates(bool create) {
   std::lock_guard<std::mutex> hold(templatesMu_);
-  if (!templates_) templates_ = TemplateStore::open(stateFd_.get(), root_ + "/.vmspace", trashFd_.get(), create, sharedGid_);
+  if (!templates_)
+    templates_ = TemplateStore::open(stateFd_.get(), root_ + "/.vmspace", trashFd_.get(), create, sharedGid_);
   return templates_.get();
 }
 
@@ -493,8 +500,9 @@ class PoolStage {
       if (quotaSupport_.err)
         throwCode("ERR_QUOTA_UNSUPPORTED", quotaSupport_.detail, quotaSupport_.err, "quotactl", pool_.root_);
       if (req_.quota.inodes && !quotaSupport_.inodes)
-        throwCode("ERR_QUOTA_UNSUPPORTED", "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here",
-                  EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", pool_.root_);
+        throwCode("ERR_QUOTA_UNSUPPORTED",
+                  "btrfs qgroups limit bytes, not inodes: quota.inodes cannot be enforced here", EINVAL,
+                  "ioctl(BTRFS_IOC_QGROUP_LIMIT)", pool_.root_);
     }
     if (pool_.minFreeBytes_ && fsSpace(pool_.rootFd_.get(), pool_.root_).available < pool_.minFreeBytes_)
       throwErrno(ENOSPC, "statvfs", pool_.root_);
@@ -507,8 +515,8 @@ class PoolStage {
     if (req_.fromTemplate.empty()) return;
     TemplateStore* s = pool_.templates(false);
     if (!s)
-      throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req_.fromTemplate + "'", ENOENT,
-                "open", pool_.root_ + "/.vmspace/templates");
+      throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req_.fromTemplate + "'", ENOENT, "open",
+                pool_.root_ + "/.vmspace/templates");
     reader_ = s->acquire(req_.fromTemplate);
     store_ = s;
     res_.templateId = reader_.id;
@@ -684,8 +692,8 @@ class PoolPublish {
       json += ",\"source\":";
       appendJsonString(&json, c.source);
       json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" +
-              std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" +
-              std::to_string(id.size) + ",\"mtimeNs\":\"" +
+              std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) +
+              "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
               std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
               methodName(c.result, clone_.reflink) + "\"}";
     }
@@ -740,8 +748,7 @@ class PoolPublish {
       if (renameat2(pool_.stagingFd_.get(), stagingName_.c_str(), pool_.stagingFd_.get(), res_.name.c_str(),
                     RENAME_NOREPLACE) == 0)
         break;
-      if (errno != EEXIST)
-        throwErrno(errno, "renameat2", stagingPath_, pool_.root_ + "/.vmspace/staging/" + res_.name);
+      if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.root_ + "/.vmspace/staging/" + res_.name);
     }
     stagingName_ = res_.name;
     stagingPath_ = pool_.root_ + "/.vmspace/staging/" + stagingName_;

@@ -6,8 +6,8 @@
 
 #include <sys/types.h>
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,14 +17,14 @@
 #include "error.h"
 #include "fd.h"
 #include "json_members.h"
-#include "template.h"
 #include "quota.h"
+#include "template.h"
 #include "tree.h"
 #include "usage.h"
 
 namespace vmspace {
 
-constexpr int kMaxNameTries = 16;   // DESIGN.md: EEXIST -> fresh name, at most 16 tries, then ERR_NAME_EXHAUSTED
+constexpr int kMaxNameTries = 16;  // DESIGN.md: EEXIST -> fresh name, at most 16 tries, then ERR_NAME_EXHAUSTED
 // On-disk formats this vmspace reads and makes (.vmspace/version). 1: metadata in .vmspace/meta/<name>.json.
 // 2: metadata in the xattr kMetaXattr of the workspace directory (one syscall, no directory changed, removed with
 // the directory), in the file where the file system refuses the xattr. Older vmspace refuses a format-2 pool
@@ -39,15 +39,15 @@ struct TemplateEntry {
 };
 
 struct AllocateRequest {
-  std::string prefix;    // checked by the caller (lib/pool.ts PREFIX): [A-Za-z0-9][A-Za-z0-9_-]{0,63}, mixed case
-  mode_t mode = 0700;    // of the workspace directory, less the umask (as mkdir(2))
+  std::string prefix;       // checked by the caller (lib/pool.ts PREFIX): [A-Za-z0-9][A-Za-z0-9_-]{0,63}, mixed case
+  mode_t mode = 0700;       // of the workspace directory, less the umask (as mkdir(2))
   std::string templateDir;  // a directory whose contents become the workspace's contents (empty: none)
   std::vector<TemplateEntry> entries;  // and/or single sources cloned to workspace-relative paths
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
-  JsonMembers info;      // the caller's members of the metadata record (the name and template are added)
-  CloneOptions clone;    // reflink and durable apply to every template entry; overwrite is ignored
-  std::string fromTemplate;  // issue 14: the id or name of a committed template cloned first ("" none)
-  QuotaLimits quota;     // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
+  JsonMembers info;                    // the caller's members of the metadata record (the name and template are added)
+  CloneOptions clone;                  // reflink and durable apply to every template entry; overwrite is ignored
+  std::string fromTemplate;            // issue 14: the id or name of a committed template cloned first ("" none)
+  QuotaLimits quota;  // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
 };
 
 struct ClonedEntry {
@@ -74,7 +74,7 @@ struct StagedWorkspace {
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
   std::string templateId, templateMeta;  // issue 14: as in AllocateResult
-  QuotaRef quota;  // quota.cc: its project id claim follows the name at publish
+  QuotaRef quota;                        // quota.cc: its project id claim follows the name at publish
 };
 
 struct ListEntry {
@@ -83,7 +83,7 @@ struct ListEntry {
   std::string metaText;  // its metadata (kMetaXattr or meta/<name>.json) when metaErrno == 0
   int metaErrno = 0;
   bool metaInXattr = false;  // metaText, or metaErrno, is of the xattr (else of the file)
-  int probeErrno = 0;  // the lease probe failed with this (not EWOULDBLOCK): liveness undecided, `live` set
+  int probeErrno = 0;        // the lease probe failed with this (not EWOULDBLOCK): liveness undecided, `live` set
   const char* probeSyscall = "flock";  // of probeErrno: "open" of the workspace directory, or its "flock"
 };
 
@@ -96,7 +96,7 @@ struct AdoptResult {
 
 struct SweepEntry {
   std::string name;
-  const char* from;   // "published", "staging" or "trash"
+  const char* from;    // "published", "staging" or "trash"
   uint64_t bytes = 0;  // space freed (st_blocks * 512); 0 in a dry run
   Error error;         // for failures
 };
@@ -108,8 +108,8 @@ struct SweepReport {
   // EWOULDBLOCK: syscall "flock"). An entry that vanished meanwhile (a concurrent dispose, allocate or sweep
   // finished it: ENOENT at its name) is not a failure and is in no list.
   std::vector<SweepEntry> failed;
-  uint64_t live = 0;               // published workspaces whose lease is held
-  uint64_t metaRemoved = 0;        // metadata files without a workspace
+  uint64_t live = 0;         // published workspaces whose lease is held
+  uint64_t metaRemoved = 0;  // metadata files without a workspace
 };
 
 class Pool {
@@ -177,8 +177,8 @@ class Pool {
   std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
 
  private:
-  friend class PoolSweep;  // pool.cc: Pool::sweep's passes
-  friend class PoolStage;  // pool.cc: Pool::stage's phases
+  friend class PoolSweep;    // pool.cc: Pool::sweep's passes
+  friend class PoolStage;    // pool.cc: Pool::stage's phases
   friend class PoolPublish;  // pool.cc: Pool::publish's phases
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }

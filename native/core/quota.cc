@@ -31,7 +31,7 @@ namespace {
 
 constexpr int kMaxClaimTries = 64;
 constexpr uint64_t kBtrfsFirstFreeObjectId = 256;  // BTRFS_FIRST_FREE_OBJECTID: the root directory of a subvolume
-constexpr unsigned long kXfsMagic = 0x58465342;     // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
+constexpr unsigned long kXfsMagic = 0x58465342;    // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
 constexpr int kCapSysAdmin = 21;
 
 // quotactl_fd(2): the quotactl of the file system holding `fd` (man 2 quotactl_fd; no glibc wrapper).
@@ -74,8 +74,8 @@ std::string btrfsSysfsDir(int fd) {
   char uuid[37];
   const unsigned char* u = info.fsid;
   // The buffer holds the 36 characters and the NUL: snprintf cannot truncate.
-  (void)snprintf(uuid, sizeof uuid, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
-           u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  (void)snprintf(uuid, sizeof uuid, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                 u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
   return std::string("/sys/fs/btrfs/") + uuid;
 }
 
@@ -162,7 +162,8 @@ QuotaSupport probeBtrfsQuota(int dirFd) {
   // The qgroups directory exists only while quotas are enabled (fs/btrfs/sysfs.c, Linux 5.9); `enabled` is 6.x.
   struct stat st;
   if (dir.empty() || stat((dir + "/qgroups").c_str(), &st) != 0) ok = false;
-  if (ok && stat((dir + "/qgroups/enabled").c_str(), &st) == 0) ok = readSysfsNumber(dir + "/qgroups/enabled", &ok) != 0 && ok;
+  if (ok && stat((dir + "/qgroups/enabled").c_str(), &st) == 0)
+    ok = readSysfsNumber(dir + "/qgroups/enabled", &ok) != 0 && ok;
   if (!ok) {
     s.err = ENOTCONN;  // what BTRFS_IOC_QGROUP_LIMIT answers without quotas (btrfs_limit_qgroup)
     s.detail = "btrfs quotas (qgroups) are not enabled on this file system: run `btrfs quota enable <mount point>`";
@@ -193,8 +194,8 @@ QuotaSupport probeProjectQuota(int dirFd, unsigned long magic) {
   }
   if (!(sv.qs_flags & FS_QUOTA_PDQ_ACCT) || !(sv.qs_flags & FS_QUOTA_PDQ_ENFD)) {
     s.err = ESRCH;
-    s.detail = std::string(fs) + " project quotas are not " +
-               (sv.qs_flags & FS_QUOTA_PDQ_ACCT ? "enforced" : "on") + " (mount with -o prjquota" +
+    s.detail = std::string(fs) + " project quotas are not " + (sv.qs_flags & FS_QUOTA_PDQ_ACCT ? "enforced" : "on") +
+               " (mount with -o prjquota" +
                (magic == EXT4_SUPER_MAGIC ? "; the file system needs -O project,quota" : "") + ")";
     return s;
   }
@@ -248,7 +249,8 @@ int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool su
   UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
   struct stat st;
   int err = 0;
-  if (!fd || fstat(fd.get(), &st) != 0 || fchmod(fd.get(), (mode & ~currentUmask() & 01777) | (st.st_mode & S_ISGID)) != 0)
+  if (!fd || fstat(fd.get(), &st) != 0 ||
+      fchmod(fd.get(), (mode & ~currentUmask() & 01777) | (st.st_mode & S_ISGID)) != 0)
     err = errno;
   if (err) {
     fd.reset();
@@ -343,10 +345,13 @@ QuotaRef applyQuota(int wsFd, const std::string& shown, const QuotaSupport& supp
                     int claimDirFd, const ProjectIdRange& range, const std::string& name) {
   QuotaRef ref;
   if (support.backend == QuotaBackend::Btrfs) {
-    if (limits.inodes) unsupported("btrfs qgroups limit bytes, not inodes: quota.inodes cannot be set here", EINVAL, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
+    if (limits.inodes)
+      unsupported("btrfs qgroups limit bytes, not inodes: quota.inodes cannot be set here", EINVAL,
+                  "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
     struct stat st;
     if (fstat(wsFd, &st) != 0) throwErrno(errno, "fstat", shown);
-    if (st.st_ino != kBtrfsFirstFreeObjectId) throwErrno(EINVAL, "ioctl(BTRFS_IOC_INO_LOOKUP)", shown);  // not a subvolume
+    if (st.st_ino != kBtrfsFirstFreeObjectId)
+      throwErrno(EINVAL, "ioctl(BTRFS_IOC_INO_LOOKUP)", shown);  // not a subvolume
     if (int err = subvolumeIdOf(wsFd, &ref.subvolId)) throwErrno(err, "ioctl(BTRFS_IOC_INO_LOOKUP)", shown);
     struct btrfs_ioctl_qgroup_limit_args args;
     memset(&args, 0, sizeof args);
@@ -357,8 +362,12 @@ QuotaRef applyQuota(int wsFd, const std::string& shown, const QuotaSupport& supp
     args.lim.max_excl = limits.bytes;
     if (ioctl(wsFd, BTRFS_IOC_QGROUP_LIMIT, &args) != 0) {
       int err = errno;
-      if (err == ENOTCONN) unsupported("btrfs quotas (qgroups) are not enabled on the pool's file system: run `btrfs quota enable <mount point>`", err, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
-      if (err == EPERM) unsupported("setting a btrfs qgroup limit needs CAP_SYS_ADMIN", err, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
+      if (err == ENOTCONN)
+        unsupported(
+            "btrfs quotas (qgroups) are not enabled on the pool's file system: run `btrfs quota enable <mount point>`",
+            err, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
+      if (err == EPERM)
+        unsupported("setting a btrfs qgroup limit needs CAP_SYS_ADMIN", err, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
       throwErrno(err, "ioctl(BTRFS_IOC_QGROUP_LIMIT)", shown);
     }
     return ref;
@@ -377,11 +386,14 @@ QuotaRef applyQuota(int wsFd, const std::string& shown, const QuotaSupport& supp
     fa.fsx_xflags |= FS_XFLAG_PROJINHERIT;
     if (ioctl(wsFd, FS_IOC_FSSETXATTR, &fa) != 0) {
       int err = errno;
-      if (err == EOPNOTSUPP || err == ENOTTY) unsupported("the file system cannot set project ids (ext4 needs -O project)", err, "ioctl(FS_IOC_FSSETXATTR)", shown);
+      if (err == EOPNOTSUPP || err == ENOTTY)
+        unsupported("the file system cannot set project ids (ext4 needs -O project)", err, "ioctl(FS_IOC_FSSETXATTR)",
+                    shown);
       throwErrno(err, "ioctl(FS_IOC_FSSETXATTR)", shown);
     }
     if (int err = setProjectLimits(wsFd, ref.projectId, limits)) {
-      if (err == ENOSYS || err == ESRCH || err == EPERM) unsupported(support.detail, err, "quotactl_fd(Q_SETQUOTA)", shown);
+      if (err == ENOSYS || err == ESRCH || err == EPERM)
+        unsupported(support.detail, err, "quotactl_fd(Q_SETQUOTA)", shown);
       throwErrno(err, "quotactl_fd(Q_SETQUOTA)", shown);
     }
   } catch (...) {

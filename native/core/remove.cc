@@ -79,7 +79,7 @@ class Remover {
   bool reopenParent(Frame& parent, DIR* child) {
     size_t depth = stack_.size() - 1;  // the parent is the top of the stack
     int fd = openDir(dirfd(child), "..");
-    struct stat st{};
+    struct stat st {};
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino) {
       int err = fd < 0 ? errno : ESTALE;  // ESTALE: another directory is there now
       if (fd >= 0) ::close(fd);

@@ -2,8 +2,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/file.h>
 #include <linux/magic.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -60,7 +60,6 @@ int64_t ageMs(int dirFd, const std::string& name) {
   clock_gettime(CLOCK_REALTIME, &now);
   return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
 }
-
 
 // The target of the symlink `name` in dirFd; false (errno set) when it is none.
 bool readLink(int dirFd, const std::string& name, std::string* target) {
@@ -173,7 +172,8 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
     }
     const std::string name = top.names[top.next++].first;
     struct stat st;
-    if (fstatat(cur.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "stat", shown + rel + "/" + name);
+    if (fstatat(cur.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+      throwErrno(errno, "stat", shown + rel + "/" + name);
     if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
     *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
     if (S_ISLNK(st.st_mode)) continue;
@@ -216,7 +216,8 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd) {
   if (!isSubvolumeRoot(src.get()) || hasChildSubvolumes(src.get(), &nested) != 0 || nested) return false;
   int err = snapshotSubvolume(src.get(), leaseFd, "tree", true);
   if (err == 0) return true;
-  if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP) return false;
+  if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP)
+    return false;
   throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", sourcePath);
 }
 
@@ -239,8 +240,8 @@ bool isTemplateName(const std::string& name) {
   return true;
 }
 
-std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& statePath, int trashFd,
-                                                   bool create, long long sharedGid) {
+std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& statePath, int trashFd, bool create,
+                                                   long long sharedGid) {
   std::unique_ptr<TemplateStore> s(new TemplateStore());
   s->dir_ = statePath + "/templates";
   s->trashDir_ = statePath + "/trash";
@@ -354,16 +355,19 @@ class TemplateCommit {
     // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
     JsonMembers members = req_.info;
     std::string name;
-    if (req_.name.empty()) name = "null";
-    else appendJsonString(&name, req_.name);
+    if (req_.name.empty())
+      name = "null";
+    else
+      appendJsonString(&name, req_.name);
     members.emplace_back("id", "\"" + res_.id + "\"");
     members.emplace_back("name", std::move(name));
     members.emplace_back("method", std::string("\"") + methodName(res_.clone, req_.clone.reflink) + "\"");
     if (res_.readOnlySubvolume) members.emplace_back("subvolume", "true");
     // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
     if (!res_.clone.snapshot)
-      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) + ",\"files\":" +
-                                        std::to_string(res_.clone.files) + ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
+      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) +
+                                        ",\"files\":" + std::to_string(res_.clone.files) +
+                                        ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
     std::string json = jsonObject(members) + "\n";
     writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
     res_.metaText = json;
@@ -426,8 +430,10 @@ class TemplateCommit {
       std::string target;
       if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
         unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
-      if (published_) store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
-      else removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
+      if (published_)
+        store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
+      else
+        removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
     } catch (...) {
       // Left for a sweep; the original error is the one to report.
     }
@@ -439,7 +445,8 @@ class TemplateCommit {
   // removeTemplate or pruneTemplates removes it).
   void removeReplaced() {
     try {
-      UniqueFd marker(openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+      UniqueFd marker(
+          openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
       if (marker) {
         marker.reset();
         res_.replacedRemoved = store_.removeIfFree(res_.replacedId, -1);
@@ -731,12 +738,15 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     try {
       if (dryRun) {
         UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
-        if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) == 0) report.reclaimed.push_back({"template-" + id, "template", 0, {}});
+        if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) == 0)
+          report.reclaimed.push_back({"template-" + id, "template", 0, {}});
         continue;
       }
       SweepEntry e{"template-" + id, "template", 0, {}};
-      if (exists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes)) report.reclaimed.push_back(std::move(e));
-      else if (!exists(fd_.get(), id)) unlinkat(retiredFd_.get(), id.c_str(), 0);
+      if (exists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes))
+        report.reclaimed.push_back(std::move(e));
+      else if (!exists(fd_.get(), id))
+        unlinkat(retiredFd_.get(), id.c_str(), 0);
     } catch (const Error& e) {
       failed("template-" + id, "template", e);
     }

@@ -40,9 +40,9 @@ struct CommitResult {
   std::string id;
   std::string metaText;  // template.json as written
   CloneSummary clone;
-  uint64_t allocatedBytes = 0;  // st_blocks * 512 over the template's tree, hard links once
-  std::string replacedId;       // with replace: the template the name pointed to before ("" when none)
-  bool replacedRemoved = false;  // it was removed at once (no reader); else the last reader or a sweep does
+  uint64_t allocatedBytes = 0;     // st_blocks * 512 over the template's tree, hard links once
+  std::string replacedId;          // with replace: the template the name pointed to before ("" when none)
+  bool replacedRemoved = false;    // it was removed at once (no reader); else the last reader or a sweep does
   bool readOnlySubvolume = false;  // btrfs: tree/ is a read-only subvolume (snapshot, or a walk into one)
 };
 

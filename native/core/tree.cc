@@ -7,13 +7,13 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
-#include <cstdio>
-#include <cstring>
-#include <memory>
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -25,9 +25,8 @@
 #include "names.h"
 #include "process.h"
 #include "remove.h"
-#include "statx.h"
 #include "rename.h"
-
+#include "statx.h"
 
 namespace vmspace {
 namespace {
@@ -233,13 +232,13 @@ class WalkThreads {
 
   Walk walk_;
   CloneSummary* summary_ = nullptr;  // run()'s, added to under mu_
-  unsigned maxThreads_;  // lowered (under mu_) when a thread cannot be started
-  std::mutex mu_;  // guards everything below it but the atomic
+  unsigned maxThreads_;              // lowered (under mu_) when a thread cannot be started
+  std::mutex mu_;                    // guards everything below it but the atomic
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Task>> queue_;  // at most maxThreads_
   std::vector<std::thread> helpers_;
   unsigned active_ = 0;
-  size_t idle_ = 0;  // threads waiting for a task
+  size_t idle_ = 0;                // threads waiting for a task
   std::atomic<bool> stop_{false};  // also read without the lock, between entries
   bool failed_ = false;
   Error firstError_;
@@ -296,8 +295,7 @@ class MetaCopier {
   }
 
   // Metadata of an entry that cannot be opened for it (symlink, fifo, device): by name, never following.
-  void nodeMeta(int ddir, const char* name, const struct stat& st, const Rel& rel, Owner created,
-                bool symlink) {
+  void nodeMeta(int ddir, const char* name, const struct stat& st, const Rel& rel, Owner created, bool symlink) {
     mode_t mode = st.st_mode & 07777;
     if ((st.st_uid != created.uid || st.st_gid != created.gid) &&
         fchownat(ddir, name, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -615,8 +613,8 @@ class TreeCloner {
     if (meta_.copyOwnerXattrs(task->src.get(), task->dst.get(), st, rel, {dst.st_uid, dst.st_gid}) &&
         fstat(task->dst.get(), &dst) != 0)
       throwErrno(errno, "fstat", dstPath(rel));
-    task->dir = Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst),
-                    true};
+    task->dir =
+        Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst), true};
     if (threads_.handOff(task)) return;
     push(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
   }
@@ -630,7 +628,8 @@ class TreeCloner {
     std::vector<const Name*> chain;
     for (const Name* n = target.parent.get(); n; n = n->parent.get()) chain.push_back(n);
     UniqueFd dir(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
-    for (auto it = chain.rbegin(); dir && it != chain.rend(); ++it) dir.reset(openat(dir.get(), (*it)->name.c_str(), kDirFlags));
+    for (auto it = chain.rbegin(); dir && it != chain.rend(); ++it)
+      dir.reset(openat(dir.get(), (*it)->name.c_str(), kDirFlags));
     if (!dir || linkat(dir.get(), target.name.c_str(), ddir, name, 0) != 0)
       throwErrno(errno, "link", srcPath(rel), dstPath(rel));
   }
@@ -661,8 +660,8 @@ class TreeCloner {
     }
   }
 
-  void regular(Stack& stack, int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel, const struct stat& st,
-               Owner created, CloneSummary& local) {
+  void regular(Stack& stack, int sdir, int ddir, const char* name, const NameRef& dir, const Rel& rel,
+               const struct stat& st, Owner created, CloneSummary& local) {
     std::unique_lock<std::mutex> linkLock(linkMu_, std::defer_lock);
     if (st.st_nlink > 1) {
       // Hard-linked files are cloned once, under a lock so that two threads never both clone one inode.

@@ -21,12 +21,12 @@
 namespace vmspace {
 namespace {
 
-constexpr size_t kMaxOpenFrames = 64;   // as remove.cc: depth must not cost fds
+constexpr size_t kMaxOpenFrames = 64;  // as remove.cc: depth must not cost fds
 constexpr unsigned kExtentsPerCall = 256;
 
 struct Frame {
-  DIR* dir;          // null while closed (see kMaxOpenFrames)
-  long pos;          // telldir() when it was closed: where the walk resumes after reopening it
+  DIR* dir;  // null while closed (see kMaxOpenFrames)
+  long pos;  // telldir() when it was closed: where the walk resumes after reopening it
   std::string path;
   dev_t dev;
   ino_t ino;
@@ -54,8 +54,10 @@ void addExtents(int fd, uint64_t blocksBytes, UsageReport* r, const std::string&
     const struct fiemap_extent* last = nullptr;
     for (unsigned i = 0; i < fm->fm_mapped_extents; i++) {
       const struct fiemap_extent& e = fm->fm_extents[i];
-      if (e.fe_flags & FIEMAP_EXTENT_SHARED) r->sharedBytes += e.fe_length;
-      else r->exclusiveBytes += e.fe_length;
+      if (e.fe_flags & FIEMAP_EXTENT_SHARED)
+        r->sharedBytes += e.fe_length;
+      else
+        r->exclusiveBytes += e.fe_length;
       last = &e;
     }
     if (last->fe_flags & FIEMAP_EXTENT_LAST) return;
@@ -103,13 +105,15 @@ class Walker {
     int dfd = dirfd(top.dir);
     std::string path = top.path + "/" + name;
     struct statx stx;
-    if (statx(dfd, name, AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_MODE | STATX_INO | STATX_NLINK |
-              STATX_SIZE | STATX_BLOCKS, &stx) != 0) {
+    if (statx(dfd, name, AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC,
+              STATX_TYPE | STATX_MODE | STATX_INO | STATX_NLINK | STATX_SIZE | STATX_BLOCKS, &stx) != 0) {
       if (errno == ENOENT) return;  // removed meanwhile
       throwErrno(errno, "statx", path);
     }
-    if (S_ISDIR(stx.stx_mode)) enter(dfd, name, std::move(path));
-    else count(dfd, name, path, stx);
+    if (S_ISDIR(stx.stx_mode))
+      enter(dfd, name, std::move(path));
+    else
+      count(dfd, name, path, stx);
   }
 
   // The subdirectory `name` of `dfd`: counted and pushed, unless another file system is mounted there.
@@ -137,8 +141,8 @@ class Walker {
       ::close(fd);
       throwErrno(err, "fdopendir", path);
     }
-    stack_.push_back(Frame{d, 0, std::move(path), makedev(stx.stx_dev_major, stx.stx_dev_minor),
-                           static_cast<ino_t>(stx.stx_ino)});
+    stack_.push_back(
+        Frame{d, 0, std::move(path), makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)});
     if (stack_.size() > kMaxOpenFrames) {
       Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
       if (old.dir) {

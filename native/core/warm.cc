@@ -20,10 +20,10 @@ struct Fnv {
   }
   void add(const std::string& s) { add(s.c_str(), s.size() + 1); }
   void add(const struct stat& st) {
-    uint64_t f[] = {static_cast<uint64_t>(st.st_dev),       static_cast<uint64_t>(st.st_ino),
-                    static_cast<uint64_t>(st.st_mode),      static_cast<uint64_t>(st.st_uid),
-                    static_cast<uint64_t>(st.st_gid),       static_cast<uint64_t>(st.st_nlink),
-                    static_cast<uint64_t>(st.st_size),      static_cast<uint64_t>(st.st_mtim.tv_sec),
+    uint64_t f[] = {static_cast<uint64_t>(st.st_dev),          static_cast<uint64_t>(st.st_ino),
+                    static_cast<uint64_t>(st.st_mode),         static_cast<uint64_t>(st.st_uid),
+                    static_cast<uint64_t>(st.st_gid),          static_cast<uint64_t>(st.st_nlink),
+                    static_cast<uint64_t>(st.st_size),         static_cast<uint64_t>(st.st_mtim.tv_sec),
                     static_cast<uint64_t>(st.st_mtim.tv_nsec), static_cast<uint64_t>(st.st_ctim.tv_sec),
                     static_cast<uint64_t>(st.st_ctim.tv_nsec)};
     add(f, sizeof f);

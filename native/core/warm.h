@@ -20,16 +20,16 @@ namespace vmspace {
 uint64_t templateDigest(const AllocateRequest& request);
 
 struct WarmEntry {
-  std::mutex mu;             // one build, take or discard at a time
-  AllocateRequest request;   // as built (its info unused, progress cleared once built)
-  StagedWorkspace staged;    // lease empty until built, and once taken or discarded
-  uint64_t digest = 0;       // templateDigest before the build began
+  std::mutex mu;            // one build, take or discard at a time
+  AllocateRequest request;  // as built (its info unused, progress cleared once built)
+  StagedWorkspace staged;   // lease empty until built, and once taken or discarded
+  uint64_t digest = 0;      // templateDigest before the build began
 };
 
-// Builds a reserve entry from `request` (its progress, when set, can cancel the build: ECANCELED): the digest, then Pool::stage with every copied file written back (Writeback::Wait: an
-// entry is ready only once its data is on disk, so the VM's first fsync has nothing of it to write), then the
-// digest again; sources that changed during the build make the entry stale at once: it is removed and ESTALE
-// thrown. Errors as Pool::stage.
+// Builds a reserve entry from `request` (its progress, when set, can cancel the build: ECANCELED): the digest, then
+// Pool::stage with every copied file written back (Writeback::Wait: an entry is ready only once its data is on disk, so
+// the VM's first fsync has nothing of it to write), then the digest again; sources that changed during the build make
+// the entry stale at once: it is removed and ESTALE thrown. Errors as Pool::stage.
 void buildWarm(Pool& pool, AllocateRequest request, WarmEntry* entry);
 
 // Publishes the entry with `infoJson` as its metadata (Pool::publish) if the template's sources are still as they

@@ -5,10 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cctype>
 #include <functional>
 #include <new>
 #include <set>
@@ -31,12 +31,12 @@
 using namespace vmspace;
 
 static int failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
+#define CHECK(cond)                                                                       \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
       (void)std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                     \
-    }                                                                 \
+      failures++;                                                                         \
+    }                                                                                     \
   } while (0)
 
 static std::string fresh() {
@@ -370,8 +370,8 @@ static void forEachNameStopsOnAThrowAndClosesItsFd() {
             if (++seen == 3) throwErrno(EIO, "test", d);
           });
         }) == EIO);
-  CHECK(seen == 3);             // no entry after the throw
-  CHECK(openFds() == before);   // the directory it opened is closed
+  CHECK(seen == 3);            // no entry after the throw
+  CHECK(openFds() == before);  // the directory it opened is closed
   CHECK(close(fd) == 0);
   removeTreeNoFollow(d);
 }
@@ -458,9 +458,9 @@ static void replaceFileLeavesNoTempAndRemovesOnlyItsOwn() {
   int dir = open(d.c_str(), kDirFlags);
   CHECK(dir >= 0 && removeIndexTemps(dir, d, "index.json") == 1);
   CHECK(dir >= 0 && close(dir) == 0);
-  CHECK(namesIn(d) == (std::set<std::string>{".index.json.tmp-0123456789a", ".index.json.tmp-0123456789AB",
-                                             ".index.json.tmp-ffffffffffff", ".other.json.tmp-0123456789ab",
-                                             "busy", "index.json"}));
+  CHECK(namesIn(d) ==
+        (std::set<std::string>{".index.json.tmp-0123456789a", ".index.json.tmp-0123456789AB",
+                               ".index.json.tmp-ffffffffffff", ".other.json.tmp-0123456789ab", "busy", "index.json"}));
   removeTreeNoFollow(d);
 }
 
@@ -498,8 +498,8 @@ static void cloneOfATreeCountsEveryKindAndLeavesNoTemp() {
   CloneOptions opts;
   opts.reflink = Reflink::Auto;
   CloneSummary s = clonePath(d + "/src", d + "/dst", opts, nullptr);
-  CHECK(s.tree && s.files == 2 && s.bytes == 5 && s.dirs == 1 && s.hardlinks == 1 && s.symlinks == 1 &&
-        s.fifos == 1 && s.reflinked + s.copied == 2);
+  CHECK(s.tree && s.files == 2 && s.bytes == 5 && s.dirs == 1 && s.hardlinks == 1 && s.symlinks == 1 && s.fifos == 1 &&
+        s.reflinked + s.copied == 2);
   CHECK(namesIn(d + "/dst") == (std::set<std::string>{"a", "fifo", "sub"}));
   CHECK(namesIn(d + "/dst/sub") == (std::set<std::string>{"a-link", "b", "sym"}));
   CHECK(readAll(d + "/dst/sub/b") == "bbb");
@@ -523,13 +523,13 @@ static void sweepPassesOnAHandBuiltPool() {
   req.info = {};
   AllocateResult live = pool->allocate(req);  // its lease held: never reclaimed
   std::string orphan = "vm-" + std::string(32, 'a'), ghost = "vm-" + std::string(32, 'c');
-  CHECK(mkdir((root + "/" + orphan).c_str(), 0700) == 0);               // published, no lease
-  CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);                   // not a workspace name: not the pool's
-  CHECK(mkdir((root + "/.vmspace/trash/gone").c_str(), 0700) == 0);     // trash, no lock
+  CHECK(mkdir((root + "/" + orphan).c_str(), 0700) == 0);            // published, no lease
+  CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);                // not a workspace name: not the pool's
+  CHECK(mkdir((root + "/.vmspace/trash/gone").c_str(), 0700) == 0);  // trash, no lock
   CHECK(mkdir((root + "/.vmspace/staging/vm-" + std::string(32, 'b')).c_str(), 0700) == 0);  // a dead build
-  writeFile(root + "/.vmspace/meta/" + ghost + ".json", "{}");          // metadata without a workspace
-  writeFile(root + "/.vmspace/meta/README", "");                        // neither metadata nor a temp of it
-  writeFile(root + "/.vmspace/.noreplace-probe-0123456789ab", "");      // a probe whose opener died
+  writeFile(root + "/.vmspace/meta/" + ghost + ".json", "{}");      // metadata without a workspace
+  writeFile(root + "/.vmspace/meta/README", "");                    // neither metadata nor a temp of it
+  writeFile(root + "/.vmspace/.noreplace-probe-0123456789ab", "");  // a probe whose opener died
   // A dry run reports and removes nothing (the probe pass does not run dry).
   SweepReport dry = pool->sweep(true, 0);
   std::set<std::string> dryFrom;
