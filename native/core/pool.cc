@@ -109,6 +109,31 @@ UniqueFd openPoolDir(int at, const char* name, const std::string& shown, bool cr
   }
 }
 
+// Pushes the components of `p` onto `todo` so that the first is on top ("." and empty ones dropped).
+void pushComponents(std::vector<std::string>* todo, const std::string& p) {
+  for (size_t end = p.size(); end > 0;) {
+    size_t start = p.rfind('/', end - 1);
+    start = start == std::string::npos ? 0 : start + 1;
+    if (end > start && p.compare(start, end - start, ".") != 0) todo->push_back(p.substr(start, end - start));
+    end = start == 0 ? 0 : start - 1;
+  }
+}
+
+// The target of the symlink opened O_PATH|O_NOFOLLOW as `fd`; an empty or PATH_MAX-long one is an error.
+std::string readLinkTarget(int fd, const std::string& shown) {
+  char target[PATH_MAX];
+  ssize_t n = readlinkat(fd, "", target, sizeof target);
+  if (n < 0) throwErrno(errno, "readlink", shown);
+  if (n == 0 || static_cast<size_t>(n) == sizeof target) throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", shown);
+  return std::string(target, static_cast<size_t>(n));
+}
+
+// The absolute path shown for the parent of the absolute `shown` ("/" for "/" and "/x").
+std::string parentOf(const std::string& shown) {
+  size_t slash = shown.rfind('/');
+  return slash == 0 || slash == std::string::npos ? "/" : shown.substr(0, slash);
+}
+
 constexpr int kMaxSymlinks = 40;  // as the kernel's path walk (MAXSYMLINKS)
 
 // Opens the directory at the absolute `path` component by component from "/", each with O_PATH|O_NOFOLLOW and
@@ -118,15 +143,7 @@ constexpr int kMaxSymlinks = 40;  // as the kernel's path walk (MAXSYMLINKS)
 // passed. Returns an O_RDONLY fd of the pool root, itself checked as a pool directory (no sticky exception).
 UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, const Trust& t) {
   std::vector<std::string> todo;  // components still to walk, the next one last
-  auto push = [&todo](const std::string& p) {
-    for (size_t end = p.size(); end > 0;) {
-      size_t start = p.rfind('/', end - 1);
-      start = start == std::string::npos ? 0 : start + 1;
-      if (end > start && p.compare(start, end - start, ".") != 0) todo.push_back(p.substr(start, end - start));
-      end = start == 0 ? 0 : start - 1;
-    }
-  };
-  push(path);
+  pushComponents(&todo, path);
   auto openRoot = [&] {
     UniqueFd fd(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
     if (!fd) throwErrno(errno, "open", "/");
@@ -147,8 +164,7 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
     todo.pop_back();
     const bool fromTarget = todo.size() >= targetFloor;
     if (!fromTarget) targetFloor = SIZE_MAX;
-    std::string next =
-        name == ".." ? (shown.rfind('/') == 0 ? "/" : shown.substr(0, shown.rfind('/'))) : join(shown, name);
+    std::string next = name == ".." ? parentOf(shown) : join(shown, name);
     UniqueFd fd(openat(cur.get(), name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
     if (!fd) {
       // As open(2) of the whole path names it; a symlink's missing target is ENOENT, never made.
@@ -162,14 +178,9 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
     if (S_ISLNK(st.st_mode)) {
       checkTrusted(fd.get(), next, t, true);
       if (++links > kMaxSymlinks) throwErrno(ELOOP, "open", next);
-      char target[PATH_MAX];
-      ssize_t n = readlinkat(fd.get(), "", target, sizeof target);
-      if (n < 0) throwErrno(errno, "readlink", next);
-      if (n == 0 || static_cast<size_t>(n) == sizeof target)
-        throwErrno(n == 0 ? ENOENT : ENAMETOOLONG, "readlink", next);
-      std::string to(target, static_cast<size_t>(n));
+      std::string to = readLinkTarget(fd.get(), next);
       targetFloor = std::min(targetFloor, todo.size());
-      push(to);
+      pushComponents(&todo, to);
       if (to[0] == '/') {
         cur = openRoot();
         shown = "/";
