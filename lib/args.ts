@@ -30,10 +30,16 @@ export function invalidValue(name: string, expected: string, value: unknown, ran
   return coded(range ? new RangeError(message) : new TypeError(message), 'ERR_INVALID_ARG_VALUE')
 }
 
+// A component that path normalisation would change: an empty one ("//", a trailing "/"), "." or "..".
+const notNormalAbsolute = /\/\/|\/\.\.?(?:\/|$)|\/$/
+const notNormalRelative = /^\/|\/\/|(?:^|\/)\.\.?(?:\/|$)|\/$/
+
 /** A path string without NUL bytes (which the kernel would cut the path at), resolved against the cwd. */
 export function absolutePath(name: string, value: unknown): string {
   if (typeof value !== 'string') throw invalidType(name, 'a path string', value)
   if (value.length === 0 || value.includes('\0')) throw invalidValue(name, 'a non-empty path without NUL bytes', value)
+  // Already absolute and normal: path.resolve would return it unchanged, at ~4x the cost (on every clone call).
+  if (value.charCodeAt(0) === 0x2f && !notNormalAbsolute.test(value)) return value
   return path.resolve(value)
 }
 
@@ -43,6 +49,8 @@ export function absolutePath(name: string, value: unknown): string {
  */
 export function relativePath(name: string, value: unknown): string {
   if (typeof value !== 'string') throw invalidType(name, 'a relative path string', value)
+  // Already relative and normal (no empty, "." or ".." component): normalising would return it unchanged.
+  if (value.length !== 0 && !value.includes('\0') && !notNormalRelative.test(value)) return value
   const normal = path.posix.normalize(value).replace(/\/+$/, '')
   if (
     value.length === 0 ||

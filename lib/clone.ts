@@ -1,7 +1,7 @@
 /** The standalone clone(), and the clone options and results it shares with Workspace.clone() and templates. */
 import { native, type NativeCloneResult, type ProgressHandle } from './binding.js'
 import { abortSignal, absolutePath, boolean, func, oneOf, optionsObject } from './args.js'
-import { AbortError, call, fromNative } from './errors.js'
+import { AbortError, fromNative } from './errors.js'
 import { cloneChannel, cloneResult, traced } from './trace.js'
 
 /** How a clone gets its data: see {@link CloneOptions.reflink}. */
@@ -130,6 +130,11 @@ export function toResult(r: NativeCloneResult & { dest?: string }, dest: string)
 
 const PROGRESS_MS = 100
 
+// What call() does to a rejection, as a plain handler (names the errno: the binding reports its number only).
+const rethrowNative = (e: unknown): never => {
+  throw fromNative(e)
+}
+
 /**
  * Runs one native clone with a progress/cancel handle when the caller asked for progress or gave a signal: a
  * 100 ms timer on the JS thread reads the running totals (two atomic loads); an abort sets the cancel flag the
@@ -139,8 +144,8 @@ export function withProgress<T>(
   opts: { onProgress?: (p: CloneProgressEvent) => void; signal?: AbortSignal },
   run: (handle: ProgressHandle | undefined) => Promise<T>,
 ): Promise<T> {
-  // Neither: no handle, no timer, and no async frame of its own (one promise fewer per clone).
-  if (!opts.onProgress && !opts.signal) return call(run(undefined))
+  // Neither: no handle, no timer, and no async frame (call()'s included: one promise and frame fewer per clone).
+  if (!opts.onProgress && !opts.signal) return run(undefined).then(undefined, rethrowNative)
   return withProgressHandle(opts, run)
 }
 

@@ -5,7 +5,9 @@
  */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
+import * as fc from 'fast-check'
 import { describe, expect, test } from 'vitest'
+import { absolutePath, relativePath } from '../lib/args.js'
 import { clone, exchange, lockFile, openPool, removeTree, renameNoReplace, updateJsonFile } from '../lib/index.js'
 import { emptyPoolState, freshDir, poolState, snapshotTree, writeRandomFile } from './helpers.js'
 
@@ -216,5 +218,41 @@ describe('options are strict everywhere: an unknown key is ERR_INVALID_ARG_VALUE
     await expectArgError(call(dir), want)
     const left = fs.readdirSync(dir).filter((n) => n !== 'pool')
     expect(left).toEqual([])
+  })
+})
+
+// absolutePath/relativePath return an already-normal path as given, without normalising it: property test that the
+// result is exactly what path.resolve / path.posix.normalize (and the refusals) give, for paths built of the
+// components that matter ("", ".", "..", "...", ".a", "a.", names) with or without a leading or trailing slash.
+describe('path arguments: the already-normal fast path changes no result', () => {
+  const component = fc.constantFrom('', '.', '..', '...', '.a', 'a.', 'a', 'b c', 'é')
+  const anyPath = fc.tuple(fc.boolean(), fc.array(component, { maxLength: 6 }), fc.boolean()).map(
+    ([lead, parts, trail]) => (lead ? '/' : '') + parts.join('/') + (trail ? '/' : ''),
+  )
+  const outcome = (f: () => string) => {
+    try {
+      return { value: f() }
+    } catch (e) {
+      return { code: (e as { code?: string }).code }
+    }
+  }
+  test('absolutePath is path.resolve', () => {
+    fc.assert(
+      fc.property(anyPath, (p) => {
+        const want = p === '' ? { code: 'ERR_INVALID_ARG_VALUE' } : { value: path.resolve(p) }
+        expect(outcome(() => absolutePath('p', p))).toEqual(want)
+      }),
+      { numRuns: 2000 },
+    )
+  })
+  test('relativePath is the normalised path, or ERR_INVALID_ARG_VALUE for one that leaves the workspace', () => {
+    fc.assert(
+      fc.property(anyPath, (p) => {
+        const normal = path.posix.normalize(p).replace(/\/+$/, '')
+        const refused = p === '' || path.posix.isAbsolute(p) || normal === '.' || normal === '..' || normal.startsWith('../')
+        expect(outcome(() => relativePath('p', p))).toEqual(refused ? { code: 'ERR_INVALID_ARG_VALUE' } : { value: normal })
+      }),
+      { numRuns: 2000 },
+    )
   })
 })
