@@ -392,7 +392,7 @@ function warmOptions(value: unknown) {
   const { dir, entries } = templateEntries(w.template, 'options.warm.template')
   if (!dir && entries.length === 0) throw invalidValue('options.warm.template', 'at least one template entry', w.template)
   const count = integerIn('options.warm.count', w.count, 1, 64, 1)
-  const mode = integerIn('options.warm.mode', w.mode, 0, 0o7777, 0o700)
+  const mode = workspaceMode('options.warm.mode', w.mode)
   return { dir, entries, count, mode }
 }
 
@@ -463,7 +463,7 @@ export class Pool implements AsyncDisposable {
     const [quotaBytes, quotaInodes] = quotaLimits(o.quota)
     const { dir, entries } = templateEntries(o.template)
     const from = templateRef('options.from', o.from)
-    const mode = integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
+    const mode = workspaceMode('options.mode', o.mode)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
     // The record's members in this order; the core appends name and template and writes the object once. The
@@ -775,7 +775,7 @@ export class Pool implements AsyncDisposable {
     const signal = abortSignal('options.signal', o.signal)
     if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
     metaText(o.meta)
-    integerIn('options.mode', o.mode, 0, 0o7777, 0o700)
+    workspaceMode('options.mode', o.mode)
     const t = await this.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
     const made: Workspace[] = []
     let done = 0
@@ -1158,4 +1158,16 @@ function metaText(meta: unknown): string {
   if (Buffer.byteLength(text) > MAX_META_BYTES)
     throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON`, meta, true)
   return text
+}
+
+/**
+ * A workspace directory's mode (default 0o700). Without root, a mode lacking the owner write bit (0o200) is
+ * ERR_INVALID_ARG_VALUE: publishing and disposing move the directory to another parent, which rewrites its ".."
+ * and needs write permission on it (EACCES otherwise), so such a workspace could not be published.
+ */
+function workspaceMode(name: string, value: unknown): number {
+  const mode = integerIn(name, value, 0, 0o7777, 0o700)
+  if ((mode & 0o200) === 0 && process.geteuid?.() !== 0)
+    throw invalidValue(name, 'a mode with the owner write bit (0o200) when not root', value, true)
+  return mode
 }

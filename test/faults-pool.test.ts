@@ -418,3 +418,37 @@ describe.skipIf(!unprivilegedChildren)(`list() never hides a workspace it cannot
     expect(JSON.parse(r.stdout)).toEqual([{ name: hidden.name, live: true, code: 'EACCES', syscall: 'open' }])
   })
 })
+
+describe.skipIf(!unprivilegedChildren)(`a workspace whose owner write bit a guest cleared ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
+  test('as uid 65534: dispose and sweep give the bit back and remove it; allocate({ mode: 0o555 }) is ERR_INVALID_ARG_VALUE', async () => {
+    const dir = freshDir()
+    fs.chmodSync(dir, 0o755)
+    fs.chownSync(dir, NOBODY, NOBODY)
+    const root = path.join(dir, 'pool')
+    const script = `
+      const fs = require('node:fs')
+      const { vmspace, say } = require(${JSON.stringify(path.join(fixtures, 'unprivileged.cjs'))})
+      ;(async () => {
+        const p = await vmspace.openPool(process.argv[1])
+        const a = await p.allocate()
+        fs.writeFileSync(a.path + '/x', 'x')
+        fs.chmodSync(a.path, 0o500)
+        await a.dispose()
+        const b = await p.allocate()
+        fs.writeFileSync(b.path + '/x', 'x')
+        fs.chmodSync(b.path, 0o500)
+        await b.release()
+        const swept = await p.sweep()
+        const mode = await p.allocate({ mode: 0o555 }).then(() => 'allocated', (e) => e.code)
+        const left = [fs.readdirSync(p.root), ...['staging', 'trash', 'meta'].map((d) => fs.readdirSync(p.root + '/.vmspace/' + d))]
+        say({ status: a.status, reclaimed: swept.reclaimed.map((r) => r.id === b.id), failed: swept.failed, mode, left })
+        await p.close()
+      })().catch((e) => say({ error: e.code, message: e.message }))
+    `
+    const r = spawnSync(process.execPath, ['-e', script, root], { encoding: 'utf8' })
+    expect(r.status, r.stderr).toBe(0)
+    expect(JSON.parse(r.stdout)).toEqual({
+      status: 'disposed', reclaimed: [true], failed: [], mode: 'ERR_INVALID_ARG_VALUE', left: [['.vmspace'], [], [], []],
+    })
+  })
+})

@@ -823,10 +823,28 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
   // The name disappears from the root atomically; from here on nobody can open or adopt it by name. Without
   // RENAME_NOREPLACE (noReplaceErr_), rename(2) could replace only an empty directory of that name in trash,
   // which is garbage there; what moved is checked below either way.
-  if ((noReplaceErr_ ? renameat(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str())
-                     : renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE)) != 0) {
-    if (errno == ENOENT) return false;
-    throwErrno(errno, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
+  auto move = [&] {
+    return noReplaceErr_ ? renameat(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str())
+                         : renameat2(rootFd_.get(), name.c_str(), trashFd_.get(), name.c_str(), RENAME_NOREPLACE);
+  };
+  if (move() != 0) {
+    int err = errno;
+    // EACCES: moving a directory to another parent rewrites its "..", which needs write permission on it
+    // (fs/namei.c, vfs_rename), and a guest may have cleared its owner write bit (chmod 500 .). We own it:
+    // give the bit back through the fd we hold and try once more; the first errno is what went wrong otherwise.
+    bool retried = false;
+    if (err == EACCES && (own.st_mode & S_IWUSR) == 0 && fchmod(fd, (own.st_mode & 07777) | S_IWUSR) == 0) {
+      retried = true;
+      if (move() == 0)
+        err = 0;
+      else if (errno == ENOENT)
+        err = ENOENT;
+    }
+    if (err != 0) {
+      if (retried) fchmod(fd, own.st_mode & 07777);  // best effort: leave its mode as it was
+      if (err == ENOENT) return false;
+      throwErrno(err, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
+    }
   }
   struct stat moved;
   if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0)
