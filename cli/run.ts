@@ -30,7 +30,12 @@ function templates(values: string[]): Record<string, string> | undefined {
   const map: Record<string, string> = {}
   for (const value of values) {
     const eq = value.indexOf('=')
-    const source = path.resolve(eq > 0 ? value.slice(eq + 1) : value)
+    // An empty PATH would resolve to the current directory, an empty DEST read "=x" as a relative path "=x": both
+    // are mistakes, refused (a file whose name starts with "=" is given as ./=x).
+    if (eq === 0) throw new UsageError(`--template ${value}: DEST before '=' is empty`)
+    const given = eq > 0 ? value.slice(eq + 1) : value
+    if (given === '') throw new UsageError(`--template ${value}: PATH is empty`)
+    const source = path.resolve(given)
     const dest = eq > 0 ? value.slice(0, eq) : path.basename(source)
     const normal = path.posix.normalize(dest).replace(/\/+$/, '')
     if (dest.includes('\0') || path.posix.isAbsolute(dest) || normal === '.' || normal === '..' || normal.startsWith('../'))

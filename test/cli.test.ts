@@ -347,6 +347,17 @@ describe('vmspace run', () => {
     for (const [args, message] of cases) expect(usage(['run', ...args])).toMatch(message)
     expect(ls(dir)).toEqual([])
   })
+
+  test('--template with an empty PATH (a=, or empty) or an empty DEST (=/etc/hosts) exits 2 naming it and makes no pool', () => {
+    const dir = freshDir()
+    const root = path.join(dir, 'pool')
+    expect(usage(['run', '--pool', root, '--template', 'a=', '--', 'true'])).toBe('vmspace run: --template a=: PATH is empty')
+    expect(usage(['run', '--pool', root, '--template', '', '--', 'true'])).toBe('vmspace run: --template : PATH is empty')
+    expect(usage(['run', '--pool', root, '--template', '=/etc/hosts', '--', 'true'])).toBe(
+      "vmspace run: --template =/etc/hosts: DEST before '=' is empty",
+    )
+    expect(ls(dir)).toEqual([])
+  })
 })
 
 describe('vmspace clone', () => {
