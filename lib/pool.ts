@@ -964,9 +964,14 @@ export class Workspace implements AsyncDisposable {
   readonly path: string
   /**
    * The lease: an fd of the workspace directory holding flock(LOCK_EX), opened O_CLOEXEC. Hand it to a child
-   * process (spawn's `stdio`) to keep the workspace live while the child runs. Closed by dispose().
+   * process (spawn's `stdio`) to keep the workspace live while the child runs. Closed by dispose() and release(),
+   * after which it is -1: the number itself may be reused by the next fd this process opens (e.g. another
+   * workspace's lease), so a stale copy must never be handed to a child.
    */
-  readonly leaseFd: number
+  get leaseFd(): number {
+    return this.#leaseFd
+  }
+  #leaseFd: number
   /** What the template cloned into the workspace (allocate only). */
   template: CloneResult[] = []
   /** Issue 14: the id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
@@ -986,7 +991,7 @@ export class Workspace implements AsyncDisposable {
     this.id = id
     this.name = name
     this.path = wsPath
-    this.leaseFd = leaseFd
+    this.#leaseFd = leaseFd
   }
 
   /**
@@ -1031,7 +1036,7 @@ export class Workspace implements AsyncDisposable {
       run = this.#inFlight.track(
         withProgress(opts, (p) =>
           native.clonePathBeneath({
-            baseFd: this.leaseFd, basePath: this.path, src, rel, reflink: opts.reflink, overwrite: opts.overwrite,
+            baseFd: this.#leaseFd, basePath: this.path, src, rel, reflink: opts.reflink, overwrite: opts.overwrite,
             durable: opts.durable, writeback: opts.writeback, progress: p,
           }),
         ),
@@ -1056,7 +1061,10 @@ export class Workspace implements AsyncDisposable {
       await this.#inFlight.idle()
       try {
         const pool = this.#pool
-        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, this.leaseFd))
+        const fd = this.#leaseFd
+        // The native dispose owns the fd from here on (closed whatever happens): its number is no longer ours.
+        this.#leaseFd = -1
+        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd))
         this.#status = 'disposed'
       } catch (e) {
         this.#status = 'unrecoverable'
@@ -1080,7 +1088,9 @@ export class Workspace implements AsyncDisposable {
     )
     this.#disposing.catch(() => {})
     await this.#inFlight.idle()
-    await call(native.releaseLease(this.leaseFd))
+    const fd = this.#leaseFd
+    this.#leaseFd = -1  // close(2) frees the number even when it reports an error
+    await call(native.releaseLease(fd))
     this.#status = 'released'
     await this.#pool._forget()
   }

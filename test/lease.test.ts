@@ -54,6 +54,19 @@ describe('the lease', () => {
     const { ws } = await setup()
     expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(ws.path)
   })
+
+  test('leaseFd is -1 after dispose() and after release() (its number may be reused by the next fd opened)', async () => {
+    const { pool, ws } = await setup()
+    await ws.dispose()
+    expect(ws.leaseFd).toBe(-1)
+    const next = await pool.allocate()
+    onTestFinished(async () => {
+      await next.dispose().catch(() => {})
+    })
+    expect(next.leaseFd).toBeGreaterThanOrEqual(0)
+    await next.release()
+    expect(next.leaseFd).toBe(-1)
+  })
 })
 
 describe('children', () => {
