@@ -58,9 +58,10 @@ export function poolRoot(arg: string): string {
 }
 
 /** Parses a non-negative integer option value (commander calls it; a throw is reported as a usage error). */
-export function nonNegativeInt(name: string, max: number) {
+export function nonNegativeInt(name: string, max: number, min = 0) {
   return (value: string): number => {
-    if (!/^\d+$/.test(value.trim()) || Number(value) > max) throw new UsageError(`${name} must be an integer from 0 to ${max}, got ${JSON.stringify(value)}`)
+    if (!/^\d+$/.test(value.trim()) || Number(value) > max || Number(value) < min)
+      throw new UsageError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(value)}`)
     return Number(value)
   }
 }

@@ -91,11 +91,7 @@ program
   .description('N new workspaces from the current contents of one; left with free leases for pool.adopt()')
   .argument('<root>', 'pool directory')
   .argument('<id>', 'workspace id (32 hex characters) or name')
-  .argument('<n>', 'number of children (1-4096)', parser((v: string) => {
-    const n = nonNegativeInt('N', 4096)(v)
-    if (n < 1) throw new UsageError('N must be an integer from 1 to 4096')
-    return n
-  }))
+  .argument('<n>', 'number of children (1-4096)', parser(nonNegativeInt('N', 4096, 1)))
   .option('--meta <json>', 'a JSON object kept in every child\'s metadata')
   .option('--json', 'JSON output')
   .action(action(async (root: string, id: string, n: number, o: { meta?: string; json?: boolean }) => (await import('./template.js')).fork(root, id, n, o)))

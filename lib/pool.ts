@@ -1053,7 +1053,8 @@ export class Workspace implements AsyncDisposable {
   /**
    * Removes the workspace: renamed into the pool's trash (the name is gone at once and never reused), removed
    * without following symlinks or entering mounts, its metadata dropped, its lease released. Waits for clones
-   * still running. Idempotent: later calls return the first call's promise. A mount inside gives `EBUSY`; the
+   * still running. Idempotent: later calls return the first call's promise; after release() it rejects with
+   * `ERR_DISPOSED` (the lease is no longer this object's to remove). A mount inside gives `EBUSY`; the
    * workspace is then `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {

@@ -55,7 +55,7 @@ function usage(args: string[]): string {
   expect(r.stdout).toBe('')
   expect(r.stderr.endsWith('\n')).toBe(true)
   expect(r.stderr.trimEnd().split('\n')).toHaveLength(1)
-  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo']
+  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork']
   expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}: `) : /^vmspace: /)
   return r.stderr.trim()
 }
@@ -357,6 +357,16 @@ describe('vmspace run', () => {
       "vmspace run: --template =/etc/hosts: DEST before '=' is empty",
     )
     expect(ls(dir)).toEqual([])
+  })
+})
+
+describe('vmspace fork', () => {
+  test('N out of range, too small or too large, exits 2 saying the real range 1 to 4096', () => {
+    const root = path.join(freshDir(), 'pool')
+    for (const n of ['0', '1e9', '4097'])
+      expect(usage(['fork', root, 'a'.repeat(32), n])).toBe(
+        `vmspace fork: command-argument value '${n}' is invalid for argument 'n'. N must be an integer from 1 to 4096, got "${n}" (see vmspace fork --help)`,
+      )
   })
 })
 
