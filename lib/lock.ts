@@ -61,7 +61,8 @@ export function timeoutOption(value: unknown): number | undefined {
 }
 
 /**
- * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open).
+ * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open). A
+ * symlink at `path` is refused with `ELOOP` (syscall `open`, nothing made): the file is opened with O_NOFOLLOW.
  * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
  * releases a lock when its holder exits or is killed. The lock is on the file at `path` when granted: a lock file
  * deleted or replaced while this call waited is dropped and the new file is locked (waiting again if need be), so

@@ -428,6 +428,20 @@ describe('what is written', () => {
     expect(await updateJsonFile<Index>(target, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
   })
 
+  test('a symlink at the lock path (<path>.lock), dangling, is refused with ELOOP: nothing made outside, the file not written', async () => {
+    const dir = freshDir()
+    const outside = freshDir()
+    const file = path.join(dir, 'j.json')
+    fs.symlinkSync(path.join(outside, 'made'), file + '.lock')
+    let called = 0
+    const err = await updateJsonFile<Index>(file, () => (++called, { a: 1 })).catch((e: unknown) => e)
+    expect(err).toBeInstanceOf(VmspaceError)
+    expect(err).toMatchObject({ code: 'ELOOP', syscall: 'open', path: file + '.lock' })
+    expect(called).toBe(0)
+    expect(fs.readdirSync(outside)).toEqual([])
+    expect(fs.readdirSync(dir)).toEqual(['j.json.lock'])
+  })
+
   test('durable: true writes the same and leaves no temp file', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')

@@ -142,6 +142,25 @@ describe('lockFile basics', () => {
     expect(err).toMatchObject({ code: 'ENOENT', syscall: 'open', path: file })
     expect(fs.existsSync(path.join(dir, 'missing'))).toBe(false)
   })
+
+  test('a symlink at the lock path, dangling or not, rejects with ELOOP: nothing made, the target not locked', async () => {
+    const dir = freshDir()
+    const outside = freshDir()
+    const dangling = path.join(dir, 'dangling.lock')
+    fs.symlinkSync(path.join(outside, 'made.lock'), dangling)
+    const target = path.join(outside, 'real.lock')
+    fs.writeFileSync(target, '')
+    const link = path.join(dir, 'link.lock')
+    fs.symlinkSync(target, link)
+    for (const p of [dangling, link]) {
+      const err = await lockFile(p).catch((e: unknown) => e)
+      expect(err).toBeInstanceOf(VmspaceError)
+      expect(err).toMatchObject({ code: 'ELOOP', syscall: 'open', path: p })
+    }
+    expect(fs.readdirSync(outside)).toEqual(['real.lock'])
+    expect(fs.readdirSync(dir).sort()).toEqual(['dangling.lock', 'link.lock'])
+    expectFree(target)
+  })
 })
 
 describe('exclusion', () => {

@@ -21,11 +21,13 @@ constexpr int kMaxReplacedTries = 64;
 }  // namespace
 
 int lockOpenFile(const std::string& path, int* err) {
-  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600);
+  // O_NOFOLLOW: a symlink at the lock path (dangling: O_CREAT would make its target, anywhere) is refused with
+  // ELOOP and nothing is made; only the last component is checked, as for any path the caller gives.
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600);
   if (fd < 0 && (errno == EACCES || errno == EISDIR || errno == EROFS)) {
     int first = errno;
-    fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);  // flock needs no write access
-    if (fd < 0 && errno == ENOENT) errno = first;                           // missing and not creatable: the first
+    fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);  // flock needs no write access
+    if (fd < 0 && errno == ENOENT) errno = first;  // missing and not creatable: the first
   }
   if (fd < 0) *err = errno;
   return fd;
@@ -56,10 +58,10 @@ int lockFollowPath(const std::string& path, int* fd, const char** syscall) {
     *syscall = "fstat";
     return errno;
   }
-  // A link count of 0: deleted (the name is gone or names a new file). The path is followed like the open that
-  // made *fd (a symlinked lock file locks its target).
+  // A link count of 0: deleted (the name is gone or names a new file). The last component is not followed, as
+  // the open that made *fd did not follow it (a symlink put there meanwhile is a replacement: the reopen refuses it).
   if (own.st_nlink > 0) {
-    if (stat(path.c_str(), &at) == 0) {
+    if (lstat(path.c_str(), &at) == 0) {
       if (at.st_dev == own.st_dev && at.st_ino == own.st_ino) return 0;
     } else if (errno != ENOENT) {
       *syscall = "stat";
