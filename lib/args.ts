@@ -11,7 +11,7 @@ function describe(value: unknown): string {
   if (typeof value === 'string') return `${JSON.stringify(value.length > 60 ? value.slice(0, 60) + '…' : value)} of type string`
   if (typeof value === 'object') return `an instance of ${value.constructor?.name ?? 'Object'}`
   if (typeof value === 'function') return 'a function'
-  return `${String(value)} of type ${typeof value}`
+  return `${Object.is(value, -0) ? '-0' : String(value)} of type ${typeof value}`
 }
 
 function coded<E extends Error>(err: E, code: string): Coded<E> {
@@ -144,6 +144,7 @@ export function exactJson(name: string, value: unknown): string {
     if (v === null || typeof v === 'string' || typeof v === 'boolean') continue
     if (typeof v === 'number') {
       if (!Number.isFinite(v)) throw invalidValue(at, 'a finite number (JSON has no NaN or Infinity)', v)
+      if (Object.is(v, -0)) throw invalidValue(at, 'a number JSON keeps (it writes -0 as 0)', v)
       continue
     }
     if (Array.isArray(v)) {

@@ -132,7 +132,7 @@ export interface AllocateOptions {
   from?: string
   /**
    * A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list() exactly as given:
-   * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, a Map, a class instance, a function, an array
+   * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, -0, a Map, a class instance, a function, an array
    * hole) is `ERR_INVALID_ARG_VALUE` naming where it is, e.g. `options.meta["when"]`.
    */
   meta?: JsonObject

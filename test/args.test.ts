@@ -91,6 +91,7 @@ describe('Pool.allocate', () => {
     ['meta holding a Date (JSON would make it a string)', () => ({ meta: { when: new Date(0) } }), VALUE('options.meta["when"]')],
     ['meta holding undefined (JSON would drop the key)', () => ({ meta: { a: 1, b: undefined } }), VALUE('options.meta["b"]')],
     ['meta holding NaN (JSON would write null)', () => ({ meta: { list: [1, NaN] } }), VALUE('options.meta["list"][1]')],
+    ['meta holding -0 (JSON would write 0)', () => ({ meta: { z: -0 } }), VALUE('options.meta["z"]')],
     ['meta holding Infinity deep down', () => ({ meta: { a: { b: [{ c: Infinity }] } } }), VALUE('options.meta["a"]["b"][0]["c"]')],
     ['meta holding a function', () => ({ meta: { f: () => 1 } }), VALUE('options.meta["f"]')],
     ['meta holding a Map', () => ({ meta: { m: new Map([[1, 2]]) } }), VALUE('options.meta["m"]')],
