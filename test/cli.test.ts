@@ -73,6 +73,15 @@ async function newPool(): Promise<Pool> {
   return pool
 }
 
+describe('the built command', () => {
+  test('dist/cli/vmspace.js is executable (the build sets the bit): run directly, `ls --help` exits 0', () => {
+    expect(fs.statSync(bin).mode & 0o111).toBe(0o111)
+    const r = spawnSync(bin, ['ls', '--help'], { encoding: 'utf8' })
+    expect(r.status, r.stderr).toBe(0)
+    expect(r.stdout).toMatch(/^Usage: vmspace ls /)
+  })
+})
+
 describe('vmspace ls', () => {
   test('--json lists each workspace with id, live/free, age, pid, host, meta, template method and allocated bytes', async () => {
     const pool = await newPool()
