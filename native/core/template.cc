@@ -282,9 +282,17 @@ class TemplateCommit {
       writeMeta(lease.get(), tree.get());
       publish(lease.get());
       if (!req_.name.empty() && req_.replace) swapName();
+      lease.reset();
     } catch (...) {
       cleanUp();
       throw;
+    }
+    // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
+    // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
+    try {
+      if (exists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
+    } catch (const Error&) {
+      // Left retired: a sweep removes it.
     }
     if (!res_.replacedId.empty()) removeReplaced();
     return std::move(res_);
