@@ -159,7 +159,7 @@ export interface Native {
     options: CommitTemplateOptions,
   ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
   listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
-  removeTemplate(handle: PoolHandle, idOrName: string): Promise<{ id: string; removed: boolean }>
+  removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
   dispose(handle: PoolHandle, options: { name: string; leaseFd: number }): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>

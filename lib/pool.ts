@@ -2,6 +2,7 @@
  * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
  * sequence (mkdir, open, flock, clones, metadata, publish) runs in one hop on the libuv pool.
  */
+import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { jsonMembers, native, type JsonMembers, type PoolHandle } from './binding.js'
@@ -810,8 +811,19 @@ export class Pool implements AsyncDisposable {
   /** One template by id or current name; `ERR_TEMPLATE_NOT_FOUND` when there is none. */
   async template(idOrName: string): Promise<Template> {
     const ref = templateRef('idOrName', idOrName)!
-    const all = await this.templates()
-    const t = TEMPLATE_ID.test(ref) ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
+    const byId = TEMPLATE_ID.test(ref)
+    const link = path.join(this.root, '.vmspace', 'templates', 'names', ref)
+    const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
+    let t: Template | undefined
+    // The listing reads names/ before the templates: a replace between the two shows the old id named and gone.
+    // Not found only when the name is missing, or still points where it did before the listing.
+    for (let tries = 0, before = await target(); tries < 16; tries++) {
+      const all = await this.templates()
+      t = byId ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
+      const after = await target()
+      if (t || after === null || after === before) break
+      before = after
+    }
     if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(this.root, '.vmspace', 'templates') })
     return t
   }
@@ -829,7 +841,8 @@ export class Pool implements AsyncDisposable {
   }> {
     const ref = templateRef('idOrName', idOrName)!
     this.#assertOpen()
-    return call(this.#inFlight.track(native.removeTemplate(this.#handle, ref)))
+    const { id, removed } = await call(this.#inFlight.track(native.removeTemplate(this.#handle, ref)))
+    return { id, removed }
   }
 
   /**
@@ -850,7 +863,12 @@ export class Pool implements AsyncDisposable {
       throw invalidValue('options', 'keepNewest and/or unusedForMs', options)
     const name = o.name === undefined ? undefined : templateRef('options.name', o.name)
     const dryRun = boolean('options.dryRun', o.dryRun, false)
-    const chosen = pruneCandidates(await this.templates(), { keepNewest, unusedForMs, name }, Date.now())
+    const all = await this.templates()
+    const now = Date.now()
+    const chosen = pruneCandidates(all, { keepNewest, unusedForMs, name }, now)
+    // Chosen by age: removed even when current (its name goes). Chosen only as an older version: removed only
+    // while no name points to it and no commit or reader holds it (native unlessCurrent), else left for later.
+    const aged = new Set(unusedForMs === undefined ? [] : pruneCandidates(all, { unusedForMs, name }, now).map((t) => t.id))
     const removed: Template[] = []
     const deferred: Template[] = []
     for (const t of chosen) {
@@ -859,7 +877,9 @@ export class Pool implements AsyncDisposable {
         continue
       }
       try {
-        const r = await this.removeTemplate(t.id)
+        this.#assertOpen()
+        const r = await call(this.#inFlight.track(native.removeTemplate(this.#handle, t.id, !aged.has(t.id))))
+        if (r.kept) continue
         ;(r.removed ? removed : deferred).push(t)
       } catch (e) {
         if ((e as VmspaceError).code !== 'ERR_TEMPLATE_NOT_FOUND') throw e // removed meanwhile by someone else

@@ -155,8 +155,10 @@ export function pruneCandidates(all: Template[], o: { keepNewest?: number; unuse
     const byName = new Map<string, Template[]>()
     for (const t of pool) if (t.name !== null) byName.set(t.name, [...(byName.get(t.name) ?? []), t])
     for (const group of byName.values()) {
-      group.sort((a, b) => (b.createdAt ?? 0) - (a.createdAt ?? 0))
-      for (const t of group.slice(o.keepNewest)) chosen.add(t)
+      // The current one (its name points there) is kept and counts first, whatever createdAt says: a commit that
+      // started earlier can be swapped in after one that started later.
+      group.sort((a, b) => Number(b.current) - Number(a.current) || (b.createdAt ?? 0) - (a.createdAt ?? 0))
+      for (const t of group.slice(o.keepNewest)) if (!t.current) chosen.add(t)
     }
   }
   if (o.unusedForMs !== undefined)

@@ -10,7 +10,8 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
-import { openPool, type Pool, type Workspace } from '../lib/index.js'
+import { openPool, type Pool, type Template, type Workspace } from '../lib/index.js'
+import { pruneCandidates } from '../lib/template.js'
 import { Child, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
 
 /** Every entry below `dir`: kind, mode, size, content hash or link target (no inode numbers: clones differ). */
@@ -735,4 +736,102 @@ describe('templates of deep trees', () => {
       runCommand('rm', ['-rf', '--one-file-system', path.join(dir, 'chain')])
     }
   }, 300_000)
+})
+
+// Races between processes on one name (README, "Templates"): a reader never sees a replaced name missing, prune
+// never removes the template a name points to, and a sweep with graceMs 0 never breaks a live build.
+const RACE_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_RACE_ROUNDS ?? 200)
+const raceDir = mounts.xfs ?? mounts.scratch
+
+describe('templates under concurrent replace, prune and sweep', () => {
+  type Done = { ok: number; errors: Record<string, number>; failed: Record<string, number> }
+
+  /** Starts one child per role on the pool at `root`; the committers run RACE_ROUNDS rounds, the others until then. */
+  async function race(root: string, source: string, roles: string[]): Promise<Record<string, Done[]>> {
+    const kids = roles.map((role) => ({ role, c: new Child(path.join(fixtures, 'template-race-child.cjs'), [root, role, String(RACE_ROUNDS), source]) }))
+    await Promise.all(kids.map((k) => k.c.expect('ready')))
+    for (const k of kids) k.c.send('go')
+    const out: Record<string, Done[]> = {}
+    const finish = async (k: (typeof kids)[number]) => {
+      const m = (await k.c.expect('done')) as unknown as Done
+      ;(out[k.role] ??= []).push(m)
+    }
+    await Promise.all(kids.filter((k) => k.role === 'commit').map(finish))
+    for (const k of kids) if (k.role !== 'commit') k.c.send('stop')
+    await Promise.all(kids.filter((k) => k.role !== 'commit').map(finish))
+    return out
+  }
+
+  function sourceTree(): string {
+    const src = freshDir(raceDir, 'tplsrc')
+    fs.writeFileSync(path.join(src, 'a.txt'), 'hello')
+    fs.mkdirSync(path.join(src, 'etc'))
+    fs.writeFileSync(path.join(src, 'etc', 'conf'), 'conf')
+    return src
+  }
+
+  test(`a reader of a name replaced ${RACE_ROUNDS} times by another process never finds it missing`, async () => {
+    const root = path.join(freshDir(raceDir, 'tplrace'), 'pool')
+    const pool = await openPool(root)
+    const src = sourceTree()
+    const ws = await pool.allocate({ template: src })
+    await pool.commit(ws, { name: 'base' })
+    const r = await race(root, src, ['commit', 'read', 'read'])
+    expect(r.commit[0]).toMatchObject({ ok: RACE_ROUNDS, errors: {} })
+    for (const d of r.read) expect(d.errors).toEqual({})
+    await ws.dispose()
+    await pool.close()
+  }, 600_000)
+
+  test(`prune with keepNewest 1 beside two replacing committers and an allocator (${RACE_ROUNDS} rounds each) never removes the current template nor its name`, async () => {
+    const root = path.join(freshDir(raceDir, 'tplrace'), 'pool')
+    const pool = await openPool(root)
+    const src = sourceTree()
+    const ws = await pool.allocate({ template: src })
+    await pool.commit(ws, { name: 'base' })
+    const r = await race(root, src, ['commit', 'commit', 'alloc', 'prune'])
+    for (const d of r.commit) expect(d).toMatchObject({ ok: RACE_ROUNDS, errors: {} })
+    expect(r.alloc[0].errors).toEqual({})
+    expect(r.prune[0].errors).toEqual({})
+    // Quiet again: one prune leaves exactly the current template of 'base', the one its name points to.
+    await pool.pruneTemplates({ keepNewest: 1 })
+    await pool.sweep({ graceMs: 0 })
+    const left = await pool.templates()
+    expect(left.map((t) => [t.name, t.current])).toEqual([['base', true]])
+    expect(fs.readlinkSync(path.join(templatesDir(root), 'names', 'base'))).toBe(left[0].id)
+    expect(ls(path.join(templatesDir(root), 'names'))).toEqual(['base'])
+    noLeftovers(root)
+    await ws.dispose()
+    await pool.close()
+  }, 600_000)
+
+  test(`a sweep with graceMs 0 beside two replacing committers, an allocator and a fork (${RACE_ROUNDS} rounds) breaks no build and leaves no orphan`, async () => {
+    const root = path.join(freshDir(raceDir, 'tplrace'), 'pool')
+    const pool = await openPool(root)
+    const src = sourceTree()
+    const ws = await pool.allocate({ template: src })
+    await pool.commit(ws, { name: 'base' })
+    const r = await race(root, src, ['commit', 'commit', 'alloc', 'fork', 'sweep'])
+    for (const d of r.commit) expect(d).toMatchObject({ ok: RACE_ROUNDS, errors: {} })
+    expect(r.alloc[0].errors).toEqual({})
+    expect(r.fork[0].errors).toEqual({})
+    expect(r.sweep[0]).toMatchObject({ errors: {}, failed: {} })
+    // Every replaced template was removed (at once, or by its last reader, or by this sweep): only the current one.
+    expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
+    const left = await pool.templates()
+    expect(left.map((t) => [t.name, t.current])).toEqual([['base', true]])
+    expect(ls(path.join(templatesDir(root), 'names'))).toEqual(['base'])
+    noLeftovers(root)
+    await ws.dispose()
+    await pool.close()
+  }, 600_000)
+
+  test('pruneCandidates keeps the current template of a name whatever createdAt says, and counts it first', () => {
+    const t = (id: string, createdAt: number, current: boolean) =>
+      ({ id, name: 'base', current, createdAt, path: '', parent: null, lastUsedAt: null, retired: false }) as Template
+    const all = [t('a', 1, true), t('b', 3, false), t('c', 2, false)]
+    expect(pruneCandidates(all, { keepNewest: 1 }, 10).map((x) => x.id)).toEqual(['b', 'c'])
+    expect(pruneCandidates(all, { keepNewest: 2 }, 10).map((x) => x.id)).toEqual(['c'])
+    expect(pruneCandidates(all, { keepNewest: 0 }, 10).map((x) => x.id)).toEqual(['b', 'c'])
+  })
 })

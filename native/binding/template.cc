@@ -73,25 +73,27 @@ Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
 Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   std::string idOrName = stringArg(info, 1);
+  bool unlessCurrent = info.Length() > 2 && info[2].IsBoolean() && info[2].As<Napi::Boolean>().Value();
   struct Removed {
     std::string id;
-    bool removed = false;
+    bool removed = false, kept = false;
   };
   return Work<Removed>::Start(
       info.Env(),
-      [pool, idOrName] {
+      [pool, idOrName, unlessCurrent] {
         Removed r;
         vmspace::TemplateStore* store = pool->templates(false);
         if (!store)
           vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
                              "open", pool->root() + "/.vmspace/templates");
-        r.removed = store->remove(idOrName, &r.id);
+        r.removed = store->remove(idOrName, &r.id, unlessCurrent, &r.kept);
         return r;
       },
       [](Napi::Env env, Removed& r) -> Napi::Value {
         Napi::Object o = Napi::Object::New(env);
         o.Set("id", r.id);
         o.Set("removed", r.removed);
+        o.Set("kept", r.kept);
         return o;
       });
 }

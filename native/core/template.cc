@@ -273,13 +273,8 @@ class TemplateCommit {
     // Refused before anything is built; the symlinkat below decides for real.
     if (!req_.name.empty() && !req_.replace && exists(store_.namesFd_.get(), req_.name))
       throwErrno(EEXIST, "symlink", nameShown_);
-    claimId();
-    stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+    UniqueFd lease = claimLease();
     try {
-      UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
-      if (!lease) throwErrno(errno, "open", stagingPath_);
-      // The build's lease: a sweep reclaims a staging entry only when no one holds it (a probe waits it out here).
-      if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
       makeTree(lease.get());
       UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
       if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
@@ -287,15 +282,42 @@ class TemplateCommit {
       writeMeta(lease.get(), tree.get());
       publish(lease.get());
       if (!req_.name.empty() && req_.replace) swapName();
+      lease.reset();
     } catch (...) {
       cleanUp();
       throw;
+    }
+    // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
+    // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
+    try {
+      if (exists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
+    } catch (const Error&) {
+      // Left retired: a sweep removes it.
     }
     if (!res_.replacedId.empty()) removeReplaced();
     return std::move(res_);
   }
 
  private:
+  // A fresh id in staging, leased: flock(LOCK_EX) on its directory, which a sweep honours. A sweep with graceMs 0
+  // may take the lease between our mkdir and flock and remove the entry: then the entry is no longer the one we
+  // locked (checked by device and inode) and a new id is claimed, so a build never works in a swept entry.
+  UniqueFd claimLease() {
+    for (int tries = 0;; tries++) {
+      claimId();
+      stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+      UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
+      if (!lease && errno != ENOENT) throwErrno(errno, "open", stagingPath_);
+      if (lease) {
+        if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
+        struct stat own;
+        if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", stagingPath_);
+        if (sameEntry(store_.stagingFd_.get(), res_.id, own)) return lease;
+      }
+      if (tries + 1 == kMaxNameTries) throwErrno(ENOENT, "open", stagingPath_);
+    }
+  }
+
   // The exclusive mkdir in staging claims a fresh id.
   void claimId() {
     for (int tries = 0;; tries++) {
@@ -401,9 +423,18 @@ class TemplateCommit {
   // or the new one, never no name. The swapped-out link tells which template was replaced.
   void swapName() {
     const int namesFd = store_.namesFd_.get();
-    std::string tmp = "." + req_.name + ".new-" + randomHex(6);
+    // Named after the new id, whose directory the commit holds LOCK_EX on until the swap is done: a sweep leaves
+    // the link while that lock is held, whatever graceMs (TemplateStore::sweep).
+    std::string tmp = "." + req_.name + ".new-" + res_.id;
     if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
       throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
+    UniqueFd namesLock;
+    try {
+      namesLock = store_.lockNames();
+    } catch (const Error&) {
+      unlinkat(namesFd, tmp.c_str(), 0);
+      throw;
+    }
     for (;;) {
       if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_EXCHANGE) == 0) {
         named_ = true;
@@ -428,6 +459,7 @@ class TemplateCommit {
   void cleanUp() {
     try {
       std::string target;
+      UniqueFd namesLock = named_ && !req_.replace ? store_.lockNames() : UniqueFd();
       if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
         unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
       if (published_)
@@ -690,15 +722,45 @@ std::vector<TemplateListing> TemplateStore::list() {
   return out;
 }
 
-bool TemplateStore::remove(const std::string& idOrName, std::string* idOut) {
+bool TemplateStore::named(const std::string& id) {
+  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+    std::string target;
+    if (isTemplateName(entry.first) && readLink(namesFd_.get(), entry.first, &target) && target == id) return true;
+  }
+  return false;
+}
+
+bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool unlessCurrent, bool* kept) {
   bool byName;
   std::string id = resolve(idOrName, &byName);
   if (!exists(fd_.get(), id) || exists(retiredFd_.get(), id)) notFound(idOrName, path(id));
   *idOut = id;
+  if (unlessCurrent) {
+    // Prune: a template a name points to is kept. LOCK_EX first: a commit holds it from its publish until its
+    // name is swapped in (a published template not named yet may be about to be current), readers hold LOCK_SH;
+    // held, the template is kept for a later prune. Got, no name can come to point here any more.
+    *kept = true;
+    UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
+    if (!fd) {
+      if (errno == ENOENT) notFound(idOrName, path(id));
+      throwErrno(errno, "open", path(id));
+    }
+    if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) return false;
+      throwErrno(errno, "flock", path(id));
+    }
+    if (named(id)) return false;
+    *kept = false;
+    UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+    if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
+    marker.reset();
+    return removeIfFree(id, fd.get());
+  }
   // Retired first, so that a reader resolving the name meanwhile skips it; then every name pointing here goes.
   UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
   if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
   marker.reset();
+  UniqueFd namesLock = lockNames();  // a replace swapping a new template into the name between check and unlink
   for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
     std::string target;
     if (readLink(namesFd_.get(), entry.first, &target) && target == id &&
@@ -706,6 +768,26 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut) {
       throwErrno(errno, "unlink", dir_ + "/names/" + entry.first);
   }
   return removeIfFree(id, -1);
+}
+
+UniqueFd TemplateStore::lockNames() {
+  // An open file description of our own: flock is per description, and namesFd_ is shared by this process's
+  // threads, whose lock would not exclude one another.
+  UniqueFd fd(openat(fd_.get(), "names", kDirFlags));
+  if (!fd) throwErrno(errno, "open", dir_ + "/names");
+  if (flock(fd.get(), LOCK_EX) != 0) throwErrno(errno, "flock", dir_ + "/names");
+  return fd;
+}
+
+bool TemplateStore::liveSwapLink(const std::string& name) {
+  size_t at = name.rfind(".new-");
+  if (name.empty() || name[0] != '.' || at == std::string::npos) return false;
+  std::string id = name.substr(at + 5);
+  if (!isHexId(id)) return false;
+  UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
+  if (!fd) return false;
+  // The committing process holds LOCK_EX on the template until its swap is done; readers hold LOCK_SH only.
+  return flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
 }
 
 void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
@@ -756,6 +838,16 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     const std::string& name = entry.first;
     std::string target;
     bool temp = !isTemplateName(name);
+    if (temp && liveSwapLink(name)) continue;  // a replace between its symlink and its swap
+    // Checked and unlinked under the names lock: a replace cannot swap a live template into this name between
+    // the check and the unlink (the unlink would drop the new link).
+    UniqueFd namesLock;
+    try {
+      namesLock = lockNames();
+    } catch (const Error& e) {
+      failed(name, "template", e);
+      continue;
+    }
     if (!temp && readLink(namesFd_.get(), name, &target) && isHexId(target) &&
         (exists(stagingFd_.get(), target) || exists(fd_.get(), target)))
       continue;  // being built (staging is looked at first: a publish moves it from there) or published

@@ -84,7 +84,9 @@ class TemplateStore {
 
   std::vector<TemplateListing> list();
   // Unnames the template and removes it, or marks it retired while readers hold it (false). ERR_TEMPLATE_NOT_FOUND.
-  bool remove(const std::string& idOrName, std::string* id);
+  // With `unlessCurrent` (prune): a template a name points to, or that a commit or reader holds, is left as it is
+  // (*kept true, false returned).
+  bool remove(const std::string& idOrName, std::string* id, bool unlessCurrent = false, bool* kept = nullptr);
   // Reclaims half-built commits older than `graceMs` whose builder is gone, retired templates no one reads, and
   // names whose template was never published. Never touches a published template that is not retired.
   void sweep(bool dryRun, int64_t graceMs, SweepReport& report);
@@ -95,6 +97,10 @@ class TemplateStore {
   friend class TemplateCommit;  // template.cc: commit's phases
   TemplateStore() = default;
   std::string resolve(const std::string& idOrName, bool* byName);
+  // flock(LOCK_EX) on names/ (a fresh open): name links are checked and changed under it (readers take none).
+  UniqueFd lockNames();
+  bool named(const std::string& id);           // whether a name points to `id`
+  bool liveSwapLink(const std::string& name);  // a replace's `.<name>.new-<id>` link whose commit is live
   // Removes the published template `id` when flock(LOCK_EX|LOCK_NB) gets it (fd: open on it, or -1): moved
   // into the pool's trash, then removed, then its retired marker dropped. False while readers hold it.
   bool removeIfFree(const std::string& id, int fd, uint64_t* bytes = nullptr);
