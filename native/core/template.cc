@@ -30,6 +30,21 @@
 namespace vmspace {
 namespace {
 
+// A template's mode list ("modes" in `dirFd`) as a stdio stream, closed by its owner; `flags` add to
+// O_CLOEXEC|O_NOCTTY (0600 when created), `mode` is fdopen's.
+using ModesFile = std::unique_ptr<FILE, int (*)(FILE*)>;
+ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::string& shown) {
+  int fd = openat(dirFd, "modes", flags | O_CLOEXEC | O_NOCTTY, 0600);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  FILE* f = fdopen(fd, mode);
+  if (!f) {
+    int err = errno;
+    ::close(fd);
+    throwErrno(err, "fdopen", shown);
+  }
+  return ModesFile(f, fclose);
+}
+
 constexpr size_t kMaxTemplateMetaBytes = 16 << 20;
 constexpr int kMaxResolveTries = 16;  // a name swapped or removed under a reader this often in a row: not found
 
@@ -352,15 +367,8 @@ class TemplateCommit {
   // The mode list (stripWriteBits), read-only once written.
   void writeModes(int leaseFd, int treeFd) {
     const std::string modesShown = stagingPath_ + "/modes";
-    int mfd = openat(leaseFd, "modes", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
-    if (mfd < 0) throwErrno(errno, "open", modesShown);
-    FILE* f = fdopen(mfd, "w");
-    if (!f) {
-      int err = errno;
-      ::close(mfd);
-      throwErrno(err, "fdopen", modesShown);
-    }
-    std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
+    ModesFile closer = openModesFile(leaseFd, O_WRONLY | O_CREAT | O_EXCL, "w", modesShown);
+    FILE* f = closer.get();
     // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
     // stays empty, and a walk is made only where one made the tree already (to measure it).
     if (!res_.clone.snapshot)
@@ -599,15 +607,8 @@ class ModeListWalk {
 
 void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const std::string& wsPath) {
   const std::string shown = path(reader.id) + "/modes";
-  int mfd = openat(reader.fd.get(), "modes", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
-  if (mfd < 0) throwErrno(errno, "open", shown);
-  FILE* f = fdopen(mfd, "r");
-  if (!f) {
-    int err = errno;
-    ::close(mfd);
-    throwErrno(err, "fdopen", shown);
-  }
-  std::unique_ptr<FILE, int (*)(FILE*)> closer(f, fclose);
+  ModesFile closer = openModesFile(reader.fd.get(), O_RDONLY | O_NOFOLLOW, "r", shown);
+  FILE* f = closer.get();
   char* line = nullptr;
   size_t cap = 0;
   std::unique_ptr<char, void (*)(void*)> freeLine(nullptr, free);
