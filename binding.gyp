@@ -5,6 +5,7 @@
       "sources": [
         "native/binding/addon.cc",
         "native/binding/common.cc",
+        "native/binding/batch.cc",
         "native/binding/pool.cc",
         "native/binding/warm.cc",
         "native/binding/clone.cc",

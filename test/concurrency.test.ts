@@ -49,6 +49,38 @@ describe('16 concurrent callers in one process', () => {
   })
 })
 
+describe('many calls in flight at once (served in batches per libuv hop)', () => {
+  test('400 allocates, every other one failing, each settle with their own result; then 200 disposes leave nothing', async () => {
+    const dir = freshDir()
+    const pool = await openPool(path.join(dir, 'pool'))
+    fs.writeFileSync(path.join(dir, 'src'), 'bytes')
+    const missing = path.join(dir, 'missing')
+    const results = await Promise.allSettled(
+      Array.from({ length: 400 }, (_, i) =>
+        pool.allocate({ meta: { i }, template: { f: i % 2 ? missing : path.join(dir, 'src') } }),
+      ),
+    )
+    const made = results.flatMap((r, i) => {
+      if (i % 2) {
+        expect(r).toMatchObject({ status: 'rejected', reason: { code: 'ENOENT', path: missing } })
+        return []
+      }
+      expect(r.status).toBe('fulfilled')
+      return [(r as PromiseFulfilledResult<Awaited<ReturnType<typeof pool.allocate>>>).value]
+    })
+    expect(made).toHaveLength(200)
+    expect(distinct(made.map((w) => w.leaseFd))).toBe(200)
+    expect(made.map((w) => fs.readFileSync(path.join(w.path, 'f'), 'utf8'))).toEqual(made.map(() => 'bytes'))
+    const listed = new Map((await pool.list()).map((e) => [e.id, (e.meta as { i: number }).i]))
+    expect(made.map((w) => listed.get(w.id))).toEqual(made.map((_, i) => 2 * i))
+    await Promise.all(made.map((w) => w.dispose()))
+    expect(made.map((w) => w.status)).toEqual(made.map(() => 'disposed'))
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    await pool.close()
+    expect([...openFdTargets(process.pid).values()].filter((t) => t.startsWith(pool.root))).toEqual([])
+  })
+})
+
 describe('8 processes released together by a barrier', () => {
   test('get distinct workspaces; after half are disposed, every survivor reads its own file back', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))

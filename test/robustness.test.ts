@@ -84,6 +84,32 @@ describe('worker threads that end mid-operation', () => {
   })
 })
 
+describe('a worker thread ending with batched calls in flight', () => {
+  test('300 allocates and disposes queued in a worker that exits: the process survives, no fd of the pool stays open, a sweep leaves the pool empty', async () => {
+    const poolRoot = path.join(dir, 'pool')
+    for (const delay of [0, 1, 5]) {
+      const w = new Worker(
+        `const v = require(${JSON.stringify(dist)}); v.openPool(${JSON.stringify(poolRoot)}).then((p) => { for (let i = 0; i < 300; i++) p.allocate().then((ws) => i % 2 ? ws.dispose() : ws).catch(() => {}); setTimeout(() => process.exit(0), ${delay}) })`,
+        { eval: true },
+      )
+      await new Promise((resolve) => w.once('exit', resolve))
+    }
+    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/self/fd/${fd}`)
+      } catch {
+        return ''
+      }
+    })
+    expect(fds.filter((t) => t.startsWith(poolRoot))).toEqual([])
+    const pool = await openPool(poolRoot)
+    await pool.sweep({ graceMs: 0 })
+    expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+    for (const sub of ['staging', 'trash', 'meta']) expect(fs.readdirSync(path.join(pool.root, '.vmspace', sub))).toEqual([])
+    await pool.close()
+  })
+})
+
 describe('abort', () => {
   test('aborting a single-file copy stops it and leaves nothing', async () => {
     const big = path.join(dir, 'big')

@@ -19,6 +19,7 @@
 #include "../core/clone.h"
 #include "../core/error.h"
 #include "../core/pool.h"
+#include "batch.h"
 
 namespace vmspace::binding {
 
@@ -26,77 +27,19 @@ namespace vmspace::binding {
 // a VmspaceError where the caller's async stack is at hand.
 Napi::Object errorObject(Napi::Env env, const Error& e);
 
-// One operation on the libuv pool: Execute runs `exec` on a pool thread, OnOK resolves or rejects the promise on
-// the JS thread. Lifecycle: created and queued on the JS thread -> Execute (pool) -> OnOK (JS) -> deleted by
-// node-addon-api.
+// One operation on the libuv pool, alone on its own uv_queue_work: `exec` returns R on a pool thread, `toJs` makes
+// the value on the JS thread, `drop` (optional) releases a result that could not be delivered to JS (the env torn
+// down). A LambdaJob (batch.h) run by runAlone; calls that come many at once are batched instead (submitBatched).
 template <typename R>
-class Work : public Napi::AsyncWorker {
- public:
-  using Exec = std::function<R()>;
-  using ToJs = std::function<Napi::Value(Napi::Env, R&)>;
-
-  // Queues the work; `drop` (optional) is called with a result that could not be delivered to JS.
-  static Napi::Promise Start(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop = nullptr) {
-    auto* work = new Work(env, std::move(exec), std::move(toJs), std::move(drop));
-    Napi::Promise promise = work->deferred_.Promise();
-    work->Queue();
-    return promise;
+struct Work {
+  static Napi::Promise Start(Napi::Env env, std::function<R()> exec, std::function<Napi::Value(Napi::Env, R&)> toJs,
+                             std::function<void(R&)> drop = nullptr) {
+    return runAlone(env, std::make_unique<LambdaJob<R>>(env, std::move(exec), std::move(toJs), std::move(drop)));
   }
-
- private:
-  Work(Napi::Env env, Exec exec, ToJs toJs, std::function<void(R&)> drop)
-      : Napi::AsyncWorker(env, "vmspace"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
-        toJs_(std::move(toJs)), drop_(std::move(drop)) {}
-
-  // No V8 here: runs on a libuv pool thread. Every exception becomes the rejection (an exception escaping
-  // Execute would be turned by node-addon-api into a callback error that nothing delivers: the promise would
-  // never settle).
-  void Execute() override {
-    try {
-      result_ = exec_();
-    } catch (...) {
-      try {
-        error_ = std::make_unique<Error>(vmspace::currentError());
-      } catch (...) {
-        outOfMemory_ = true;  // not even the Error could be made
-      }
-    }
-  }
-
-  // On the JS thread, also while the env is being torn down (a worker thread ending with this work in flight):
-  // then no JS can run, node-addon-api throws, and the result must still not leak. A toJs that hands an fd to
-  // the instance sets it to -1 in the result; `drop` releases whatever is left.
-  void OnOK() override {
-    try {
-      Napi::Env env = Env();
-      Napi::HandleScope scope(env);
-      if (outOfMemory_) {
-        Error e;
-        e.err = ENOMEM;
-        e.syscall = "malloc";
-        deferred_.Reject(errorObject(env, e));
-        return;
-      }
-      if (error_) {
-        deferred_.Reject(errorObject(env, *error_));
-        return;
-      }
-      deferred_.Resolve(toJs_(env, result_));
-    } catch (...) {
-      if (!error_ && !outOfMemory_ && drop_) drop_(result_);
-    }
-  }
-
-  Napi::Promise::Deferred deferred_;
-  Exec exec_;
-  ToJs toJs_;
-  std::function<void(R&)> drop_;
-  R result_{};
-  std::unique_ptr<Error> error_;
-  bool outOfMemory_ = false;
 };
 
 struct LockWaiter;  // lock.cc
+class Batch;        // batch.cc
 
 // Per-instance state (one per env: the main thread and each worker thread): the lease fds and lock fds this
 // instance holds, and its lock waits still running. When the env ends (a worker thread exits, or the process),
@@ -106,7 +49,8 @@ struct Instance {
   std::unordered_set<int> leases;
   std::unordered_set<int> locks;
   std::unordered_set<std::shared_ptr<LockWaiter>> waiters;
-  ~Instance();  // lock.cc (it cancels the waits)
+  std::shared_ptr<Batch> batch;  // made by the first batched call (batch.h)
+  ~Instance();                   // lock.cc (it cancels the waits and abandons the batch's calls)
 };
 
 inline Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }

@@ -11,6 +11,7 @@
 
 #include "../core/lock.h"
 
+#include "batch.h"
 #include "common.h"
 
 namespace vmspace::binding {
@@ -96,6 +97,7 @@ void cancelWaiter(LockWaiter& w) {
 }  // namespace
 
 Instance::~Instance() {
+  closeBatch(batch);
   for (int fd : leases) ::close(fd);
   for (int fd : locks) ::close(fd);
   // A wait still running closes its own fd when it finds the env gone (its callback can no longer be made).

@@ -5,6 +5,7 @@
 
 #include "../core/names.h"
 
+#include "batch.h"
 #include "common.h"
 
 namespace vmspace::binding {
@@ -59,10 +60,13 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   req.quota.inodes = static_cast<uint64_t>(o.int64Or("quotaInodes", 0));
   req.fromTemplate = o.stringOr("fromTemplate", "");  // issue 14
   vmspace::Reflink reflink = req.clone.reflink;
-  return Work<vmspace::AllocateResult>::Start(
-      info.Env(), [pool, req, progress] { return pool->allocate(req); },
-      [reflink](Napi::Env env, vmspace::AllocateResult& r) { return allocateResultObject(env, r, reflink); },
-      dropAllocateResult);
+  // Batched (batch.h): with many calls in flight, several are served per libuv hop.
+  return submitBatched(info.Env(), std::make_unique<LambdaJob<vmspace::AllocateResult>>(
+                                       info.Env(), [pool, req, progress] { return pool->allocate(req); },
+                                       [reflink](Napi::Env env, vmspace::AllocateResult& r) {
+                                         return allocateResultObject(env, r, reflink);
+                                       },
+                                       dropAllocateResult));
 }
 
 // dispose(pool, {name, leaseFd})
@@ -71,8 +75,16 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   Options o(info, 1, "dispose");
   std::string name = o.string("name");
   int leaseFd = o.int32("leaseFd");
-  instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path
-  return runVoid(info.Env(), [pool, name, leaseFd] { pool->dispose(name, leaseFd); });
+  instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path; so does a call never run
+  struct Unit {};
+  return submitBatched(
+      info.Env(), std::make_unique<LambdaJob<Unit>>(
+                      info.Env(),
+                      [pool, name, leaseFd] {
+                        pool->dispose(name, leaseFd);
+                        return Unit{};
+                      },
+                      [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr, [leaseFd] { ::close(leaseFd); }));
 }
 
 // A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
