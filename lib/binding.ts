@@ -63,16 +63,21 @@ export type WaitHandle = { readonly __brand: 'WaitHandle' }
 export type PoolHandle = { readonly __brand: 'PoolHandle' }
 
 /**
- * A metadata record's members in order, [key, the value as JSON text] (each value serialised by JSON.stringify):
- * the core appends the members only it knows and writes the object once (native/core/json_members.h).
+ * A metadata record's members in order as JSON text, `"key":value,...` without the braces (each key and value
+ * serialised by JSON.stringify): one string for the binding to read, to which the core appends the members only it
+ * knows before it writes the object once (native/core/json_members.h).
  */
-export type JsonMembers = [key: string, json: string][]
+export type JsonMembers = string
 
-/** `record`'s members (JSON.stringify of each value; undefined values left out), then `extra` as given. */
+/** `record`'s members (JSON.stringify of each value; undefined values left out), then `extra` (JSON text) as given. */
 export function jsonMembers(record: Record<string, unknown>, ...extra: [key: string, json: string][]): JsonMembers {
-  const members: JsonMembers = []
-  for (const [key, value] of Object.entries(record)) if (value !== undefined) members.push([key, JSON.stringify(value)])
-  return members.concat(extra)
+  let text = ''
+  for (const key in record) {
+    const value = record[key]
+    if (value !== undefined) text += (text ? ',' : '') + JSON.stringify(key) + ':' + JSON.stringify(value)
+  }
+  for (const [key, json] of extra) text += (text ? ',' : '') + JSON.stringify(key) + ':' + json
+  return text
 }
 
 // Every native call that takes more than a handle and one value takes one options object, read by name in C++

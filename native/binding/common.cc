@@ -124,20 +124,11 @@ Napi::Array Options::array(const char* key) const {
 }
 
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what) {
-  auto wrong = [&] {
-    return Napi::TypeError::New(env, "vmspace binding: " + what + " must be [key, JSON text] string pairs");
-  };
-  if (!v.IsArray()) throw wrong();
-  Napi::Array a = v.As<Napi::Array>();
-  vmspace::JsonMembers out;
-  for (uint32_t i = 0; i < a.Length(); i++) {
-    Napi::Value pair = a.Get(i);
-    if (!pair.IsArray()) throw wrong();
-    Napi::Value key = pair.As<Napi::Array>().Get(0u), value = pair.As<Napi::Array>().Get(1u);
-    if (!key.IsString() || !value.IsString()) throw wrong();
-    out.emplace_back(key.As<Napi::String>().Utf8Value(), value.As<Napi::String>().Utf8Value());
-  }
-  return out;
+  // One string (lib/binding.ts, jsonMembers): a pair per member would cost five N-API calls each on every
+  // allocate (issue 12).
+  if (!v.IsString())
+    throw Napi::TypeError::New(env, "vmspace binding: " + what + " must be a string of JSON object members");
+  return {{std::string(), v.As<Napi::String>().Utf8Value()}};
 }
 
 vmspace::JsonMembers Options::members(const char* key) const {

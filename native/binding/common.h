@@ -82,7 +82,7 @@ class Options {
   // A string naming one of `names` (in order); its index. Enums travel as their names, parsed here once.
   size_t oneOf(const char* key, std::initializer_list<const char*> names, size_t fallback) const;
   Napi::Array array(const char* key) const;
-  // [key, JSON text] string pairs: the caller's members of a metadata record (core/json_members.h).
+  // A string of JSON object members, `"k":v,...`: the caller's members of a metadata record (core/json_members.h).
   vmspace::JsonMembers members(const char* key) const;
   Napi::Env env() const { return env_; }
   // A handle made by the binding (Napi::External<T>) or undefined (null).
@@ -103,7 +103,7 @@ class Options {
 };
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i);
-// [key, JSON text] string pairs; `what` names the value in the TypeError.
+// A string of JSON object members (lib/binding.ts, jsonMembers); `what` names the value in the TypeError.
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what);
 int64_t intArg(const Napi::CallbackInfo& info, size_t i);
 bool boolArg(const Napi::CallbackInfo& info, size_t i);

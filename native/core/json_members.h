@@ -9,7 +9,8 @@
 
 namespace vmspace {
 
-// [key, value as JSON text] in order; keys are plain identifiers chosen by vmspace (never escaped).
+// [key, value as JSON text] in order; keys are plain identifiers chosen by vmspace (never escaped). A member with an
+// empty key is a run of members already serialised, `"k":v,...` (what lib/ sends: one string per record).
 using JsonMembers = std::vector<std::pair<std::string, std::string>>;
 
 // Appends `s` as a JSON string: quotes, backslash and control characters escaped (RFC 8259 section 7); other
@@ -36,8 +37,13 @@ inline void appendJsonString(std::string* out, const std::string& s) {
 inline std::string jsonObject(const JsonMembers& members) {
   std::string out = "{";
   for (const auto& [key, value] : members) {
+    if (key.empty() && value.empty()) continue;
     if (out.size() > 1) out += ",";
-    out += "\"" + key + "\":" + value;
+    if (key.empty()) {
+      out += value;
+    } else {
+      out += "\"" + key + "\":" + value;
+    }
   }
   out += "}";
   return out;
