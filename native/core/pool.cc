@@ -397,6 +397,7 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   if (fstat(pool->rootFd_.get(), &rootSt) != 0) throwErrno(errno, "fstat", root);
   if (fstat(pool->stateFd_.get(), &stateSt) != 0) throwErrno(errno, "fstat", state);
   if (rootSt.st_dev != stateSt.st_dev) throwErrno(EXDEV, "open", state, root);
+  pool->rootDev_ = rootSt.st_dev;
 
   // The format is checked before anything is made inside .vmspace/, so an unknown pool is never modified.
   std::string versionPath = state + "/version", version;
@@ -866,9 +867,9 @@ void Pool::dispose(const std::string& name, int leaseFd) {
   // must still be the directory we hold (only a process of the pool's owner could have swapped it meanwhile).
   // Not for a workspace with a quota of its own (issue 13): a btrfs subvolume (its own st_dev) or a pool that has
   // project-id claims goes through removeWorkspace, which releases them.
-  struct stat own, rootSt;
+  struct stat own;
   bool known = fstat(lease.get(), &own) == 0;
-  bool plain = known && fstat(rootFd_.get(), &rootSt) == 0 && own.st_dev == rootSt.st_dev && claimsIfAny() < 0;
+  bool plain = known && own.st_dev == rootDev_ && claimsIfAny() < 0;
   if (plain && sameEntry(rootFd_.get(), name, own) && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
     dropMeta(name);
     return;

@@ -201,6 +201,7 @@ class Pool {
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
+  dev_t rootDev_ = 0;  // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
