@@ -181,6 +181,8 @@ export interface Native {
   renameNoReplace(from: string, to: string): Promise<void>
   exchange(a: string, b: string): Promise<void>
   releaseLease(fd: number): Promise<void>
+  /** Drops the batched allocate/dispose calls not run yet; the pool threads stop after their current call. */
+  stopBatch(): void
   lockOpen(path: string, shared: boolean): Promise<{ fd: number; acquired: boolean }>
   /** done gets the fd the wait ends with (a new one when the file at `path` was replaced meanwhile): the caller's to release. */
   lockWait(options: { fd: number; path: string; shared: boolean }, done: (errno: number, fd: number, syscall: string) => void): WaitHandle
@@ -202,3 +204,8 @@ export interface NativeTestHooks {
 // lib/ and dist/ are both one level below the package root, where binding.gyp and build/ live.
 // node-gyp-build picks build/Release (or a prebuild) for this platform and Node-API version.
 export const native: Native = (require('node-gyp-build') as (dir: string) => Native)(path.join(__dirname, '..'))
+
+// On process.exit() (or a worker thread's), allocate/dispose calls still queued would otherwise be run to the end
+// before the exit completes (libuv drains its requests): they are dropped instead, and what a call cut short leaves
+// is an orphan for a sweep, as after a crash.
+process.once('exit', () => native.stopBatch())

@@ -27,7 +27,7 @@ extern "C" int pthread_rwlock_clockrdlock(pthread_rwlock_t*, clockid_t, const st
 extern "C" int pthread_rwlock_clockwrlock(pthread_rwlock_t*, clockid_t, const struct timespec*);
 STUB
 g++ -std=c++17 -fsyntax-only -Wall -Wextra -Wno-unused-parameter -Werror \
-  -D_GNU_SOURCE -DNAPI_VERSION=8 -DNAPI_CPP_EXCEPTIONS '-D__GLIBC_PREREQ(a,b)=0' -D__locale_t=locale_t \
+  -D_GNU_SOURCE -DNAPI_VERSION=8 -DNAPI_CPP_EXCEPTIONS -DNODE_API_SWALLOW_UNTHROWABLE_EXCEPTIONS '-D__GLIBC_PREREQ(a,b)=0' -D__locale_t=locale_t \
   -nostdinc -isystem "/usr/include/c++/$gxx" -isystem "/usr/include/$triple/c++/$gxx" \
   -isystem "/usr/lib/gcc/$triple/$gxx/include" -isystem "$musl" -isystem "$kernel" \
   -include "$kernel/libstdcxx-on-musl.h" -I "$nodeinc" -I "$(node -p "require('node-addon-api').include_dir")" \

@@ -85,7 +85,7 @@ describe('worker threads that end mid-operation', () => {
 })
 
 describe('a worker thread ending with batched calls in flight', () => {
-  test('300 allocates and disposes queued in a worker that exits: the process survives, no fd of the pool stays open, a sweep leaves the pool empty', async () => {
+  test('300 allocates and disposes queued in a worker that exits or is terminated: the process survives, no fd of the pool stays open, a sweep leaves the pool empty', async () => {
     const poolRoot = path.join(dir, 'pool')
     for (const delay of [0, 1, 5]) {
       const w = new Worker(
@@ -93,6 +93,17 @@ describe('a worker thread ending with batched calls in flight', () => {
         { eval: true },
       )
       await new Promise((resolve) => w.once('exit', resolve))
+    }
+    // terminate() from outside while calls are queued and running: N-API calls then fail in the worker, which must
+    // not abort the process (node-addon-api's NODE_API_SWALLOW_UNTHROWABLE_EXCEPTIONS).
+    for (const delay of Array.from({ length: 24 }, (_, i) => i % 12)) {
+      const w = new Worker(
+        `const v = require(${JSON.stringify(dist)}); const { parentPort } = require('node:worker_threads'); v.openPool(${JSON.stringify(poolRoot)}).then((p) => { for (let i = 0; i < 300; i++) p.allocate().then((ws) => i % 2 ? ws.dispose() : ws).catch(() => {}); parentPort.postMessage('go') })`,
+        { eval: true },
+      )
+      await new Promise((resolve) => w.once('message', resolve))
+      await new Promise((resolve) => setTimeout(resolve, delay))
+      await w.terminate()
     }
     const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
       try {

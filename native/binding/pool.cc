@@ -183,6 +183,13 @@ Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
   return closeFd(info.Env(), fd);
 }
 
+// The process or worker thread is exiting (lib/binding.ts, on 'exit'): batched calls not run yet are dropped unrun
+// and the pool threads stop after the call each is running, instead of draining the queue before the exit.
+Napi::Value StopBatch(const Napi::CallbackInfo& info) {
+  closeBatch(instance(info.Env()).batch);
+  return info.Env().Undefined();
+}
+
 }  // namespace
 
 vmspace::AllocateRequest workspaceRequestOf(const Options& o) {
@@ -240,6 +247,7 @@ void initPool(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "adopt", Adopt);
   exportFunction(env, exports, "sweep", Sweep);
   exportFunction(env, exports, "releaseLease", ReleaseLease);
+  exportFunction(env, exports, "stopBatch", StopBatch);
 }
 
 }  // namespace vmspace::binding
