@@ -149,7 +149,7 @@ export function exactJson(name: string, value: unknown): string {
     }
     if (Array.isArray(v)) {
       if (Object.keys(v).length !== v.length) throw invalidValue(at, 'an array without holes or extra keys', v)
-      v.forEach((item, i) => stack.push([item, `${at}[${i}]`]))
+      for (let i = 0; i < v.length; i++) stack.push([dataProperty(v, String(i), `${at}[${i}]`), `${at}[${i}]`])
       continue
     }
     const proto = typeof v === 'object' ? Object.getPrototypeOf(v) : undefined
@@ -157,7 +157,15 @@ export function exactJson(name: string, value: unknown): string {
       throw invalidValue(at, 'a JSON value (null, boolean, finite number, string, array or plain object)', v)
     if (Object.getOwnPropertySymbols(v).some((s) => Object.prototype.propertyIsEnumerable.call(v, s)))
       throw invalidValue(at, 'an object without symbol keys', v)
-    for (const [k, item] of Object.entries(v)) stack.push([item, `${at}[${JSON.stringify(k)}]`])
+    for (const k of Object.keys(v)) stack.push([dataProperty(v, k, `${at}[${JSON.stringify(k)}]`), `${at}[${JSON.stringify(k)}]`])
   }
   return text
+}
+
+// The value of own property `key` of `o`, read without calling a getter: JSON.stringify has already called it once,
+// and a second call could return something else than what was serialised (a getter's -0 after a first 0).
+function dataProperty(o: object, key: string, at: string): unknown {
+  const d = Object.getOwnPropertyDescriptor(o, key)!
+  if (d.get || d.set) throw invalidValue(at, 'a data property (not a getter or setter)', o)
+  return d.value
 }

@@ -98,6 +98,8 @@ describe('Pool.allocate', () => {
     ['meta an array with a hole', () => ({ meta: { l: Object.assign(new Array(3), { 0: 1, 2: 3 }) } }), VALUE('options.meta["l"]')],
     ['meta a class instance', () => ({ meta: new (class Point { x = 1 })() }), VALUE('options.meta')],
     ['meta with a symbol key', () => ({ meta: { [Symbol('s')]: 1 } }), VALUE('options.meta')],
+    ['meta with a getter (read once by JSON, again by a check)', () => ({ meta: { get g() { return 1 } } }), VALUE('options.meta["g"]')],
+    ['meta with a getter in an array', () => ({ meta: { l: Object.defineProperty([0], 0, { get: () => 1, enumerable: true }) } }), VALUE('options.meta["l"][0]')],
     ['template an empty directory path', () => ({ template: '' }), VALUE('options.template')],
     ['template a directory path with a NUL byte', (d) => ({ template: `${d}\0` }), VALUE('options.template')],
     ['template a number', () => ({ template: 42 }), TYPE('options.template')],
