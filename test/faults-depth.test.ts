@@ -138,6 +138,22 @@ describe.skipIf(!unprivilegedChildren)(
 )
 
 describe('a low RLIMIT_NOFILE', () => {
+  // A tree whose directories hold many subdirectories fills the walk's hand-off queue, whose fds no thread can page
+  // out: with ~40 fds free the clone must still complete (a queue sized for a roomy fd limit failed with EMFILE).
+  test('40 free fds: clone() of 20 directories of 30 subdirectories each is exact', { timeout: 60_000 }, async () => {
+    const dir = freshDir()
+    const src = path.join(dir, 'src')
+    for (let g = 0; g < 20; g++)
+      for (let d = 0; d < 30; d++) {
+        fs.mkdirSync(path.join(src, `g${g}`, `d${d}`), { recursive: true })
+        fs.writeFileSync(path.join(src, `g${g}`, `d${d}`, 'f'), `${g}/${d}`)
+      }
+    const r = await run({ op: 'clone', src, dst: path.join(dir, 'dst'), snapshot: true, limits: { nofileHeadroom: 40 } })
+    expect(r.event, JSON.stringify(r)).toBe('result')
+    expect(r.snapshot).toEqual(r.source)
+    expect(fs.readdirSync(dir).sort()).toEqual(['dst', 'src'])
+  })
+
   // Headroom: fds free above the highest one open when the call starts.
   for (const headroom of [2, 4, 8, 16, 64]) {
     test(`${headroom} free fds: clone() of a wide and deep tree is exact or rejects EMFILE, and leaves nothing else`, { timeout: 60_000 }, async () => {

@@ -250,6 +250,13 @@ class BatchWorker : public Napi::AsyncWorker {
 
 void batchCallJs(Napi::Env env, Napi::Function, Batch* batch, void*) {
   if (env == nullptr) return;  // teardown: closeBatch abandons what is left
+  // worker.terminate() emits no 'exit' in the worker, and libuv requests are drained before the env's cleanup
+  // hooks run: the first wakeup after JS stopped drops the queue, so the pool threads stop after their current
+  // call instead of running up to kRunsPerWorker more each.
+  if (!canRunJs(env)) {
+    closeBatch(*batch);
+    return;
+  }
   batch->settleDone(env);
 }
 
@@ -317,13 +324,16 @@ Napi::Promise submitBatched(Napi::Env env, std::unique_ptr<Job> job) {
 }
 
 void closeBatch(const std::shared_ptr<Batch>& batch) noexcept {
-  if (!batch) return;
+  if (batch) closeBatch(*batch);
+}
+
+void closeBatch(Batch& batch) noexcept {
   JobList pending, done;
   {
-    std::lock_guard<std::mutex> lock(batch->mu);
-    batch->closed = true;
-    pending = batch->pending.take();
-    done = batch->done.take();
+    std::lock_guard<std::mutex> lock(batch.mu);
+    batch.closed = true;
+    pending = batch.pending.take();
+    done = batch.done.take();
   }
   for (JobList* list : {&pending, &done}) {
     while (Job* job = list->pop()) {

@@ -96,5 +96,6 @@ Napi::Promise runAlone(Napi::Env env, std::unique_ptr<Job> job);
 // The env is ending: every call not settled yet is abandoned (Instance's destructor).
 class Batch;
 void closeBatch(const std::shared_ptr<Batch>& batch) noexcept;
+void closeBatch(Batch& batch) noexcept;
 
 }  // namespace vmspace::binding

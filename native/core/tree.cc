@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -111,14 +112,21 @@ class WalkThreads {
   // Queued directories per thread (2 fds each). A queue of one per thread ran dry whenever the thread that fills
   // it was inside a directory of its own: with 2 busy loops on 2 CPUs the helper then slept 90-250 ms of a 400-700
   // ms clone of 10,000 files (100 directories); with 8 per thread, under 3 ms.
+  // Queued fds cannot be paged out under EMFILE as a walking thread's stack can, so the deeper queue is used only
+  // where it is a small part of the fd limit (RLIMIT_NOFILE soft limit at least kDeepQueueFdLimit; Node raises the
+  // soft limit to the hard one at startup): below, one per thread, as before (at `ulimit -n 64` a queue of 16
+  // directories took 32 of the ~40 free fds and the walk failed with EMFILE).
   static constexpr unsigned kQueuePerThread = 8;
+  static constexpr rlim_t kDeepQueueFdLimit = 4096;
   // What a thread does with a task: walks it, adding to the thread's own summary.
   using Walk = std::function<void(Task&, CloneSummary&)>;
 
   explicit WalkThreads(Walk walk) : walk_(std::move(walk)) {
     unsigned cores = std::thread::hardware_concurrency();
     maxThreads_ = std::max(1u, std::min(kMaxThreads, cores ? cores : 1u));
-    queueMax_ = maxThreads_ * kQueuePerThread;
+    struct rlimit nofile;
+    bool roomy = getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur >= kDeepQueueFdLimit;
+    queueMax_ = maxThreads_ * (roomy ? kQueuePerThread : 1);
     helpers_.reserve(kMaxThreads);
     queue_.reserve(queueMax_);
   }
