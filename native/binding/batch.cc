@@ -25,7 +25,7 @@ void Job::execute() noexcept {
   ran_ = true;
 }
 
-void Job::settle(Napi::Env env) noexcept {
+bool Job::settle(Napi::Env env) noexcept {
   bool delivered = false;
   try {
     Napi::HandleScope scope(env);
@@ -43,6 +43,7 @@ void Job::settle(Napi::Env env) noexcept {
   } catch (...) {
   }
   if (!delivered && ran_ && !error_ && !outOfMemory_) drop(true);
+  return delivered;
 }
 
 void Job::fail(Napi::Env env, int err) noexcept {
@@ -135,18 +136,20 @@ class Batch {
   int workers = 0;        // JS thread: workers queued and not yet completed
   BatchTsfn tsfn;
 
-  // JS thread: settles every job done so far.
-  void settleDone(Napi::Env env) {
+  // JS thread: settles every job done so far; false when one could not be delivered.
+  bool settleDone(Napi::Env env) {
     JobList list;
     {
       std::lock_guard<std::mutex> lock(mu);
       list = done.take();
       notified = false;
     }
+    bool delivered = true;
     while (Job* job = list.pop()) {
-      job->settle(env);
+      delivered = job->settle(env) && delivered;
       delete job;
     }
+    return delivered;
   }
 
   // JS thread: rejects every job still pending with `err` (no worker could be started to run them).
@@ -251,13 +254,9 @@ class BatchWorker : public Napi::AsyncWorker {
 void batchCallJs(Napi::Env env, Napi::Function, Batch* batch, void*) {
   if (env == nullptr) return;  // teardown: closeBatch abandons what is left
   // worker.terminate() emits no 'exit' in the worker, and libuv requests are drained before the env's cleanup
-  // hooks run: the first wakeup after JS stopped drops the queue, so the pool threads stop after their current
-  // call instead of running up to kRunsPerWorker more each.
-  if (!canRunJs(env)) {
-    closeBatch(*batch);
-    return;
-  }
-  batch->settleDone(env);
+  // hooks run: the first wakeup after JS stopped (a settlement refused, confirmed by the probe) drops the queue, so
+  // the pool threads stop after their current call instead of running up to kRunsPerWorker more each.
+  if (!batch->settleDone(env) && !canRunJs(env)) closeBatch(*batch);
 }
 
 std::shared_ptr<Batch> batchOf(Napi::Env env) {

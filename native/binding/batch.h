@@ -36,7 +36,8 @@ class Job {
   // Pool thread: runs the call, keeping its error (never throws).
   void execute() noexcept;
   // JS thread: resolves or rejects the promise; a result that cannot be delivered is dropped (never throws).
-  void settle(Napi::Env env) noexcept;
+  // False when it could not be delivered (JS can no longer run: the env is ending).
+  bool settle(Napi::Env env) noexcept;
   // The call will never be settled (env torn down): releases what it holds (never throws).
   void abandon() noexcept;
   // JS thread: the call could not be run (no pool thread could be asked for): releases its inputs and rejects
