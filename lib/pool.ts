@@ -1055,7 +1055,7 @@ export class Workspace implements AsyncDisposable {
 
   // Not an async function, and one promise reaction between the native call and the caller when there is neither
   // progress nor a signal: the in-flight count, the clone counters, the result and the error conversion are all
-  // done in it (Workspace.clone of a reflinked file is as fast as copyFile only with no step more). A throw before
+  // done in it (against copyFile, each promise step more shows in `npm run bench -- --only clone`). A throw before
   // the native call (bad arguments, ERR_DISPOSED) still rejects, as an async function's would.
   #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
     let run: Promise<NativeCloneResult>
