@@ -211,13 +211,19 @@ class BatchWorker : public Napi::AsyncWorker {
       if (b.closed) return;
     }
     Napi::Env env = Env();
+    bool delivered = b.settleDone(env);
+    bool more;
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      more = !b.pending.empty();
+    }
     // The env is ending (its libuv requests are drained before its cleanup hooks run): run nothing more. The
-    // jobs still pending are dropped unrun, those done with their results (closeBatch).
-    if (!canRunJs(env)) {
+    // jobs still pending are dropped unrun, those done with their results (closeBatch). Probed only when a
+    // settlement was refused or a worker is about to be started, not after every call.
+    if ((!delivered || more) && !canRunJs(env)) {
       closeBatch(batch_);
       return;
     }
-    b.settleDone(env);
     startWorkers(env, batch_, workerLimit());
   }
 
@@ -314,9 +320,19 @@ Napi::Promise submitBatched(Napi::Env env, std::unique_ptr<Job> job) {
   std::shared_ptr<Batch> batch = batchOf(env);
   Napi::Promise promise = job->promise();
   Job* raw = job.release();
+  bool closed;
   {
     std::lock_guard<std::mutex> lock(batch->mu);
-    batch->pending.push(raw);
+    closed = batch->closed;
+    if (!closed) batch->pending.push(raw);
+  }
+  if (closed) {
+    // The env is ending (closeBatch ran: process 'exit', or JS still running while a worker thread is terminated):
+    // nothing will run the queue, so the call is released unrun and rejected now, not left on a dead queue
+    // holding its inputs (a dispose's lease fd).
+    raw->fail(env, ECANCELED);
+    delete raw;
+    return promise;
   }
   BatchWorker::startWorkers(env, batch, 1);  // a new call: at most one more worker
   return promise;

@@ -75,9 +75,8 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   Options o(info, 1, "dispose");
   std::string name = o.string("name");
   int leaseFd = o.int32("leaseFd");
-  instance(info.Env()).leases.erase(leaseFd);  // the core closes it on every path; so does a call never run
   struct Unit {};
-  return submitBatched(
+  Napi::Promise promise = submitBatched(
       info.Env(), std::make_unique<LambdaJob<Unit>>(
                       info.Env(),
                       [pool, name, leaseFd] {
@@ -85,6 +84,11 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
                         return Unit{};
                       },
                       [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr, [leaseFd] { ::close(leaseFd); }));
+  // Only now that the call owns the fd (the core closes it on every path; so does a call never run): a throw above
+  // (no promise or queue could be made) leaves the lease with the workspace. No lease can reuse the number before
+  // this line: leases are added on this thread only.
+  instance(info.Env()).leases.erase(leaseFd);
+  return promise;
 }
 
 // A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
