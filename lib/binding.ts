@@ -30,6 +30,8 @@ export interface NativeAllocateResult {
   /** Issue 14: the template cloned (allocate `from`) and its template.json text. */
   templateId?: string
   templateMeta?: string
+  /** Format 2: the metadata went into the directory's xattr, no file was made (dispose's `metaFile: false`). */
+  metaXattr?: boolean
 }
 
 export interface NativeSweepEntry {
@@ -165,7 +167,12 @@ export interface Native {
   ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
   listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
-  dispose(handle: PoolHandle, options: { name: string; leaseFd: number }): Promise<void>
+  /**
+   * What this process knows of the workspace (DisposeHints in native/core/pool.h; each default true = unknown): `metaFile: false`,
+   * its metadata is the xattr (no .vmspace/meta/ file is unlinked); `claim: false`, it was made without a quota
+   * (.vmspace/projects/ is not probed).
+   */
+  dispose(handle: PoolHandle, options: { name: string; leaseFd: number; metaFile?: boolean; claim?: boolean }): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>

@@ -335,7 +335,15 @@ const constructing = Symbol('vmspace.internal')
 const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
 const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
 type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: 1 | 2]
-type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number]
+// hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
+type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
+interface DisposeHints {
+  /** Its metadata may be a .vmspace/meta/ file (false: known to be the directory's xattr). */
+  metaFile: boolean
+  /** It may hold a project id claim (false: made here without a quota). */
+  claim: boolean
+}
+const unknownHints: DisposeHints = { metaFile: true, claim: true }
 
 /**
  * Calls still running, so that close()/dispose() wait for them before the fds they use are closed. A count, not a
@@ -423,6 +431,14 @@ export class Pool implements AsyncDisposable {
   readonly #reflink: Reflink
   readonly #durable: boolean
   readonly #bootId: string
+  #owner: { host: string; members: string } | undefined
+
+  /** The metadata record's pid, hostname and bootId members as JSON text, made again when the host name changes. */
+  #ownerMembers(): string {
+    const host = hostname()
+    if (this.#owner?.host !== host) this.#owner = { host, members: jsonMembers({ pid: process.pid, hostname: host, bootId: this.#bootId }) }
+    return this.#owner.members
+  }
   readonly #inFlight = new InFlight()
   #warm: WarmReserve | undefined
   #closed = false
@@ -467,7 +483,7 @@ export class Pool implements AsyncDisposable {
       await this._forget()
       throw e
     }
-    return this.#published(r, req.signal, t)
+    return this.#published(r, req.signal, t, req.quotaBytes > 0 || req.quotaInodes > 0)
   }
 
   /** allocate()'s options, checked, and the metadata record's members (nothing is touched yet). */
@@ -481,19 +497,13 @@ export class Pool implements AsyncDisposable {
     const mode = workspaceMode('options.mode', o.mode)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
-    // The record's members in this order; the core appends name and template and writes the object once. The
-    // caller's meta goes in as the JSON text its checks produced, not parsed and serialised again.
-    const info = jsonMembers(
-      {
-        format: 1,
-        createdAt: Date.now(),
-        pid: process.pid,
-        hostname: hostname(),
-        bootId: this.#bootId,
-        quota: quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined,
-      },
-      ['meta', metaText(o.meta)],
-    )
+    // The record's members in this order: format, createdAt, pid, hostname, bootId, quota, meta; the core appends
+    // name and template and writes the object once. The caller's meta goes in as the JSON text its checks
+    // produced, not parsed and serialised again; the owner's members are serialised once per host name.
+    const quota = quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined
+    const info =
+      '"format":1,"createdAt":' + Date.now() + ',' + this.#ownerMembers() +
+      (quota ? ',"quota":' + JSON.stringify(quota) : '') + ',"meta":' + metaText(o.meta)
     return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
   }
 
@@ -522,10 +532,11 @@ export class Pool implements AsyncDisposable {
   }
 
   /** The Workspace of a published build: its clones counted, its template's metadata checked, an abort honoured. */
-  async #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
+  async #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined, claim: boolean): Promise<Workspace> {
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd)
+    const hints = { metaFile: r.metaXattr !== true, claim }
+    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd, hints)
     ws.template = r.clones.map((c) => {
       this._countClone(c)
       return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
@@ -669,7 +680,9 @@ export class Pool implements AsyncDisposable {
       await this._forget()
       throw e
     }
-    const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd)
+    // Its dispose looks for a metadata file: an xattr read here may be one a guest set on a workspace whose
+    // metadata is the file (the xattr was refused when it was made).
+    const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd, unknownHints)
     ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
     ws.templateId = ws.info.templateId
     return ws
@@ -952,9 +965,9 @@ export class Pool implements AsyncDisposable {
   }
 
   /** @internal */
-  async _dispose(ws: Workspace, leaseFd: number): Promise<void> {
+  async _dispose(ws: Workspace, leaseFd: number, hints: DisposeHints): Promise<void> {
     try {
-      await call(native.dispose(this.#handle, { name: ws.name, leaseFd }))
+      await call(native.dispose(this.#handle, { name: ws.name, leaseFd, metaFile: hints.metaFile, claim: hints.claim }))
       this.#stats.disposed++
     } finally {
       await this._forget()
@@ -1017,15 +1030,17 @@ export class Workspace implements AsyncDisposable {
   #disposing: Promise<void> | undefined
   readonly #pool: Pool
   readonly #inFlight = new InFlight()
+  readonly #hints: DisposeHints
 
   // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
-  private constructor(...[token, pool, id, name, wsPath, leaseFd]: WorkspaceArgs) {
+  private constructor(...[token, pool, id, name, wsPath, leaseFd, hints]: WorkspaceArgs) {
     if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
     this.#pool = pool
     this.id = id
     this.name = name
     this.path = wsPath
     this.#leaseFd = leaseFd
+    this.#hints = hints
   }
 
   /**
@@ -1108,7 +1123,7 @@ export class Workspace implements AsyncDisposable {
         const fd = this.#leaseFd
         // The native dispose owns the fd from here on (closed whatever happens): its number is no longer ours.
         this.#leaseFd = -1
-        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd))
+        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, this.#hints))
         this.#status = 'disposed'
       } catch (e) {
         this.#status = 'unrecoverable'

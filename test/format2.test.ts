@@ -82,6 +82,20 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
     await pool.close()
   })
 
+  test('dispose of a workspace whose metadata is the xattr does not look in .vmspace/meta/: a file put there by hand is left to sweep, which removes it', async () => {
+    const root = freshRoot()
+    const pool = await openPool(root, { format: 2 })
+    const ws = await pool.allocate()
+    const planted = path.join(root, '.vmspace', 'meta', `${ws.name}.json`)
+    fs.writeFileSync(planted, '{}\n')
+    await ws.dispose()
+    expect(poolState(root)).toEqual({ ...emptyPoolState, meta: [`${ws.name}.json`] })
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.metadataRemoved).toBe(1)
+    expect(poolState(root)).toEqual(emptyPoolState)
+    await pool.close()
+  })
+
   test('an xattr that does not parse is ERR_CORRUPT_METADATA naming the workspace directory, never read as empty', async () => {
     const root = freshRoot()
     const pool = await openPool(root, { format: 2 })

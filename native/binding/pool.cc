@@ -69,18 +69,21 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
                                        dropAllocateResult));
 }
 
-// dispose(pool, {name, leaseFd})
+// dispose(pool, {name, leaseFd, metaFile, claim})
 Napi::Value Dispose(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "dispose");
   std::string name = o.string("name");
   int leaseFd = o.int32("leaseFd");
+  vmspace::DisposeHints hints;
+  hints.metaFile = o.booleanOr("metaFile", true);
+  hints.claim = o.booleanOr("claim", true);
   struct Unit {};
   Napi::Promise promise = submitBatched(
       info.Env(), std::make_unique<LambdaJob<Unit>>(
                       info.Env(),
-                      [pool, name, leaseFd] {
-                        pool->dispose(name, leaseFd);
+                      [pool, name, leaseFd, hints] {
+                        pool->dispose(name, leaseFd, hints);
                         return Unit{};
                       },
                       [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr, [leaseFd] { ::close(leaseFd); }));
@@ -224,6 +227,7 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
   o.Set("name", r.name);
   o.Set("leaseFd", fd);
   o.Set("retries", r.retries);
+  if (r.metaInXattr) o.Set("metaXattr", true);
   Napi::Array clones = Napi::Array::New(env, r.clones.size());
   for (size_t i = 0; i < r.clones.size(); i++) {
     Napi::Object c = summaryObject(env, r.clones[i].result, reflink);

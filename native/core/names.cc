@@ -1,8 +1,11 @@
 #include "names.h"
 
+#include <pthread.h>
 #include <sys/random.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <deque>
 #include <mutex>
 
@@ -30,13 +33,47 @@ void fillRandom(unsigned char* buf, size_t len) {
   }
 }
 
+// Random bytes drawn 256 at a time per thread (issue 12: one getrandom(2) per 16 ids instead of one per id; 256
+// bytes is the most getrandom never returns short). A forked child starts with its parent's unused bytes, so a
+// fork (pthread_atfork) discards every thread's buffer: parent and child never draw the same name.
+std::atomic<unsigned> g_forkGeneration{0};
+
+struct RandomBuffer {
+  unsigned char bytes[256];
+  size_t used = sizeof bytes;  // empty until first filled
+  unsigned generation = 0;
+};
+
+void takeRandom(unsigned char* out, size_t len) {
+  static std::once_flag atfork;
+  std::call_once(atfork, [] {
+    // Failure (ENOMEM) leaves no handler: then every draw goes to the kernel.
+    if (pthread_atfork(nullptr, nullptr, [] { g_forkGeneration.fetch_add(1, std::memory_order_relaxed); }) != 0)
+      g_forkGeneration.store(1u << 31, std::memory_order_relaxed);
+  });
+  unsigned generation = g_forkGeneration.load(std::memory_order_relaxed);
+  thread_local RandomBuffer buffer;
+  if (len > sizeof buffer.bytes || generation & (1u << 31)) {
+    fillRandom(out, len);
+    return;
+  }
+  if (buffer.generation != generation || sizeof buffer.bytes - buffer.used < len) {
+    fillRandom(buffer.bytes, sizeof buffer.bytes);
+    buffer.used = 0;
+    buffer.generation = generation;
+  }
+  std::memcpy(out, buffer.bytes + buffer.used, len);
+  std::memset(buffer.bytes + buffer.used, 0, len);  // each byte is used once
+  buffer.used += len;
+}
+
 }  // namespace
 
 std::string randomHex(size_t bytes) {
   static const char kHex[] = "0123456789abcdef";
   unsigned char buf[64];
   if (bytes > sizeof buf) bytes = sizeof buf;
-  fillRandom(buf, bytes);
+  takeRandom(buf, bytes);
   std::string out(bytes * 2, '0');
   for (size_t i = 0; i < bytes; i++) {
     out[2 * i] = kHex[buf[i] >> 4];

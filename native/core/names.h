@@ -1,4 +1,4 @@
-// Workspace ids: 128 bits from getrandom(2), as 32 lowercase hex characters.
+// Workspace ids: 128 bits from getrandom(2) (drawn 256 bytes at a time per thread), as 32 lowercase hex characters.
 #pragma once
 
 #include <string>

@@ -682,6 +682,7 @@ class PoolPublish {
       throw;
     }
     res_.leaseFd = lease_.release();
+    res_.metaInXattr = inXattr_;
     return std::move(res_);
   }
 
@@ -858,7 +859,7 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
   return true;
 }
 
-void Pool::dispose(const std::string& name, int leaseFd) {
+void Pool::dispose(const std::string& name, int leaseFd, DisposeHints hints) {
   UniqueFd lease(leaseFd);
   // An empty workspace (the common case) is removed at its name: one rmdir(2) changes one directory, where the
   // move into trash and the rmdir there change two, twice (under many workers these directory locks are the
@@ -869,9 +870,9 @@ void Pool::dispose(const std::string& name, int leaseFd) {
   // project-id claims goes through removeWorkspace, which releases them.
   struct stat own;
   bool known = fstat(lease.get(), &own) == 0;
-  bool plain = known && own.st_dev == rootDev_ && claimsIfAny() < 0;
+  bool plain = known && own.st_dev == rootDev_ && (!hints.claim || claimsIfAny() < 0);
   if (plain && sameEntry(rootFd_.get(), name, own) && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
-    dropMeta(name);
+    if (hints.metaFile) dropMeta(name);
     return;
   }
   // Anything else (not empty, not ours, gone, a mount) takes the general path, which reports it as before.
@@ -882,7 +883,7 @@ void Pool::dispose(const std::string& name, int leaseFd) {
     inTrash = known && sameEntry(trashFd_.get(), name, own);
   }
   if (inTrash) removeWorkspace(trashFd_.get(), name, trashPath);
-  dropMeta(name);
+  if (hints.metaFile) dropMeta(name);
 }
 
 AdoptResult Pool::adopt(const std::string& name) {

@@ -63,6 +63,18 @@ struct AllocateResult {
   int retries = 0;   // names drawn again: the one drawn existed, or a sweep reclaimed its entry before the lease
   std::vector<ClonedEntry> clones;
   std::string templateId, templateMeta;  // issue 14: the template cloned (fromTemplate) and its template.json
+  bool metaInXattr = false;  // format 2: its metadata is the directory's xattr, and no file was made (dispose hint)
+};
+
+// What the caller knows of a workspace it disposes, from its allocation by this process (issue 12: each saves
+// a syscall on every dispose). metaFile false: its metadata is the directory's xattr
+// (AllocateResult::metaInXattr), so no meta/ file is looked for (an unlink failing with ENOENT still takes
+// meta/'s lock exclusively). claim false: it was made without a quota, so it holds no project id claim and
+// .vmspace/projects/ is not probed. Defaults: unknown (adopted workspaces). A file or claim there anyway (never
+// made by vmspace for such a workspace) would be an orphan for a sweep.
+struct DisposeHints {
+  bool metaFile = true;
+  bool claim = true;
 };
 
 // A workspace built and leased in .vmspace/staging/<name>, not yet published (Pool::stage). To a sweep it is a build
@@ -141,7 +153,7 @@ class Pool {
 
   // Moves workspace `name` into trash, removes it safely, drops its metadata, closes `leaseFd`. The lease fd is
   // closed on every path, so that a sweep can finish what a failed removal left in trash.
-  void dispose(const std::string& name, int leaseFd);
+  void dispose(const std::string& name, int leaseFd, DisposeHints hints = {});
 
   // Takes over the published workspace `name` whose lease is free: ENOENT when there is none,
   // ERR_LEASE_HELD while any process holds its lease.

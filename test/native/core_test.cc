@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -154,6 +155,28 @@ static void namesAreRandomLowercaseHex() {
   CHECK(ids.size() == 1000);
   CHECK(randomHex(6).size() == 12);
   CHECK(randomHex(6) != randomHex(6));
+}
+
+// Ids come from a per-thread buffer of random bytes: a forked child must not draw what its parent draws next.
+static void forkedChildDrawsOtherIds() {
+  (void)randomId();  // the buffer filled, 240 bytes left in it
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::string id = randomId();
+    _exit(write(fds[1], id.data(), id.size()) == static_cast<ssize_t>(id.size()) ? 0 : 1);
+  }
+  CHECK(pid > 0);
+  close(fds[1]);
+  std::string mine = randomId();
+  char theirs[64];
+  ssize_t n = read(fds[0], theirs, sizeof theirs);
+  close(fds[0]);
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(n == kIdHexChars);
+  CHECK(std::string(theirs, n) != mine);
 }
 
 static void renameNoReplaceNeverReplaces() {
@@ -560,6 +583,7 @@ int main() {
   cloneKeepsHolesAndRefusesExisting();
   poolNamesAreDistinctAndCollisionsRetry();
   namesAreRandomLowercaseHex();
+  forkedChildDrawsOtherIds();
   renameNoReplaceNeverReplaces();
   removeTakesSymlinksNeverTheirTargets();
   removeTakesAChainDeeperThanPathMax();
