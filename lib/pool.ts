@@ -352,6 +352,9 @@ const unknownHints: DisposeHints = { metaFile: true, claim: true }
 class InFlight {
   #count = 0
   #waiters: (() => void)[] = []
+  get busy(): boolean {
+    return this.#count > 0
+  }
   begin(): void {
     this.#count++
   }
@@ -431,6 +434,7 @@ export class Pool implements AsyncDisposable {
   readonly #reflink: Reflink
   readonly #durable: boolean
   readonly #bootId: string
+  readonly #rootSlash: string
   #owner: { host: string; members: string } | undefined
 
   /** The metadata record's pid, hostname and bootId members as JSON text, made again when the host name changes. */
@@ -452,6 +456,7 @@ export class Pool implements AsyncDisposable {
     this.format = format
     this.#handle = handle
     this.root = root
+    this.#rootSlash = root.endsWith('/') ? root : root + '/' // path.resolve's output: '/' is the only one with it
     this.prefix = prefix
     this.#reflink = reflink
     this.#durable = durable
@@ -507,20 +512,30 @@ export class Pool implements AsyncDisposable {
     return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
   }
 
-  /** Builds and publishes the workspace: from the warm reserve when it can serve the request, else in the core. */
-  async #build(req: CheckedAllocate): Promise<NativeAllocateResult> {
-    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info } = req
+  /**
+   * Builds and publishes the workspace: from the warm reserve when it can serve the request, else in the core.
+   * Not an async function (issue 12: a promise step fewer per allocate); a throw is caught by #allocate's try.
+   */
+  #build(req: CheckedAllocate): Promise<NativeAllocateResult> {
+    const { quotaBytes, quotaInodes, dir, entries, from, signal } = req
     if (signal?.aborted) throw new AbortError(signal.reason)
     // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
     // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
     // or with their project id before anything is cloned in).
     if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
       const warm = this.#warm
-      if (warm?.matches(WarmReserve.key(dir, entries, mode))) {
-        const r = await warm.take(info)
-        if (r) return r
-      }
+      if (warm?.matches(WarmReserve.key(dir, entries, req.mode))) return this.#buildWarm(warm, req)
     }
+    return this.#buildInCore(req)
+  }
+
+  async #buildWarm(warm: WarmReserve, req: CheckedAllocate): Promise<NativeAllocateResult> {
+    const r = await warm.take(req.info)
+    return r ?? this.#buildInCore(req)
+  }
+
+  #buildInCore(req: CheckedAllocate): Promise<NativeAllocateResult> {
+    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info } = req
     return this.#inFlight.track(
       withProgress({ signal }, (p) =>
         native.allocate(this.#handle, {
@@ -531,16 +546,29 @@ export class Pool implements AsyncDisposable {
     )
   }
 
-  /** The Workspace of a published build: its clones counted, its template's metadata checked, an abort honoured. */
-  async #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined, claim: boolean): Promise<Workspace> {
+  /**
+   * The Workspace of a published build: its clones counted, its template's metadata checked, an abort honoured.
+   * The workspace itself, not a promise, when there is nothing to wait for (issue 12: #allocate then resolves
+   * without adopting a promise).
+   */
+  #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined, claim: boolean): Workspace | Promise<Workspace> {
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
     const hints = { metaFile: r.metaXattr !== true, claim }
-    const ws = newWorkspace(constructing, this, r.id, r.name, path.join(this.root, r.name), r.leaseFd, hints)
-    ws.template = r.clones.map((c) => {
-      this._countClone(c)
-      return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
-    })
+    const ws = newWorkspace(constructing, this, r.id, r.name, this.#rootSlash + r.name, r.leaseFd, hints)
+    if (r.clones.length)
+      ws.template = r.clones.map((c) => {
+        this._countClone(c)
+        return toResult(c, c.dest ? path.join(ws.path, c.dest) : ws.path)
+      })
+    if (r.templateId === undefined && !signal?.aborted) {
+      if (t) allocateResult(t, ws, r.retries)
+      return ws
+    }
+    return this.#publishedChecked(ws, r, signal, t)
+  }
+
+  async #publishedChecked(ws: Workspace, r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined): Promise<Workspace> {
     if (r.templateId !== undefined) {
       ws.templateId = r.templateId
       // Read under the template's lock by the same call: a template.json that does not parse refuses it.
@@ -964,20 +992,38 @@ export class Pool implements AsyncDisposable {
     return this.close()
   }
 
-  /** @internal */
-  async _dispose(ws: Workspace, leaseFd: number, hints: DisposeHints): Promise<void> {
+  /**
+   * @internal Not an async function: one promise reaction after the native call (issue 12, as Workspace.clone).
+   * The workspace is forgotten on every path; the pool's own release error, if any, wins over the dispose's.
+   */
+  _dispose(ws: Workspace, leaseFd: number, hints: DisposeHints): Promise<void> {
+    let run: Promise<void>
     try {
-      await call(native.dispose(this.#handle, { name: ws.name, leaseFd, metaFile: hints.metaFile, claim: hints.claim }))
-      this.#stats.disposed++
-    } finally {
-      await this._forget()
+      run = native.dispose(this.#handle, { name: ws.name, leaseFd, metaFile: hints.metaFile, claim: hints.claim })
+    } catch (e) {
+      return this.#forgetThen(() => Promise.reject(e))
     }
+    return run.then(
+      () => {
+        this.#stats.disposed++
+        return this._forget()
+      },
+      (e: unknown) => this.#forgetThen(() => Promise.reject(fromNative(e))),
+    )
   }
 
-  /** @internal A workspace of this pool is gone from it (disposed, released, or never made). */
-  async _forget(): Promise<void> {
+  #forgetThen(next: () => Promise<void>): Promise<void> {
+    const released = this._forget()
+    return released ? released.then(next) : next()
+  }
+
+  /**
+   * @internal A workspace of this pool is gone from it (disposed, released, or never made). A promise only when
+   * this was the last one of a closed pool (its release); else nothing to wait for.
+   */
+  _forget(): Promise<void> | undefined {
     this.#open--
-    await this.#releaseIfIdle()
+    return this.#closed ? this.#releaseIfIdle() : undefined
   }
 
   /** @internal */
@@ -1116,22 +1162,32 @@ export class Workspace implements AsyncDisposable {
    * workspace is then `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {
-    this.#disposing ??= (async () => {
-      await this.#inFlight.idle()
-      try {
-        const pool = this.#pool
-        const fd = this.#leaseFd
-        // The native dispose owns the fd from here on (closed whatever happens): its number is no longer ours.
-        this.#leaseFd = -1
-        await traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, this.#hints))
+    this.#disposing ??= this.#inFlight.busy ? this.#inFlight.idle().then(() => this.#disposeNow()) : this.#disposeNow()
+    return this.#disposing
+  }
+
+  // Not an async function: one promise reaction between the native call's and the caller's (issue 12).
+  #disposeNow(): Promise<void> {
+    let run: Promise<void>
+    try {
+      const pool = this.#pool
+      const fd = this.#leaseFd
+      // The native dispose owns the fd from here on (closed whatever happens): its number is no longer ours.
+      this.#leaseFd = -1
+      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, this.#hints))
+    } catch (e) {
+      run = Promise.reject(e)
+    }
+    return run.then(
+      () => {
         this.#status = 'disposed'
-      } catch (e) {
+      },
+      (e: unknown) => {
         this.#status = 'unrecoverable'
         this.#cause = e
         throw e
-      }
-    })()
-    return this.#disposing
+      },
+    )
   }
 
   /**
