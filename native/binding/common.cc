@@ -44,15 +44,28 @@ Napi::Promise runVoid(Napi::Env env, std::function<void()> fn) {
 
 Options::Options(const Napi::CallbackInfo& info, size_t i, const char* call) : env_(info.Env()), call_(call) {
   if (!info[i].IsObject())
-    throw Napi::TypeError::New(
-        env_, "vmspace binding: " + call_ + ": argument " + std::to_string(i) + " must be an options object");
+    throw Napi::TypeError::New(env_, std::string("vmspace binding: ") + call_ + ": argument " + std::to_string(i) +
+                                         " must be an options object");
   object_ = info[i].As<Napi::Object>();
 }
 
-Napi::Value Options::get(const char* key) const { return object_.Get(key); }
+Napi::String propertyKey(Napi::Env env, const char* key) {
+  Instance& inst = instance(env);
+  auto it = inst.keys.find(key);
+  if (it != inst.keys.end()) return inst.keyStore.Value().Get(it->second).As<Napi::String>();
+  if (inst.keyStore.IsEmpty()) inst.keyStore = Napi::Persistent(Napi::Object(Napi::Array::New(env)));
+  Napi::String s = Napi::String::New(env, key);
+  auto index = static_cast<uint32_t>(inst.keys.size());
+  inst.keyStore.Value().Set(index, s);
+  inst.keys.emplace(key, index);
+  return s;
+}
+
+Napi::Value Options::get(const char* key) const { return object_.Get(propertyKey(env_, key)); }
 
 Napi::TypeError Options::wrongType(const char* key, const char* what) const {
-  return Napi::TypeError::New(env_, "vmspace binding: " + call_ + ": option '" + key + "' must be " + what);
+  return Napi::TypeError::New(env_,
+                              std::string("vmspace binding: ") + call_ + ": option '" + key + "' must be " + what);
 }
 
 std::string Options::string(const char* key) const {
@@ -132,7 +145,7 @@ vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::stri
 }
 
 vmspace::JsonMembers Options::members(const char* key) const {
-  return jsonMembersOf(env_, get(key), call_ + ": option '" + key + "'");
+  return jsonMembersOf(env_, get(key), std::string(call_) + ": option '" + key + "'");
 }
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i) {

@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -50,10 +51,19 @@ struct Instance {
   std::unordered_set<int> locks;
   std::unordered_set<std::shared_ptr<LockWaiter>> waiters;
   std::shared_ptr<Batch> batch;  // made by the first batched call (batch.h)
-  ~Instance();                   // lock.cc (it cancels the waits and abandons the batch's calls)
+  // propertyKey's strings: their index in `keyStore` (an array: Node-API before version 10 cannot reference a
+  // string) by the address of the literal that names them (a bounded set: keys are literals).
+  std::unordered_map<const char*, uint32_t> keys;
+  Napi::ObjectReference keyStore;
+  ~Instance();  // lock.cc (it cancels the waits and abandons the batch's calls)
 };
 
 inline Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
+
+// The property name `key` (a string literal: the cache is keyed by its address) as a V8 string made once per env.
+// Issue 12: napi_get/set_named_property internalize their C string on every call, which was ~7 % of the JS
+// thread's time with 64 allocate/dispose calls in flight (perf: InternalizeString, StringTable lookups).
+Napi::String propertyKey(Napi::Env env, const char* key);
 
 // An operation with no result: resolves with undefined.
 Napi::Promise runVoid(Napi::Env env, std::function<void()> fn);
@@ -99,7 +109,7 @@ class Options {
   Napi::TypeError wrongType(const char* key, const char* what) const;
   Napi::Env env_;
   Napi::Object object_;
-  std::string call_;
+  const char* call_;  // a literal
 };
 
 std::string stringArg(const Napi::CallbackInfo& info, size_t i);

@@ -223,18 +223,18 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
   int fd = std::exchange(r.leaseFd, -1);
   instance(env).leases.insert(fd);
   Napi::Object o = Napi::Object::New(env);
-  o.Set("id", r.id);
-  o.Set("name", r.name);
-  o.Set("leaseFd", fd);
-  o.Set("retries", r.retries);
-  if (r.metaInXattr) o.Set("metaXattr", true);
+  o.Set(propertyKey(env, "id"), r.id);  // cached keys: this runs once per allocate (issue 12)
+  o.Set(propertyKey(env, "name"), r.name);
+  o.Set(propertyKey(env, "leaseFd"), fd);
+  o.Set(propertyKey(env, "retries"), r.retries);
+  if (r.metaInXattr) o.Set(propertyKey(env, "metaXattr"), true);
   Napi::Array clones = Napi::Array::New(env, r.clones.size());
   for (size_t i = 0; i < r.clones.size(); i++) {
     Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
     c.Set("dest", r.clones[i].dest);
     clones.Set(static_cast<uint32_t>(i), c);
   }
-  o.Set("clones", clones);
+  o.Set(propertyKey(env, "clones"), clones);
   if (!r.templateId.empty()) {  // issue 14
     o.Set("templateId", r.templateId);
     o.Set("templateMeta", r.templateMeta);
