@@ -3,7 +3,7 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
-//   npm run bench -- --only trace,clone [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
+//   npm run bench -- --only throughput,trace,clone,tree [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -26,7 +26,7 @@ const { values: args } = parseArgs({
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
     only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | warm | templates-btrfs
-    baseline: { type: 'string' }, // trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
+    baseline: { type: 'string' }, // throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
@@ -150,8 +150,9 @@ for (const section of ['throughput', 'growth']) {
   if (!want(section)) continue
   const only = section === 'throughput' ? 'inflight,procs' : 'growth'
   console.log('')
+  const baseline = args.baseline && section === 'throughput' ? ['--baseline', args.baseline] : []
   process.stdout.write(
-    execFileSync(process.execPath, [path.join(here, 'throughput.mjs'), '--dir', xfsTarget.dir, '--floor', floorBin, '--only', only, '--entries', args.entries], {
+    execFileSync(process.execPath, [path.join(here, 'throughput.mjs'), '--dir', xfsTarget.dir, '--floor', floorBin, '--only', only, '--entries', args.entries, ...baseline], {
       maxBuffer: 1 << 24,
     }),
   )

@@ -3,7 +3,8 @@
 // Usage: syscalls DIR ITERATIONS META [THREADS MS]
 //   META: vmspace's sequence with its metadata as 1 a file in meta/ and dispose through trash/ (vmspace before
 //   issue 12), 2 a file and dispose by rmdir at the workspace's name (format 1 pools now), 3 an xattr of the
-//   workspace directory and rmdir at the name (format 2 pools); 0: 1 without any metadata.
+//   workspace directory and rmdir at the name, no meta/ unlink (format 2 pools); 0: 1 without any metadata.
+//   The name's random bytes come from a per-thread buffer refilled 256 bytes at a time, as in native/core/names.cc.
 //   BODY (environment): bytes of metadata, default 200 (what allocate() writes without meta or template).
 //   Without THREADS: prints the median ns per allocate+dispose pair of ITERATIONS pairs in one thread.
 //   With THREADS: THREADS threads each run pairs back to back for MS milliseconds; prints the pairs per second.
@@ -24,8 +25,14 @@
 #include <vector>
 
 static std::string hex(size_t n) {
-  unsigned char b[32];
-  if (getrandom(b, n, 0) != static_cast<ssize_t>(n)) abort();
+  thread_local unsigned char pool[256];
+  thread_local size_t used = sizeof pool;
+  if (sizeof pool - used < n) {
+    if (getrandom(pool, sizeof pool, 0) != static_cast<ssize_t>(sizeof pool)) abort();
+    used = 0;
+  }
+  unsigned char* b = pool + used;
+  used += n;
   static const char* k = "0123456789abcdef";
   std::string s;
   for (size_t i = 0; i < n; i++) s += k[b[i] >> 4], s += k[b[i] & 15];
@@ -64,7 +71,7 @@ static bool pair() {
     if (fstatat(trash, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0) return false;
     if (unlinkat(trash, name.c_str(), AT_REMOVEDIR) != 0) return false;
   }
-  if (meta >= 1) unlinkat(metaFd, mname.c_str(), 0);  // ENOENT in format 2
+  if (meta == 1 || meta == 2) unlinkat(metaFd, mname.c_str(), 0);
   close(fd);
   return true;
 }

@@ -7,13 +7,16 @@
 //   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same three (the floor in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
-//   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth]
+//   With --baseline DIR (a built checkout of an earlier version), its format-2 allocate+dispose runs interleaved
+//   with the others in rows 1 and 2 ("vmspace / baseline").
+//   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth] [--baseline DIR]
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import { execFileSync } from 'node:child_process'
+import { createRequire } from 'node:module'
 import { median } from './median.mjs'
 import { raceChildren, readyThenGo, vmspace } from './children.mjs'
 
@@ -29,6 +32,7 @@ const { values: args } = parseArgs({
     procs: { type: 'string', default: String(2 * os.cpus().length) },
     entries: { type: 'string', default: '100000' },
     only: { type: 'string' },
+    baseline: { type: 'string' },
     // internal: one looping child process
     child: { type: 'string' },
   },
@@ -36,6 +40,7 @@ const { values: args } = parseArgs({
 const timeMs = Number(args.time)
 const rounds = Number(args.rounds)
 const want = (s) => !args.only || args.only.split(',').includes(s)
+const before = args.baseline ? createRequire(import.meta.url)(path.join(path.resolve(args.baseline), 'dist', 'index.js')) : undefined
 
 // Runs pairs of `impl` with `inflight` in flight for `ms`; resolves the pairs done.
 async function loop(impl, inflight, ms) {
@@ -55,10 +60,15 @@ async function loop(impl, inflight, ms) {
 async function implementations(dir) {
   const pool = await vmspace.openPool(path.join(dir, 'pool'))
   const pool2 = await vmspace.openPool(path.join(dir, 'pool2'), { format: 2 })
+  const poolB = before ? await before.openPool(path.join(dir, 'pool-baseline'), { format: 2 }) : undefined
   const tmpBase = path.join(dir, 'mkdtemp')
   fs.mkdirSync(tmpBase, { recursive: true })
   return {
-    pools: [pool, pool2],
+    pools: poolB ? [pool, pool2, poolB] : [pool, pool2],
+    baseline2: async () => {
+      const ws = await poolB.allocate()
+      await ws.dispose()
+    },
     vmspace: async () => {
       const ws = await pool.allocate()
       await ws.dispose()
@@ -90,7 +100,7 @@ process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
 // The native floors: vmspace's syscall sequence for a format-1 pool (metadata file) and a format-2 pool (xattr).
 const floorOps = (format, threads) =>
   Number(execFileSync(args.floor, [path.join(dir, `floor${format}`), '0', format === 1 ? '2' : '3', String(threads), String(timeMs)]).toString())
-const names = ['vmspace', 'vmspace2', 'mkdtemp', 'floor1', 'floor2']
+const names = ['vmspace', 'vmspace2', 'mkdtemp', 'floor1', 'floor2', ...(before ? ['baseline2'] : [])]
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
 const fsType = (() => {
   try {
@@ -111,6 +121,7 @@ const ratioRows = (label, res) => {
     'vmspace / mkdtemp+rm': r(vm, 'mkdtemp'),
     'vmspace / floor': r(vm, floor),
     'per round (vm/mk/floor)': res[vm].map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res[floor][i].toFixed(0)}`).join(' '),
+    ...(before && format === 2 ? { 'baseline ops/s': median(res.baseline2).toFixed(0), 'vmspace / baseline': r(vm, 'baseline2') } : {}),
   })
   return [row(1, 'vmspace', 'floor1'), row(2, 'vmspace2', 'floor2')]
 }
@@ -126,7 +137,7 @@ console.log(`throughput on ${fsType} (${dir}); ${os.cpus().length} CPUs; load av
 if (want('inflight')) {
   const inflight = Number(args.inflight)
   const impls = await implementations(dir)
-  for (const n of ['vmspace', 'vmspace2', 'mkdtemp']) await loop(impls[n], inflight, 300)
+  for (const n of ['vmspace', 'vmspace2', 'mkdtemp', ...(before ? ['baseline2'] : [])]) await loop(impls[n], inflight, 300)
   const res = await rounds_(async (name) =>
     name.startsWith('floor') ? floorOps(Number(name.at(-1)), threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
   )
@@ -135,7 +146,7 @@ if (want('inflight')) {
 }
 
 async function processes(name, procs) {
-  const argv = Array.from({ length: procs }, () => ['--child', name, '--dir', dir, '--time', String(timeMs)])
+  const argv = Array.from({ length: procs }, () => ['--child', name, '--dir', dir, '--time', String(timeMs), ...(before ? ['--baseline', args.baseline] : [])])
   const { answers, seconds } = await raceChildren(script, name, argv)
   return answers.reduce((a, b) => a + Number(b), 0) / seconds
 }
