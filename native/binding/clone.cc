@@ -78,23 +78,23 @@ ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i) {
 }
 
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
-  Napi::Object o = Napi::Object::New(env);
-  o.Set("kind", s.tree ? "tree" : "file");
-  o.Set("method", vmspace::methodName(s, reflink));
-  o.Set("files", static_cast<double>(s.files));
-  o.Set("bytes", static_cast<double>(s.bytes));
-  o.Set("reflinked", static_cast<double>(s.reflinked));
-  o.Set("copied", static_cast<double>(s.copied));
+  Napi::Object o = Napi::Object::New(env);  // keys made once per env (propertyKey): one per clone (issue 12)
+  o.Set(propertyKey(env, "kind"), s.tree ? "tree" : "file");
+  o.Set(propertyKey(env, "method"), vmspace::methodName(s, reflink));
+  o.Set(propertyKey(env, "files"), static_cast<double>(s.files));
+  o.Set(propertyKey(env, "bytes"), static_cast<double>(s.bytes));
+  o.Set(propertyKey(env, "reflinked"), static_cast<double>(s.reflinked));
+  o.Set(propertyKey(env, "copied"), static_cast<double>(s.copied));
   if (s.tree) {
-    o.Set("dirs", static_cast<double>(s.dirs));
-    o.Set("symlinks", static_cast<double>(s.symlinks));
-    o.Set("hardlinks", static_cast<double>(s.hardlinks));
-    o.Set("fifos", static_cast<double>(s.fifos));
-    o.Set("devices", static_cast<double>(s.devices));
+    o.Set(propertyKey(env, "dirs"), static_cast<double>(s.dirs));
+    o.Set(propertyKey(env, "symlinks"), static_cast<double>(s.symlinks));
+    o.Set(propertyKey(env, "hardlinks"), static_cast<double>(s.hardlinks));
+    o.Set(propertyKey(env, "fifos"), static_cast<double>(s.fifos));
+    o.Set(propertyKey(env, "devices"), static_cast<double>(s.devices));
     Napi::Object skipped = Napi::Object::New(env);
-    skipped.Set("sockets", static_cast<double>(s.skippedSockets));
-    skipped.Set("devices", static_cast<double>(s.skippedDevices));
-    o.Set("skipped", skipped);
+    skipped.Set(propertyKey(env, "sockets"), static_cast<double>(s.skippedSockets));
+    skipped.Set(propertyKey(env, "devices"), static_cast<double>(s.skippedDevices));
+    o.Set(propertyKey(env, "skipped"), skipped);
   }
   return o;
 }
