@@ -121,6 +121,44 @@ describe('a worker thread ending with batched calls in flight', () => {
   })
 })
 
+describe('a worker thread terminated while handles and leases are being made', () => {
+  test('warm reserves being built, pools being opened, leases being released: after 24 terminates no fd of the pool stays open, and a sweep leaves the pool empty', async () => {
+    // Before the fix a warm entry finished during the teardown kept its lease (37 of 50 terminates in the cold
+    // review), an openPool finishing then kept the pool's 5 directory fds, and a release() could keep its lease.
+    const poolRoot = path.join(dir, 'pool')
+    const image = path.join(dir, 'image')
+    fs.writeFileSync(image, Buffer.alloc(1 << 20, 3))
+    const scripts = [
+      `v.openPool(root, { warm: { template: { 'a.bin': ${JSON.stringify(image)} }, count: 2 } }).then(async (p) => { parentPort.postMessage('go'); for (;;) { const ws = await p.allocate({ template: { 'a.bin': ${JSON.stringify(image)} } }); await ws.dispose() } })`,
+      `parentPort.postMessage('go'); for (let i = 0; i < 8; i++) v.openPool(root).catch(() => {})`,
+      `v.openPool(root).then(async (p) => { parentPort.postMessage('go'); for (;;) { const ws = await Promise.all([1, 2, 3, 4].map(() => p.allocate())); await Promise.all(ws.map((w) => w.release())) } })`,
+    ]
+    for (let i = 0; i < 24; i++) {
+      const w = new Worker(
+        `const v = require(${JSON.stringify(dist)}); const { parentPort } = require('node:worker_threads'); const root = ${JSON.stringify(poolRoot)}; ${scripts[i % 3]}`,
+        { eval: true },
+      )
+      await new Promise((resolve) => w.once('message', resolve))
+      await new Promise((resolve) => setTimeout(resolve, 2 + ((i * 7) % 20)))
+      await w.terminate()
+    }
+    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/self/fd/${fd}`)
+      } catch {
+        return ''
+      }
+    })
+    expect(fds.filter((t) => t.startsWith(poolRoot))).toEqual([])
+    const pool = await openPool(poolRoot)
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.live).toBe(0)
+    expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+    for (const sub of ['staging', 'trash', 'meta']) expect(fs.readdirSync(path.join(pool.root, '.vmspace', sub))).toEqual([])
+    await pool.close()
+  })
+})
+
 describe('abort', () => {
   test('aborting a single-file copy stops it and leaves nothing', async () => {
     const big = path.join(dir, 'big')

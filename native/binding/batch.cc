@@ -293,7 +293,13 @@ class SoloWorker : public Napi::AsyncWorker {
   // Takes `job` only once the work request exists (a throw leaves it with the caller).
   SoloWorker(Napi::Env env, std::unique_ptr<Job>& job) : Napi::AsyncWorker(env, "vmspace"), job_(std::move(job)) {}
   void Execute() override { job_->execute(); }  // no V8 here: a pool thread
-  void OnOK() override { job_->settle(Env()); }
+  void OnOK() override {
+    if (job_->ownsHandleValue() && !canRunJs(Env())) {
+      job_->abandon();  // its value released here, not handed to a handle nobody will finalize
+      return;
+    }
+    job_->settle(Env());
+  }
 
  private:
   std::unique_ptr<Job> job_;

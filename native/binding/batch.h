@@ -43,6 +43,12 @@ class Job {
   // JS thread: the call could not be run (no pool thread could be asked for): releases its inputs and rejects
   // with `err` from uv_queue_work (never throws).
   void fail(Napi::Env env, int err) noexcept;
+  // Its value hands a native object to a JS handle whose finalizer owns it (openPool's pool, warmBuild's entry):
+  // then it is settled only while JS can still run (probed first), else dropped. A handle made while the env is
+  // being torn down is never finalized: the pool's fds or the entry's lease stayed open in the process after
+  // worker.terminate() (cold review, issue 12).
+  void ownsHandle() { ownsHandle_ = true; }
+  bool ownsHandleValue() const { return ownsHandle_; }
 
  protected:
   virtual void run() = 0;
@@ -55,6 +61,7 @@ class Job {
   std::unique_ptr<Error> error_;
   bool ran_ = false;
   bool outOfMemory_ = false;
+  bool ownsHandle_ = false;
   Job* next_ = nullptr;  // the queue it is on (batch.cc): intrusive, so queueing never allocates
   friend class JobList;
 };

@@ -37,6 +37,14 @@ struct Work {
                              std::function<void(R&)> drop = nullptr) {
     return runAlone(env, std::make_unique<LambdaJob<R>>(env, std::move(exec), std::move(toJs), std::move(drop)));
   }
+  // As Start, for a value that `toJs` hands to a JS handle with a finalizer (Job::ownsHandle): an undelivered R
+  // is destroyed with the job (R releases what it holds: a shared_ptr).
+  static Napi::Promise StartHandle(Napi::Env env, std::function<R()> exec,
+                                   std::function<Napi::Value(Napi::Env, R&)> toJs) {
+    auto job = std::make_unique<LambdaJob<R>>(env, std::move(exec), std::move(toJs));
+    job->ownsHandle();
+    return runAlone(env, std::move(job));
+  }
 };
 
 struct LockWaiter;  // lock.cc
@@ -68,7 +76,8 @@ Napi::String propertyKey(Napi::Env env, const char* key);
 // An operation with no result: resolves with undefined.
 Napi::Promise runVoid(Napi::Env env, std::function<void()> fn);
 
-// Closes an fd on the pool: the kernel drops its flock with the last fd of the open file description.
+// Closes an fd on the pool: the kernel drops its flock with the last fd of the open file description. Throws
+// (nothing queued, the fd still open: the caller closes it) when no work can be queued.
 Napi::Promise closeFd(Napi::Env env, int fd);
 
 // ---- argument conversion (types were checked by lib/; a mismatch here is a TypeError, never a crash) ----

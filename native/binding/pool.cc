@@ -22,7 +22,7 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   // quota (issue 13): minFreeBytes, project id range
   uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
   vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
-  return Work<std::shared_ptr<vmspace::Pool>>::Start(
+  return Work<std::shared_ptr<vmspace::Pool>>::StartHandle(
       info.Env(),
       [root, create, sharedGid, format, minFreeBytes, projectIds] {
         auto pool = vmspace::Pool::open(root, create, sharedGid, format);
@@ -185,9 +185,21 @@ Napi::Value List(const Napi::CallbackInfo& info) {
 // Closes a workspace's lease fd without removing the workspace (Workspace.release).
 Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
   int fd = static_cast<int>(intArg(info, 0));
-  if (instance(info.Env()).leases.erase(fd) == 0)
-    throw Napi::Error::New(info.Env(), "vmspace binding: not a lease of this thread");
-  return closeFd(info.Env(), fd);
+  auto& leases = instance(info.Env()).leases;
+  if (leases.count(fd) == 0) throw Napi::Error::New(info.Env(), "vmspace binding: not a lease of this thread");
+  // Out of the env's set only once the close is queued, as dispose (cold review: erased first, a close that could
+  // not be queued while a worker thread was terminated left the lease open for good). closeFd releases nothing
+  // when it throws: then it is closed here.
+  Napi::Promise promise;
+  try {
+    promise = closeFd(info.Env(), fd);
+  } catch (...) {
+    leases.erase(fd);
+    ::close(fd);
+    throw;
+  }
+  leases.erase(fd);
+  return promise;
 }
 
 // The process or worker thread is exiting (lib/binding.ts, on 'exit'): batched calls not run yet are dropped unrun

@@ -23,7 +23,7 @@ Napi::Value WarmBuild(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   vmspace::AllocateRequest req = workspaceRequestOf(Options(info, 1, "warmBuild"));
   auto entry = std::make_shared<vmspace::WarmEntry>();
-  return Work<WarmRef>::Start(
+  return Work<WarmRef>::StartHandle(
       info.Env(),
       [pool, req, entry] {
         vmspace::buildWarm(*pool, req, entry.get());
