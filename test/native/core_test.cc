@@ -161,7 +161,7 @@ static void namesAreRandomLowercaseHex() {
 static void forkedChildDrawsOtherIds() {
   (void)randomId();  // the buffer filled, 240 bytes left in it
   int fds[2];
-  CHECK(pipe(fds) == 0);
+  CHECK(pipe2(fds, O_CLOEXEC) == 0);
   pid_t pid = fork();
   if (pid == 0) {
     std::string id = randomId();
