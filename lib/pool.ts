@@ -435,13 +435,12 @@ export class Pool implements AsyncDisposable {
   readonly #durable: boolean
   readonly #bootId: string
   readonly #rootSlash: string
-  #owner: { host: string; members: string } | undefined
+  #owner: string | undefined
 
-  /** The metadata record's pid, hostname and bootId members as JSON text, made again when the host name changes. */
+  /** The metadata record's pid, hostname and bootId members as JSON text (each read once per process). */
   #ownerMembers(): string {
-    const host = hostname()
-    if (this.#owner?.host !== host) this.#owner = { host, members: jsonMembers({ pid: process.pid, hostname: host, bootId: this.#bootId }) }
-    return this.#owner.members
+    this.#owner ??= jsonMembers({ pid: process.pid, hostname: hostname(), bootId: this.#bootId })
+    return this.#owner
   }
   readonly #inFlight = new InFlight()
   #warm: WarmReserve | undefined
@@ -1162,12 +1161,23 @@ export class Workspace implements AsyncDisposable {
    * workspace is then `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {
-    this.#disposing ??= this.#inFlight.busy ? this.#inFlight.idle().then(() => this.#disposeNow()) : this.#disposeNow()
+    if (this.#disposing) return this.#disposing
+    // Set before anything runs: a vmspace:dispose subscriber (its start event is published synchronously below)
+    // that reaches this workspace must find it disposing (cold review: a second dispose ran, and the pool's open
+    // count went negative).
+    let resolve!: () => void
+    let reject!: (e: unknown) => void
+    this.#disposing = new Promise<void>((res, rej) => {
+      resolve = res
+      reject = rej
+    })
+    if (this.#inFlight.busy) void this.#inFlight.idle().then(() => this.#disposeNow(resolve, reject))
+    else this.#disposeNow(resolve, reject)
     return this.#disposing
   }
 
   // Not an async function: one promise reaction between the native call's and the caller's (issue 12).
-  #disposeNow(): Promise<void> {
+  #disposeNow(resolve: () => void, reject: (e: unknown) => void): void {
     let run: Promise<void>
     try {
       const pool = this.#pool
@@ -1178,14 +1188,15 @@ export class Workspace implements AsyncDisposable {
     } catch (e) {
       run = Promise.reject(e)
     }
-    return run.then(
+    run.then(
       () => {
         this.#status = 'disposed'
+        resolve()
       },
       (e: unknown) => {
         this.#status = 'unrecoverable'
         this.#cause = e
-        throw e
+        reject(e)
       },
     )
   }

@@ -136,6 +136,45 @@ describe('vmspace:dispose', () => {
     for (const s of seen) expect(s.fields).toEqual({ root: pool.root, id: ws.id, name: ws.name })
     await pool.close()
   })
+
+  test('a start subscriber that reaches back into the workspace finds it disposing: the same promise, ERR_DISPOSED, and the pool closes all its fds', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate()
+    let inner: Promise<void> | undefined
+    let clone: Promise<unknown> | undefined
+    let release: Promise<unknown> | undefined
+    const handlers = {
+      start: () => {
+        if (inner) return
+        inner = ws.dispose()
+        clone = ws.clone('/etc/hostname', 'h').catch((e: VmspaceError) => e.code)
+        release = ws.release().catch((e: VmspaceError) => e.code)
+      },
+      end: () => {},
+      asyncStart: () => {},
+      asyncEnd: () => {},
+      error: () => {},
+    }
+    const channel = dc.tracingChannel('vmspace:dispose')
+    channel.subscribe(handlers)
+    unsubscribes.push(() => channel.unsubscribe(handlers))
+    const outer = ws.dispose()
+    await outer
+    expect(inner).toBe(outer)
+    expect(await clone).toBe('ERR_DISPOSED')
+    expect(await release).toBe('ERR_DISPOSED')
+    expect(ws.status).toBe('disposed')
+    await pool.close()
+    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/self/fd/${fd}`)
+      } catch {
+        return ''
+      }
+    })
+    expect(fds.filter((t) => t.startsWith(pool.root))).toEqual([])
+    expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+  })
 })
 
 describe('vmspace:sweep', () => {
