@@ -503,7 +503,7 @@ export class Pool implements AsyncDisposable {
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
     // The record's members in this order: format, createdAt, pid, hostname, bootId, quota, meta; the core appends
     // name and template and writes the object once. The caller's meta goes in as the JSON text its checks
-    // produced, not parsed and serialised again; the owner's members are serialised once per host name.
+    // produced, not parsed and serialised again; the owner's members are serialised once per pool.
     const quota = quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined
     const info =
       '"format":1,"createdAt":' + Date.now() + ',' + this.#ownerMembers() +
@@ -1000,20 +1000,21 @@ export class Pool implements AsyncDisposable {
     try {
       run = native.dispose(this.#handle, { name: ws.name, leaseFd, metaFile: hints.metaFile, claim: hints.claim })
     } catch (e) {
-      return this.#forgetThen(() => Promise.reject(e))
+      return this.#forgetAndReject(e)
     }
     return run.then(
       () => {
         this.#stats.disposed++
         return this._forget()
       },
-      (e: unknown) => this.#forgetThen(() => Promise.reject(fromNative(e))),
+      (e: unknown) => this.#forgetAndReject(fromNative(e)),
     )
   }
 
-  #forgetThen(next: () => Promise<void>): Promise<void> {
+  /** _forget, then a rejection with `error` (after the pool's release, whose own error wins). */
+  #forgetAndReject(error: unknown): Promise<never> {
     const released = this._forget()
-    return released ? released.then(next) : next()
+    return released ? released.then(() => Promise.reject(error)) : Promise.reject(error)
   }
 
   /**

@@ -35,6 +35,20 @@ export const unprivilegedChildren = mounts.root && reachableByOthers(repoRoot) &
 export const MiB = 1024 * 1024
 export const GiB = 1024 * MiB
 
+/** The targets of this process's open fds that lie under `dir` (an fd closed while read is left out). */
+export function openFdsUnder(dir: string): string[] {
+  return fs
+    .readdirSync('/proc/self/fd')
+    .map((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/self/fd/${fd}`)
+      } catch {
+        return ''
+      }
+    })
+    .filter((target) => target.startsWith(dir))
+}
+
 /**
  * A fresh, empty directory below `base` (a mount point from `mounts`), removed when the current test finishes
  * (mounts below it are unmounted first). Call inside a test.

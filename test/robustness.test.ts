@@ -6,6 +6,7 @@ import * as path from 'node:path'
 import { Worker } from 'node:worker_threads'
 import { afterEach, beforeEach, describe, expect, test } from 'vitest'
 import { clone, openPool } from '../lib/index.js'
+import { openFdsUnder } from './helpers.js'
 
 const dist = path.resolve(__dirname, '..', 'dist', 'index.js')
 let dir: string
@@ -105,14 +106,7 @@ describe('a worker thread ending with batched calls in flight', () => {
       await new Promise((resolve) => setTimeout(resolve, delay))
       await w.terminate()
     }
-    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
-      try {
-        return fs.readlinkSync(`/proc/self/fd/${fd}`)
-      } catch {
-        return ''
-      }
-    })
-    expect(fds.filter((t) => t.startsWith(poolRoot))).toEqual([])
+    expect(openFdsUnder(poolRoot)).toEqual([])
     const pool = await openPool(poolRoot)
     await pool.sweep({ graceMs: 0 })
     expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
@@ -142,14 +136,7 @@ describe('a worker thread terminated while handles and leases are being made', (
       await new Promise((resolve) => setTimeout(resolve, 2 + ((i * 7) % 20)))
       await w.terminate()
     }
-    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
-      try {
-        return fs.readlinkSync(`/proc/self/fd/${fd}`)
-      } catch {
-        return ''
-      }
-    })
-    expect(fds.filter((t) => t.startsWith(poolRoot))).toEqual([])
+    expect(openFdsUnder(poolRoot)).toEqual([])
     const pool = await openPool(poolRoot)
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.live).toBe(0)

@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
 import { clone, lockFile, openPool, VmspaceError, type Workspace } from '../lib/index.js'
-import { freshDir, repoRoot, writeRandomFile } from './helpers.js'
+import { freshDir, openFdsUnder, repoRoot, writeRandomFile } from './helpers.js'
 import { waitersOn } from './lock-helpers.js'
 
 type Event = 'start' | 'end' | 'asyncStart' | 'asyncEnd' | 'error'
@@ -165,14 +165,7 @@ describe('vmspace:dispose', () => {
     expect(await release).toBe('ERR_DISPOSED')
     expect(ws.status).toBe('disposed')
     await pool.close()
-    const fds = fs.readdirSync('/proc/self/fd').map((fd) => {
-      try {
-        return fs.readlinkSync(`/proc/self/fd/${fd}`)
-      } catch {
-        return ''
-      }
-    })
-    expect(fds.filter((t) => t.startsWith(pool.root))).toEqual([])
+    expect(openFdsUnder(pool.root)).toEqual([])
     expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
   })
 })

@@ -294,7 +294,7 @@ class SoloWorker : public Napi::AsyncWorker {
   SoloWorker(Napi::Env env, std::unique_ptr<Job>& job) : Napi::AsyncWorker(env, "vmspace"), job_(std::move(job)) {}
   void Execute() override { job_->execute(); }  // no V8 here: a pool thread
   void OnOK() override {
-    if (job_->ownsHandleValue() && !canRunJs(Env())) {
+    if (job_->ownsHandle() && !canRunJs(Env())) {
       job_->abandon();  // its value released here, not handed to a handle nobody will finalize
       return;
     }

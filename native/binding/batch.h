@@ -47,8 +47,8 @@ class Job {
   // then it is settled only while JS can still run (probed first), else dropped. A handle made while the env is
   // being torn down is never finalized: the pool's fds or the entry's lease stayed open in the process after
   // worker.terminate() (cold review, issue 12).
-  void ownsHandle() { ownsHandle_ = true; }
-  bool ownsHandleValue() const { return ownsHandle_; }
+  void setOwnsHandle() { ownsHandle_ = true; }
+  bool ownsHandle() const { return ownsHandle_; }
 
  protected:
   virtual void run() = 0;

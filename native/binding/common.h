@@ -42,7 +42,7 @@ struct Work {
   static Napi::Promise StartHandle(Napi::Env env, std::function<R()> exec,
                                    std::function<Napi::Value(Napi::Env, R&)> toJs) {
     auto job = std::make_unique<LambdaJob<R>>(env, std::move(exec), std::move(toJs));
-    job->ownsHandle();
+    job->setOwnsHandle();
     return runAlone(env, std::move(job));
   }
 };
