@@ -88,14 +88,19 @@ console.log(`vmspace bench: node ${process.version}, ${os.cpus().length} CPUs, $
 const ms = (t0) => Number(process.hrtime.bigint() - t0) / 1e6
 
 // 1. One caller: allocate + lease + dispose against the bare syscalls (bench/syscalls.cc: the same sequence in a
-// C++ loop) and Node's mkdtemp + rm, for a format-1 pool (metadata file) and a format-2 pool (metadata xattr).
+// C++ loop) and Node's mkdtemp + rm, for pools of format 1 (metadata file), 2 (metadata xattr) and 3 (2 with staging
+// shards).
 if (want('allocate')) {
   const rows = []
   for (const t of targets) {
     const floor = (mode) => Number(sh(floorBin, [path.join(t.dir, `floor-${mode}`), String(iterations), String(mode)])) / 1e3
     const floorBefore = floor(1) // the sequence before issue 12: metadata file, dispose through trash/
-    const floors = { 1: floor(2), 2: floor(3) }
-    const pools = { 1: await vmspace.openPool(path.join(t.dir, 'pool')), 2: await vmspace.openPool(path.join(t.dir, 'pool2'), { format: 2 }) }
+    const floors = { 1: floor(2), 2: floor(3), 3: floor(4) }
+    const pools = {
+      1: await vmspace.openPool(path.join(t.dir, 'pool')),
+      2: await vmspace.openPool(path.join(t.dir, 'pool2'), { format: 2 }),
+      3: await vmspace.openPool(path.join(t.dir, 'pool3'), { format: 3 }),
+    }
     const tmpBase = path.join(t.dir, 'mkdtemp')
     fs.mkdirSync(tmpBase)
     // The four alternate pair by pair (the order rotating), so that load coming and going on a shared machine falls
@@ -103,6 +108,7 @@ if (want('allocate')) {
     const impls = {
       'vmspace format 1': async () => (await pools[1].allocate()).dispose(),
       'vmspace format 2': async () => (await pools[2].allocate()).dispose(),
+      'vmspace format 3': async () => (await pools[3].allocate()).dispose(),
       // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
       '2 no-op pool hops': async () => {
         await binding.lockRelease(-1)
@@ -123,7 +129,7 @@ if (want('allocate')) {
     const p50 = (name) => median(samples[name])
     const node = p50('fs.promises mkdtemp+rm')
     const hops = p50('2 no-op pool hops')
-    for (const f of [1, 2]) {
+    for (const f of [1, 2, 3]) {
       const vm = p50(`vmspace format ${f}`)
       rows.push({
         'file system': t.fs,
@@ -310,7 +316,7 @@ if (want('tree')) {
 
 // 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs).
 if (want('soak')) {
-  for (const format of ['1', '2']) {
+  for (const format of ['1', '2', '3']) {
     console.log('')
     process.stdout.write(
       execFileSync(process.execPath, ['--expose-gc', path.join(here, 'soak.mjs'), '--dir', xfsTarget.dir, '--cycles', args['soak-cycles'], '--format', format]),

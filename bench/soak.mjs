@@ -4,7 +4,7 @@
 // after the warm-up is what a leak shows as; growth from the start includes the warm-up; the second half's growth
 // tells a leak from a warm-up that outlasted the first tenth (RSS reached its plateau only at ~300,000 pairs in one
 // run of 1,000,000).
-//   node --expose-gc bench/soak.mjs --dir DIR [--cycles 1000000] [--format 1|2]
+//   node --expose-gc bench/soak.mjs --dir DIR [--cycles 1000000] [--format 1|2|3]
 import * as fs from 'node:fs'
 import { createRequire } from 'node:module'
 import * as os from 'node:os'

@@ -3,7 +3,8 @@
 // Usage: syscalls DIR ITERATIONS META [THREADS MS]
 //   META: vmspace's sequence with its metadata as 1 a file in meta/ and dispose through trash/ (vmspace before
 //   issue 12), 2 a file and dispose by rmdir at the workspace's name (format 1 pools now), 3 an xattr of the
-//   workspace directory and rmdir at the name, no meta/ unlink (format 2 pools); 0: 1 without any metadata.
+//   workspace directory and rmdir at the name, no meta/ unlink (format 2 pools), 4 as 3 with each thread building in
+//   a staging shard of its own, staging/s<i> (format 3 pools); 0: 1 without any metadata.
 //   The name's random bytes come from a per-thread buffer refilled 256 bytes at a time, as in native/core/names.cc.
 //   BODY (environment): bytes of metadata, default 200 (what allocate() writes without meta or template).
 //   Without THREADS: prints the median ns per allocate+dispose pair of ITERATIONS pairs in one thread.
@@ -42,7 +43,22 @@ static std::string hex(size_t n) {
 static int rootFd, staging, trash, metaFd, meta;
 static std::string body(getenv("BODY") ? atoi(getenv("BODY")) : 200, 'x');
 
+// Where this thread builds: staging/, or (META 4) staging/s<i>, one per thread as vmspace's pool threads.
+static int stagingDir() {
+  if (meta != 4) return staging;
+  static std::atomic<int> next{0};
+  thread_local int fd = -1;
+  if (fd < 0) {
+    std::string shard = "s" + std::to_string(next++ % 8);
+    mkdirat(staging, shard.c_str(), 0700);
+    fd = openat(staging, shard.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) abort();
+  }
+  return fd;
+}
+
 static bool pair() {
+  const int staging = stagingDir();
   std::string name = "vm-" + hex(16);
   if (mkdirat(staging, name.c_str(), 0700) != 0) return false;
   int fd = openat(staging, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

@@ -7,8 +7,9 @@
 //   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same three (the floor in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
-//   With --baseline DIR (a built checkout of an earlier version), its format-2 allocate+dispose runs interleaved
-//   with the others in rows 1 and 2 ("vmspace / baseline").
+//   Pools of formats 1, 2 and 3 (3: staging shards), each against the floor of its own sequence. With --baseline DIR
+//   (a built checkout of an earlier version), its format-2 allocate+dispose runs interleaved with the others in rows
+//   1 and 2 ("vmspace / baseline", for the format-2 and format-3 rows).
 //   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth] [--baseline DIR]
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -60,11 +61,12 @@ async function loop(impl, inflight, ms) {
 async function implementations(dir) {
   const pool = await vmspace.openPool(path.join(dir, 'pool'))
   const pool2 = await vmspace.openPool(path.join(dir, 'pool2'), { format: 2 })
+  const pool3 = await vmspace.openPool(path.join(dir, 'pool3'), { format: 3 })
   const poolB = before ? await before.openPool(path.join(dir, 'pool-baseline'), { format: 2 }) : undefined
   const tmpBase = path.join(dir, 'mkdtemp')
   fs.mkdirSync(tmpBase, { recursive: true })
   return {
-    pools: poolB ? [pool, pool2, poolB] : [pool, pool2],
+    pools: poolB ? [pool, pool2, pool3, poolB] : [pool, pool2, pool3],
     baseline2: async () => {
       const ws = await poolB.allocate()
       await ws.dispose()
@@ -75,6 +77,10 @@ async function implementations(dir) {
     },
     vmspace2: async () => {
       const ws = await pool2.allocate()
+      await ws.dispose()
+    },
+    vmspace3: async () => {
+      const ws = await pool3.allocate()
       await ws.dispose()
     },
     mkdtemp: async () => {
@@ -97,10 +103,11 @@ if (args.child) {
 
 const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-throughput-'))
 process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
-// The native floors: vmspace's syscall sequence for a format-1 pool (metadata file) and a format-2 pool (xattr).
+// The native floors: vmspace's syscall sequence for a format-1 pool (metadata file), a format-2 pool (xattr) and a
+// format-3 pool (xattr, a staging shard per thread): bench/syscalls.cc's META 2, 3 and 4.
 const floorOps = (format, threads) =>
-  Number(execFileSync(args.floor, [path.join(dir, `floor${format}`), '0', format === 1 ? '2' : '3', String(threads), String(timeMs)]).toString())
-const names = ['vmspace', 'vmspace2', 'mkdtemp', 'floor1', 'floor2', ...(before ? ['baseline2'] : [])]
+  Number(execFileSync(args.floor, [path.join(dir, `floor${format}`), '0', String(format + 1), String(threads), String(timeMs)]).toString())
+const names = ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', 'floor1', 'floor2', 'floor3', ...(before ? ['baseline2'] : [])]
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
 const fsType = (() => {
   try {
@@ -121,9 +128,9 @@ const ratioRows = (label, res) => {
     'vmspace / mkdtemp+rm': r(vm, 'mkdtemp'),
     'vmspace / floor': r(vm, floor),
     'per round (vm/mk/floor)': res[vm].map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res[floor][i].toFixed(0)}`).join(' '),
-    ...(before && format === 2 ? { 'baseline ops/s': median(res.baseline2).toFixed(0), 'vmspace / baseline': r(vm, 'baseline2') } : {}),
+    ...(before && format >= 2 ? { 'baseline ops/s': median(res.baseline2).toFixed(0), 'vmspace / baseline': r(vm, 'baseline2') } : {}),
   })
-  return [row(1, 'vmspace', 'floor1'), row(2, 'vmspace2', 'floor2')]
+  return [row(1, 'vmspace', 'floor1'), row(2, 'vmspace2', 'floor2'), row(3, 'vmspace3', 'floor3')]
 }
 // Each round runs every implementation once, the order reversed every other round.
 async function rounds_(run) {
@@ -137,7 +144,7 @@ console.log(`throughput on ${fsType} (${dir}); ${os.cpus().length} CPUs; load av
 if (want('inflight')) {
   const inflight = Number(args.inflight)
   const impls = await implementations(dir)
-  for (const n of ['vmspace', 'vmspace2', 'mkdtemp', ...(before ? ['baseline2'] : [])]) await loop(impls[n], inflight, 300)
+  for (const n of ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', ...(before ? ['baseline2'] : [])]) await loop(impls[n], inflight, 300)
   const res = await rounds_(async (name) =>
     name.startsWith('floor') ? floorOps(Number(name.at(-1)), threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
   )

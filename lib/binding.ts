@@ -21,6 +21,9 @@ export interface NativeListEntry {
   probeError?: unknown
 }
 
+/** allocatePlain's result: the workspace's name, its lease fd, the names redrawn, whether the metadata is the xattr. */
+export type PlainAllocateResult = [name: string, leaseFd: number, retries: number, metaXattr: boolean]
+
 export interface NativeAllocateResult {
   id: string
   name: string
@@ -105,7 +108,7 @@ export interface OpenPoolOptions {
   /** The group of a shared pool; -1 or absent: none. */
   sharedGid?: number
   /** The format of a pool made here (an existing pool keeps its own). */
-  format: 1 | 2
+  format: 1 | 2 | 3
   minFreeBytes?: number
   projectIdFirst: number
   projectIdLast: number
@@ -152,9 +155,14 @@ export interface ClonePathBeneathOptions extends NativeCloneOptions {
 }
 
 export interface Native {
-  openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 }>
+  openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 | 3 }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(handle: PoolHandle, options: AllocateNativeOptions): Promise<NativeAllocateResult>
+  /**
+   * allocate() of an empty workspace (no template, quota, progress or writeback), positional both ways: no options
+   * object to read and no result object to fill, the largest share of the binding's time per call (issue 12).
+   */
+  allocatePlain(handle: PoolHandle, prefix: string, mode: number, info: JsonMembers, durable: boolean): Promise<PlainAllocateResult>
   /** A staged, leased workspace of that shape, its copies written back. */
   warmBuild(handle: PoolHandle, shape: WorkspaceShape): Promise<WarmHandle>
   /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
@@ -168,11 +176,11 @@ export interface Native {
   listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
   /**
-   * What this process knows of the workspace (DisposeHints in native/core/pool.h; each default true = unknown): `metaFile: false`,
+   * What this process knows of the workspace (DisposeHints in native/core/pool.h; true = unknown): `metaFile: false`,
    * its metadata is the xattr (no .vmspace/meta/ file is unlinked); `claim: false`, it was made without a quota
    * (.vmspace/projects/ is not probed).
    */
-  dispose(handle: PoolHandle, options: { name: string; leaseFd: number; metaFile?: boolean; claim?: boolean }): Promise<void>
+  dispose(handle: PoolHandle, name: string, leaseFd: number, metaFile: boolean, claim: boolean): Promise<void>
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>

@@ -4,6 +4,7 @@
 export { openPool, Pool, Workspace } from './pool.js'
 export type {
   PoolOptions,
+  PoolFormat,
   AllocateOptions,
   WorkspaceInfo,
   PoolStats,

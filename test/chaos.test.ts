@@ -14,6 +14,7 @@
  *
  * The kill rounds are split between the machine's ext4 and the loop-mounted XFS (reflink clones) when it exists.
  */
+import { execFile } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as path from 'node:path'
@@ -49,6 +50,13 @@ async function readIfThere(file: string): Promise<Buffer | undefined> {
   }
 }
 
+/** A format-2/3 workspace's metadata: the xattr user.vmspace.meta of its directory (getfattr), or undefined. */
+function readXattrIfThere(dir: string): Promise<Buffer | undefined> {
+  return new Promise((resolve) => {
+    execFile('getfattr', ['--only-values', '-n', 'user.vmspace.meta', dir], { encoding: 'buffer' }, (err, out) => resolve(err ? undefined : out))
+  })
+}
+
 async function identity(p: string): Promise<string | undefined> {
   try {
     const st = await fsp.lstat(p)
@@ -71,6 +79,7 @@ async function observe(
   extra: Buffer,
   obs: Observation,
   known: Map<string, { identity: string; extra: boolean }>,
+  format: 1 | 3,
 ): Promise<Set<string>> {
   obs.scans++
   const seen = new Set<string>()
@@ -87,7 +96,7 @@ async function observe(
       continue
     }
     const done = known.get(name)?.identity === before ? known.get(name)! : undefined
-    const meta = done ? undefined : await readIfThere(metaPath(root, name))
+    const meta = done ? undefined : format === 1 ? await readIfThere(metaPath(root, name)) : await readXattrIfThere(dir)
     const rootfs = done ? undefined : await readIfThere(path.join(dir, 'rootfs.img'))
     const extraImg = done?.extra ? undefined : await readIfThere(path.join(dir, 'extra.img'))
     const stillThere = (await identity(dir)) === before
@@ -125,9 +134,9 @@ async function observe(
 }
 
 /** Runs ROUNDS kill rounds in a fresh pool below `dir` and checks everything after each batch. */
-async function chaos(dir: string, rounds: number) {
+async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
   const root = path.join(dir, 'pool')
-  const pool = await openPool(root)
+  const pool = await openPool(root, { format })
   const basePath = path.join(dir, 'base.img')
   const extraPath = path.join(dir, 'extra.img')
   const base = writeRandomFile(basePath, 3 * MiB + 12345, 0o444)
@@ -163,7 +172,7 @@ async function chaos(dir: string, rounds: number) {
     const known = new Map<string, { identity: string; extra: boolean }>()
     const observer = (async () => {
       while (running) {
-        await observe(root, base, extra, obs, known)
+        await observe(root, base, extra, obs, known, format)
         await sleep(1)
       }
     })()
@@ -187,7 +196,7 @@ async function chaos(dir: string, rounds: number) {
     totals.batches++
 
     // Every owner is dead: whatever is published now is an orphan, complete all the same.
-    const orphans = await observe(root, base, extra, obs, known)
+    const orphans = await observe(root, base, extra, obs, known, format)
     expect(obs.violations).toEqual([])
     const report: SweepReport = await pool.sweep({ graceMs: 0 })
     expect(report.failed).toEqual([])
@@ -233,17 +242,24 @@ async function chaos(dir: string, rounds: number) {
   await pool.close()
 }
 
-// Reflink makes the clone of the template a different code path (FICLONE) with a different crash window.
+// Reflink makes the clone of the template a different code path (FICLONE) with a different crash window. Format 3
+// builds in staging shards: its sweep must find the killed builds there and leave the shards.
 const xfsShare = mounts.xfs ? Math.floor(ROUNDS * 0.4) : 0
+const shardShare = mounts.xfs ? Math.floor(ROUNDS * 0.2) : 0
 
 describe('SIGKILL at random points of allocate, clone and dispose', () => {
-  test(`ext4 (${ROUNDS - xfsShare} kill rounds, ${PARALLEL} workers at a time): after each batch one sweep leaves only live entries; no partial workspace is ever published; the base is unchanged`, async () => {
-    await chaos(freshDir(mounts.scratch, 'chaos-ext4'), ROUNDS - xfsShare)
+  test(`ext4 (${ROUNDS - xfsShare - shardShare} kill rounds, ${PARALLEL} workers at a time): after each batch one sweep leaves only live entries; no partial workspace is ever published; the base is unchanged`, async () => {
+    await chaos(freshDir(mounts.scratch, 'chaos-ext4'), ROUNDS - xfsShare - shardShare)
   }, 600_000)
 
   describe.skipIf(!mounts.xfs)(`on XFS ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
     test(`XFS, reflink clones (${xfsShare} kill rounds): the same`, async () => {
       await chaos(freshDir(mounts.xfs!, 'chaos-xfs'), xfsShare)
+    }, 600_000)
+    test(`XFS, format 3 (staging shards), reflink clones (${shardShare} kill rounds): the same, and the shards stay`, async () => {
+      const dir = freshDir(mounts.xfs!, 'chaos-xfs3')
+      await chaos(dir, shardShare, 3)
+      expect(fs.readdirSync(path.join(dir, 'pool', '.vmspace', 'staging')).sort()).toEqual(['s0', 's1', 's2', 's3', 's4', 's5', 's6', 's7'])
     }, 600_000)
   })
 })

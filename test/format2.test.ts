@@ -1,14 +1,15 @@
 /**
- * Pool format 2 (issue 12): each workspace's metadata is the xattr user.vmspace.meta of its directory, set before
- * the workspace is published, gone with the directory; the file .vmspace/meta/<name>.json where the file system
- * refuses the xattr. And dispose of an empty workspace by rmdir at its name, for either format.
+ * Pool formats 2 and 3 (issue 12): each workspace's metadata is the xattr user.vmspace.meta of its directory, set
+ * before the workspace is published, gone with the directory; the file .vmspace/meta/<name>.json where the file
+ * system refuses the xattr. Format 3 builds in staging shards (.vmspace/staging/s0 … s7). And dispose of an empty
+ * workspace by rmdir at its name, for every format.
  */
 import { execFileSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { emptyPoolState, freshDir, metaPath, mounts, poolState, snapshotTree, workspaceChild } from './helpers.js'
+import { emptyPoolState, eventually, freshDir, metaPath, mounts, poolState, snapshotTree, stagingEntries, workspaceChild } from './helpers.js'
 
 const XATTR = 'user.vmspace.meta'
 
@@ -29,15 +30,16 @@ const fileSystems = [
   ['scratch', () => mounts.scratch] as const,
   ['xfs', () => mounts.xfs] as const,
 ].filter(([, dir]) => dir() !== null)
+const cases = fileSystems.flatMap(([label, base]) => ([2, 3] as const).map((format) => [format, label, base] as const))
 
-describe.each(fileSystems)('format 2 on %s', (_label, base) => {
+describe.each(cases)('format %i on %s', (format, _label, base) => {
   const freshRoot = () => path.join(freshDir(base()!), 'pool')
 
-  test('a new format-2 pool says 2 in .vmspace/version; metadata is the xattr, nothing in .vmspace/meta/', async () => {
+  test('a new pool says its format in .vmspace/version; metadata is the xattr, nothing in .vmspace/meta/', async () => {
     const root = freshRoot()
-    const pool = await openPool(root, { format: 2 })
-    expect(pool.format).toBe(2)
-    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('2\n')
+    const pool = await openPool(root, { format })
+    expect(pool.format).toBe(format)
+    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe(`${format}\n`)
     const ws = await pool.allocate({ meta: { vm: 'a' } })
     expect(poolState(root)).toEqual({ ...emptyPoolState, visible: [ws.name] })
     const text = xattrOf(ws.path)
@@ -52,8 +54,8 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
 
   test("metadata outlives its owner: after the owner's process dies, list() and adopt() read it", async () => {
     const root = freshRoot()
-    const pool = await openPool(root, { format: 2 })
-    const child = workspaceChild(root) // opens the existing pool: format 2 whatever it asks
+    const pool = await openPool(root, { format })
+    const child = workspaceChild(root) // opens the existing pool: its format whatever it asks
     await child.expect('ready')
     child.send('allocate')
     const a = (await child.expect('allocated')) as unknown as { id: string; name: string }
@@ -70,7 +72,7 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
 
   test('metadata larger than an xattr can be (64 KiB) goes to .vmspace/meta/<name>.json, and list() reads it there', async () => {
     const root = freshRoot()
-    const pool = await openPool(root, { format: 2 })
+    const pool = await openPool(root, { format })
     const big = 'x'.repeat(64 * 1024 - 8) // {"s":"…"} is exactly 64 KiB: allowed as meta, too big with the rest
     const ws = await pool.allocate({ meta: { s: big } })
     expect(xattrOf(ws.path)).toBeNull()
@@ -84,7 +86,7 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
 
   test('dispose of a workspace whose metadata is the xattr does not look in .vmspace/meta/: a file put there by hand is left to sweep, which removes it', async () => {
     const root = freshRoot()
-    const pool = await openPool(root, { format: 2 })
+    const pool = await openPool(root, { format })
     const ws = await pool.allocate()
     const planted = path.join(root, '.vmspace', 'meta', `${ws.name}.json`)
     fs.writeFileSync(planted, '{}\n')
@@ -98,7 +100,7 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
 
   test('an xattr that does not parse is ERR_CORRUPT_METADATA naming the workspace directory, never read as empty', async () => {
     const root = freshRoot()
-    const pool = await openPool(root, { format: 2 })
+    const pool = await openPool(root, { format })
     const ws = await pool.allocate({ meta: { vm: 'a' } })
     setXattr(ws.path, '{ not json')
     const [info] = await pool.list()
@@ -113,8 +115,8 @@ describe.each(fileSystems)('format 2 on %s', (_label, base) => {
     const template = freshDir(base()!)
     fs.writeFileSync(path.join(template, 'f'), 'data')
     setXattr(template, '{"meta":{"forged":true}}')
-    for (const format of [1, 2] as const) {
-      const pool = await openPool(freshRoot(), { format })
+    for (const f of [1, format] as const) {
+      const pool = await openPool(freshRoot(), { format: f })
       const ws = await pool.allocate({ template, meta: { own: true } })
       const [info] = await pool.list()
       expect(info.meta).toEqual({ own: true })
@@ -128,7 +130,7 @@ describe('pool formats', () => {
   test('an existing format-1 pool stays format 1 whatever options.format asks: its metadata stays in files', async () => {
     const root = path.join(freshDir(), 'pool')
     await (await openPool(root)).close()
-    const pool = await openPool(root, { format: 2 })
+    const pool = await openPool(root, { format: 3 })
     expect(pool.format).toBe(1)
     const ws = await pool.allocate({ meta: { vm: 'a' } })
     expect(poolState(root)).toEqual({ ...emptyPoolState, visible: [ws.name], meta: [`${ws.name}.json`] })
@@ -138,7 +140,7 @@ describe('pool formats', () => {
     await pool.close()
   })
 
-  test.each([[3, 'ERR_INVALID_ARG_VALUE'], [0, 'ERR_INVALID_ARG_VALUE'], ['2', 'ERR_INVALID_ARG_TYPE']])(
+  test.each([[4, 'ERR_INVALID_ARG_VALUE'], [0, 'ERR_INVALID_ARG_VALUE'], [2.5, 'ERR_INVALID_ARG_VALUE'], ['2', 'ERR_INVALID_ARG_TYPE']])(
     'options.format %j is refused (%s) before anything is made',
     async (format, code) => {
       const root = path.join(freshDir(), 'pool')
@@ -149,7 +151,7 @@ describe('pool formats', () => {
   )
 })
 
-describe.each([1, 2] as const)('dispose of an empty workspace (format %i)', (format) => {
+describe.each([1, 2, 3] as const)('dispose of an empty workspace (format %i)', (format) => {
   test('removes it and its metadata, leaving nothing in trash', async () => {
     const root = path.join(freshDir(), 'pool')
     const pool = await openPool(root, { format })
@@ -172,6 +174,97 @@ describe.each([1, 2] as const)('dispose of an empty workspace (format %i)', (for
     expect(ws.status).toBe('unrecoverable')
     expect(fs.statSync(ws.path).isDirectory()).toBe(true)
     expect(snapshotTree(root)).toEqual(before)
+    await pool.close()
+  })
+})
+
+describe('format 3: staging shards', () => {
+  const shards = ['s0', 's1', 's2', 's3', 's4', 's5', 's6', 's7']
+  const stagingDir = (root: string) => path.join(root, '.vmspace', 'staging')
+
+  test('a new pool has eight shards in .vmspace/staging/, mode 0700; builds leave none of their entries there', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const pool = await openPool(root, { format: 3 })
+    expect(fs.readdirSync(stagingDir(root)).sort()).toEqual(shards)
+    for (const s of shards) expect(fs.statSync(path.join(stagingDir(root), s)).mode & 0o7777).toBe(0o700)
+    const all = await Promise.all(Array.from({ length: 32 }, (_, i) => pool.allocate({ meta: { i } })))
+    expect(new Set(all.map((ws) => ws.name)).size).toBe(32)
+    expect((await pool.list()).length).toBe(32)
+    await Promise.all(all.map((ws) => ws.dispose()))
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(fs.readdirSync(stagingDir(root)).sort()).toEqual(shards)
+    await pool.close()
+  })
+
+  test('a warm entry is built in a shard; allocate publishes it from there', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const template = freshDir()
+    fs.writeFileSync(path.join(template, 'f'), 'data')
+    const pool = await openPool(root, { format: 3, warm: { template, count: 1 } })
+    await eventually(() => pool.warmStats()!.ready >= 1)
+    const [entry] = stagingEntries(root)
+    expect(entry).toMatch(/^s[0-7]\/vm-[0-9a-f]{32}$/)
+    const ws = await pool.allocate({ template })
+    expect(fs.readFileSync(path.join(ws.path, 'f'), 'utf8')).toBe('data')
+    await ws.dispose()
+    await pool.close()
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test("sweep reclaims a dead build in a shard and one in staging/ itself, and never a shard", async () => {
+    const root = path.join(freshDir(), 'pool')
+    const pool = await openPool(root, { format: 3 })
+    const inShard = `vm-${'a'.repeat(32)}`
+    const inStaging = `vm-${'b'.repeat(32)}`
+    fs.mkdirSync(path.join(stagingDir(root), 's5', inShard))
+    fs.writeFileSync(path.join(stagingDir(root), 's5', inShard, 'f'), 'x')
+    fs.mkdirSync(path.join(stagingDir(root), inStaging))
+    const young = await pool.sweep()
+    expect(young.reclaimed).toEqual([])
+    const report = await pool.sweep({ graceMs: 0 })
+    expect(report.reclaimed.map((e) => [e.name, e.from]).sort()).toEqual([[inShard, 'staging'], [inStaging, 'staging']])
+    expect(report.failed).toEqual([])
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(fs.readdirSync(stagingDir(root)).sort()).toEqual(shards)
+    await pool.close()
+  })
+
+  test('metadata in a file (too big for the xattr) of a build in a shard is not removed by sweep as an orphan', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const pool = await openPool(root, { format: 3 })
+    const name = `vm-${'c'.repeat(32)}`
+    fs.mkdirSync(path.join(stagingDir(root), 's2', name))
+    fs.writeFileSync(metaPath(root, name), '{}\n')
+    // A sweep with no grace: the build itself is reclaimed (its lease is free), its metadata after it.
+    const dry = await pool.sweep({ graceMs: 0, dryRun: true })
+    expect(dry.metadataRemoved).toBe(0)
+    expect(fs.existsSync(metaPath(root, name))).toBe(true)
+    await pool.close()
+  })
+
+  test('a shard that is missing is made again when the pool is opened; one another user could write is refused, nothing changed', async () => {
+    const root = path.join(freshDir(), 'pool')
+    await (await openPool(root, { format: 3 })).close()
+    fs.rmdirSync(path.join(stagingDir(root), 's3'))
+    const pool = await openPool(root)
+    expect(pool.format).toBe(3)
+    expect(fs.readdirSync(stagingDir(root)).sort()).toEqual(shards)
+    await pool.close()
+    fs.chmodSync(path.join(stagingDir(root), 's6'), 0o777)
+    const before = snapshotTree(root)
+    const err = await openPool(root).catch((e: unknown) => e)
+    expect(err).toMatchObject({ code: 'ERR_POOL_UNSAFE', path: path.join(stagingDir(root), 's6') })
+    expect(snapshotTree(root)).toEqual(before)
+  })
+
+  test('an existing format-2 pool stays format 2 when format 3 is asked: no shards are made', async () => {
+    const root = path.join(freshDir(), 'pool')
+    await (await openPool(root, { format: 2 })).close()
+    const pool = await openPool(root, { format: 3 })
+    expect(pool.format).toBe(2)
+    expect(fs.readdirSync(stagingDir(root))).toEqual([])
+    const ws = await pool.allocate()
+    await ws.dispose()
     await pool.close()
   })
 })

@@ -199,10 +199,19 @@ export interface PoolState {
 export function poolState(root: string): PoolState {
   return {
     visible: ls(root).filter((n) => n !== '.vmspace'),
-    staging: ls(path.join(root, '.vmspace', 'staging')),
+    staging: stagingEntries(root),
     trash: ls(path.join(root, '.vmspace', 'trash')),
     meta: ls(path.join(root, '.vmspace', 'meta')),
   }
+}
+
+/** Builds in .vmspace/staging/: its entries, and a format-3 pool's shards' entries as "s<i>/<name>" (not the shards). */
+export function stagingEntries(root: string): string[] {
+  const staging = path.join(root, '.vmspace', 'staging')
+  const shards = fs.existsSync(path.join(root, '.vmspace', 'version')) && fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8') === '3\n'
+  return ls(staging).flatMap((n) =>
+    shards && /^s[0-7]$/.test(n) && fs.lstatSync(path.join(staging, n)).isDirectory() ? ls(path.join(staging, n)).map((e) => `${n}/${e}`) : [n],
+  )
 }
 
 export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], meta: [] }

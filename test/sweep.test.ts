@@ -318,7 +318,7 @@ describe.skipIf(!mounts.root)(`a removal that fails ${needs('root for mount --bi
 })
 
 describe('openPool of another on-disk format', () => {
-  test.each([['0'], ['3'], ['garbage'], ['1.0'], ['']])(
+  test.each([['0'], ['4'], ['garbage'], ['1.0'], ['']])(
     'version %j: ERR_POOL_FORMAT (create true or false), and nothing in the pool changes',
     async (version) => {
       const root = path.join(freshDir(), 'pool')

@@ -408,17 +408,26 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   }
   if (err) throwErrno(err, "open", versionPath);
   while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
-  if (version == "1" || version == "2")
+  if (version == "1" || version == "2" || version == "3")
     pool->format_ = version[0] - '0';
   else
-    throwCode("ERR_POOL_FORMAT", "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2)", 0,
-              "open", versionPath);
+    throwCode("ERR_POOL_FORMAT", "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2, 3)",
+              0, "open", versionPath);
 
   for (auto& sub : subs) {
     std::string shown = state + "/" + sub.name;
     if (!*sub.fd)
       *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
     if (!*sub.fd) throwErrno(ENOENT, "open", shown);
+  }
+  // Format 3: the staging shards, checked and made as the directories above.
+  for (int i = 0; pool->format_ >= 3 && i < kStagingShards; i++) {
+    std::string name = "s" + std::to_string(i), shown = state + "/staging/" + name;
+    pool->shardFds_[i] = openPoolDir(pool->stagingFd_.get(), name.c_str(), shown, false, 0, trust);
+    if (!pool->shardFds_[i])
+      pool->shardFds_[i] =
+          openPoolDir(pool->stagingFd_.get(), name.c_str(), shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
+    if (!pool->shardFds_[i]) throwErrno(ENOENT, "open", shown);
   }
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   pool->sharedGid_ = sharedGid;
@@ -438,6 +447,27 @@ bool Pool::publishMeta(const std::string& name, const std::string& json, bool du
 }
 
 AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.info, req.clone); }
+
+int Pool::stagingShard() const {
+  if (format_ < 3) return -1;
+  // Threads of one process take consecutive shards, processes start at shards spread by their pid.
+  static std::atomic<unsigned> next{static_cast<unsigned>(getpid()) * 5u};
+  thread_local const int shard = static_cast<int>(next.fetch_add(1, std::memory_order_relaxed) % kStagingShards);
+  return shard;
+}
+
+std::string Pool::stagingPath(int shard, const std::string& name) const {
+  return shard < 0 ? root_ + "/.vmspace/staging/" + name
+                   : root_ + "/.vmspace/staging/s" + std::to_string(shard) + "/" + name;
+}
+
+bool Pool::inStaging(const std::string& name) const {
+  struct stat st;
+  if (fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return true;
+  for (int i = 0; format_ >= 3 && i < kStagingShards; i++)
+    if (fstatat(shardFds_[i].get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return true;
+  return false;
+}
 
 namespace {
 
@@ -461,7 +491,8 @@ void drawName(int* tries, const std::string& prefix, const std::string& root, st
 class PoolStage {
  public:
   PoolStage(Pool& pool, const AllocateRequest& req)
-      : pool_(pool), req_(req), stagingDir_(pool.root_ + "/.vmspace/staging/") {}
+      : pool_(pool), req_(req), shard_(pool.stagingShard()), dirFd_(pool.stagingDirFd(shard_)),
+        stagingDir_(pool.stagingPath(shard_, "")) {}
   // Issue 14: a template being read is released when the build ends, after its lease was dropped (a failure).
   ~PoolStage() {
     if (store_) store_->release(reader_);
@@ -484,7 +515,7 @@ class PoolStage {
       cloneSources(lease.get(), stagingPath);
     } catch (...) {
       try {
-        pool_.removeWorkspace(pool_.stagingFd_.get(), res_.name, stagingPath);
+        pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
       } catch (...) {
         // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
         // whatever the cleanup met (an Error, or bad_alloc).
@@ -493,6 +524,7 @@ class PoolStage {
     }
     res_.lease = std::move(lease);
     res_.draws = tries_;
+    res_.shard = shard_;
     return std::move(res_);
   }
 
@@ -556,7 +588,7 @@ class PoolStage {
   // Issue 14: staging/<name> as a writable snapshot of the template's subvolume. 0 (made), EEXIST (a collision), or
   // the errno with which the kernel refused a snapshot (the caller then makes a directory and clones into it).
   int makeSnapshot() {
-    int err = makeWorkspaceSnapshot(reader_.subvolume.get(), pool_.stagingFd_.get(), res_.name, req_.mode);
+    int err = makeWorkspaceSnapshot(reader_.subvolume.get(), dirFd_, res_.name, req_.mode);
     if (err != 0 && err != EEXIST && err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY &&
         err != EOPNOTSUPP)
       throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", stagingDir_ + res_.name);
@@ -565,7 +597,7 @@ class PoolStage {
 
   // staging/<name> as a directory, or a btrfs subvolume for a quota. 0 (made) or EEXIST (a collision).
   int makeDir() {
-    int err = makeWorkspaceDir(pool_.stagingFd_.get(), res_.name, req_.mode, subvolume_);
+    int err = makeWorkspaceDir(dirFd_, res_.name, req_.mode, subvolume_);
     if (err != 0 && err != EEXIST)
       throwErrno(err, subvolume_ ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", stagingDir_ + res_.name);
     return err;
@@ -576,22 +608,22 @@ class PoolStage {
   // the name (below), false is returned, and a fresh name is claimed.
   bool takeLease(UniqueFd* lease) {
     std::string shown = stagingDir_ + res_.name;
-    lease->reset(openat(pool_.stagingFd_.get(), res_.name.c_str(), kDirFlags));
+    lease->reset(openat(dirFd_, res_.name.c_str(), kDirFlags));
     if (!*lease) {
       int err = errno;
       if (err == ENOENT && ++reclaimed_ < kMaxNameTries) return false;
-      unlinkat(pool_.stagingFd_.get(), res_.name.c_str(), AT_REMOVEDIR);
+      unlinkat(dirFd_, res_.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "open", shown);
     }
     // A probe of that sweep holds the lock for a moment: wait for it.
     if (flock(lease->get(), LOCK_EX | LOCK_NB) != 0 && (errno != EWOULDBLOCK || flock(lease->get(), LOCK_EX) != 0)) {
       int err = errno;
-      unlinkat(pool_.stagingFd_.get(), res_.name.c_str(), AT_REMOVEDIR);
+      unlinkat(dirFd_, res_.name.c_str(), AT_REMOVEDIR);
       throwErrno(err, "flock", shown);
     }
     struct stat own;
     if (fstat(lease->get(), &own) != 0) throwErrno(errno, "fstat", shown);
-    if (sameEntry(pool_.stagingFd_.get(), res_.name, own)) return true;
+    if (sameEntry(dirFd_, res_.name, own)) return true;
     if (++reclaimed_ == kMaxNameTries) throwErrno(ENOENT, "open", shown);
     return false;
   }
@@ -631,7 +663,9 @@ class PoolStage {
 
   Pool& pool_;
   const AllocateRequest& req_;
-  const std::string stagingDir_;  // "<root>/.vmspace/staging/", as errors show it
+  const int shard_;               // format 3: the shard built in (-1: staging/ itself)
+  const int dirFd_;               // staging/ or the shard
+  const std::string stagingDir_;  // "<root>/.vmspace/staging/" (or ".../staging/s<i>/"), as errors show it
   StagedWorkspace res_;
   int tries_ = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
   int reclaimed_ = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
@@ -646,7 +680,7 @@ StagedWorkspace Pool::stage(const AllocateRequest& req) { return PoolStage(*this
 
 void Pool::discard(StagedWorkspace&& staged) {
   UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
-  removeWorkspace(stagingFd_.get(), staged.name, root_ + "/.vmspace/staging/" + staged.name);
+  removeWorkspace(stagingDirFd(staged.shard), staged.name, stagingPath(staged.shard, staged.name));
 }
 
 // One publish of a staged workspace (Pool::publish): its metadata written, then its name claimed in the root, a fresh
@@ -655,6 +689,7 @@ class PoolPublish {
  public:
   PoolPublish(Pool& pool, StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone)
       : pool_(pool), info_(info), clone_(clone), lease_(std::move(staged.lease)), projectId_(staged.quota.projectId),
+        shard_(staged.shard), dirFd_(pool.stagingDirFd(shard_)),
         tries_(staged.draws) {  // ERR_NAME_EXHAUSTED past kMaxNameTries, counting the stage's draws
     res_.id = std::move(staged.id);
     res_.name = std::move(staged.name);
@@ -663,7 +698,7 @@ class PoolPublish {
     res_.templateId = std::move(staged.templateId);  // issue 14
     res_.templateMeta = std::move(staged.templateMeta);
     stagingName_ = res_.name;
-    stagingPath_ = pool.root_ + "/.vmspace/staging/" + stagingName_;
+    stagingPath_ = pool.stagingPath(shard_, stagingName_);
     inXattr_ = pool.format_ >= 2;
   }
 
@@ -738,8 +773,7 @@ class PoolPublish {
   bool claimName() {
     if (!inXattr_ && !pool_.publishMeta(res_.name, metaJson(), clone_.durable)) return false;
     if (!inXattr_) metaPublished_ = res_.name;
-    if (renameat2(pool_.stagingFd_.get(), stagingName_.c_str(), pool_.rootFd_.get(), res_.name.c_str(),
-                  RENAME_NOREPLACE) == 0) {
+    if (renameat2(dirFd_, stagingName_.c_str(), pool_.rootFd_.get(), res_.name.c_str(), RENAME_NOREPLACE) == 0) {
       published_ = true;
       return true;
     }
@@ -758,13 +792,11 @@ class PoolPublish {
       res_.retries++;
       drawName(&tries_, res_.name.substr(0, res_.name.size() - res_.id.size()), pool_.root_, &res_.id,
                &res_.name);  // the prefix: "<prefix>-"
-      if (renameat2(pool_.stagingFd_.get(), stagingName_.c_str(), pool_.stagingFd_.get(), res_.name.c_str(),
-                    RENAME_NOREPLACE) == 0)
-        break;
-      if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.root_ + "/.vmspace/staging/" + res_.name);
+      if (renameat2(dirFd_, stagingName_.c_str(), dirFd_, res_.name.c_str(), RENAME_NOREPLACE) == 0) break;
+      if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.stagingPath(shard_, res_.name));
     }
     stagingName_ = res_.name;
-    stagingPath_ = pool_.root_ + "/.vmspace/staging/" + stagingName_;
+    stagingPath_ = pool_.stagingPath(shard_, stagingName_);
     if (projectId_) renameProjectClaim(pool_.projectsFd(false), projectId_, res_.name);  // quota
     if (inXattr_) setMetaXattr();
   }
@@ -775,7 +807,7 @@ class PoolPublish {
       if (published_)  // only when the final fsync failed
         pool_.removeWorkspace(pool_.rootFd_.get(), res_.name, pool_.path(res_.name));
       else
-        pool_.removeWorkspace(pool_.stagingFd_.get(), stagingName_, stagingPath_);
+        pool_.removeWorkspace(dirFd_, stagingName_, stagingPath_);
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
@@ -788,6 +820,8 @@ class PoolPublish {
   UniqueFd lease_;
   AllocateResult res_;
   const uint32_t projectId_;  // quota: its claim follows the name
+  const int shard_;           // format 3: the staging shard it was built in (-1: staging/)
+  const int dirFd_;           // staging/ or the shard
   int tries_;
   std::string stagingName_, stagingPath_;
   std::string metaPublished_;  // format 1: the metadata file made, removed on a failure
@@ -1078,16 +1112,29 @@ class PoolSweep {
 
   // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
   // process died; a young free one may be a build that has not taken its lease yet.
+  // Format 3: staging/ holds the shards (never reclaimed) and each shard holds builds.
   void stagingPass() {
-    for (auto& entry : readNames(pool_.stagingFd_.get(), stagingDir_)) {
+    stagingPassIn(pool_.stagingFd_.get(), stagingDir_, pool_.format_ >= 3);
+    for (int i = 0; pool_.format_ >= 3 && i < kStagingShards; i++)
+      stagingPassIn(pool_.shardFds_[i].get(), stagingDir_ + "/s" + std::to_string(i), false);
+  }
+  void stagingPassIn(int dirFd, const std::string& dir, bool skipShards) {
+    for (auto& entry : readNames(dirFd, dir)) {
       const std::string& name = entry.first;
-      guarded(name, "staging", stagingDir_ + "/" + name, [&] {
+      if (skipShards && isShardName(name)) continue;
+      guarded(name, "staging", dir + "/" + name, [&] {
         // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
         // disturbed.
-        if (ageMs(pool_.stagingFd_.get(), name) < graceMs_) return;
-        reclaimUnlocked(pool_.stagingFd_.get(), stagingDir_, name, "staging");
+        if (ageMs(dirFd, name) < graceMs_) return;
+        reclaimUnlocked(dirFd, dir, name, "staging");
       });
     }
+  }
+  // s0 ... s<kStagingShards - 1>: no workspace name (<prefix>-<32 hex>) is one.
+  static bool isShardName(const std::string& name) {
+    for (int i = 0; i < kStagingShards; i++)
+      if (name == "s" + std::to_string(i)) return true;
+    return false;
   }
 
   // Whether the pass looks at `file` of meta/ (any dot file; else "<name>.json" only), and in *name the workspace
@@ -1114,8 +1161,7 @@ class PoolSweep {
         // Staging first: a publish moves the entry from staging to the root, so looking in that order never
         // misses one being published between the two lookups.
         struct stat st;
-        if (fstatat(pool_.stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
-            fstatat(pool_.rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+        if (pool_.inStaging(name) || fstatat(pool_.rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
           continue;
       }
       if (ageMs(pool_.metaFd_.get(), file) < graceMs_) continue;
@@ -1191,6 +1237,7 @@ void Pool::close() {
   metaFd_.reset();
   trashFd_.reset();
   stagingFd_.reset();
+  for (auto& fd : shardFds_) fd.reset();
   stateFd_.reset();
   rootFd_.reset();
 }

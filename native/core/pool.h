@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -28,9 +29,13 @@ constexpr int kMaxNameTries = 16;  // DESIGN.md: EEXIST -> fresh name, at most 1
 // On-disk formats this vmspace reads and makes (.vmspace/version). 1: metadata in .vmspace/meta/<name>.json.
 // 2: metadata in the xattr kMetaXattr of the workspace directory (one syscall, no directory changed, removed with
 // the directory), in the file where the file system refuses the xattr. Older vmspace refuses a format-2 pool
-// (ERR_POOL_FORMAT) rather than list its workspaces without metadata.
+// (ERR_POOL_FORMAT) rather than list its workspaces without metadata. 3: format 2, and workspaces are built in
+// kStagingShards subdirectories of staging/ (staging/s<i>/<name>, i chosen per thread) instead of staging/ itself, so
+// that parallel builds do not all wait on one directory's lock (issue 12); older vmspace refuses it, as its sweep
+// would take a shard for a dead build and remove the live builds inside.
 constexpr int kFormatDefault = 1;
-constexpr int kFormatLatest = 2;
+constexpr int kFormatLatest = 3;
+constexpr int kStagingShards = 8;
 constexpr const char* kMetaXattr = "user.vmspace.meta";
 
 struct TemplateEntry {
@@ -87,6 +92,7 @@ struct StagedWorkspace {
   std::vector<ClonedEntry> clones;
   std::string templateId, templateMeta;  // issue 14: as in AllocateResult
   QuotaRef quota;                        // quota.cc: its project id claim follows the name at publish
+  int shard = -1;                        // format 3: built in staging/s<shard>/; -1: in staging/
 };
 
 struct ListEntry {
@@ -134,7 +140,7 @@ class Pool {
   // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV
   // when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network file
   // systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
-  // `newFormat` (1 or 2) is the format of a pool made by this call; an existing pool keeps its own.
+  // `newFormat` (1, 2 or 3) is the format of a pool made by this call; an existing pool keeps its own.
   static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1,
                                     int newFormat = kFormatDefault);
 
@@ -203,6 +209,14 @@ class Pool {
   void removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
   // .vmspace/projects/ (project id claims), made on first use; -1 when it does not exist and !create.
   int projectsFd(bool create);
+  // Format 3: the staging shard of the calling thread (fixed per thread, spread over processes); -1 before format 3.
+  int stagingShard() const;
+  // The directory a workspace is built in (staging/ or staging/s<shard>/), and the path of `name` in it as errors
+  // show it.
+  int stagingDirFd(int shard) const { return shard < 0 ? stagingFd_.get() : shardFds_[shard].get(); }
+  std::string stagingPath(int shard, const std::string& name) const;
+  // Whether `name` is being built: an entry of staging/ or of a shard.
+  bool inStaging(const std::string& name) const;
   // Releases claims whose workspace is nowhere (staging, root, trash) and older than graceMs (sweep).
   void sweepProjectClaims(bool dryRun, int64_t graceMs);
   // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
@@ -213,6 +227,7 @@ class Pool {
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
+  std::array<UniqueFd, kStagingShards> shardFds_;  // format 3: staging/s0 ... (closed before format 3)
   dev_t rootDev_ = 0;  // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.

@@ -102,8 +102,7 @@ void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
     if (owner.empty() || owner.find('/') != std::string::npos || owner[0] == '.') continue;
     // Staging, then root, then trash: the order a workspace moves in, so one moving meanwhile is never missed.
     struct stat st;
-    if (fstatat(stagingFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
-        fstatat(rootFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+    if (inStaging(owner) || fstatat(rootFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
         fstatat(trashFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
       continue;
     if (ageMsAt(claims, file.c_str()) < graceMs) continue;
