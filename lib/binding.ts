@@ -6,6 +6,12 @@ import type { WorkspaceUsage } from './quota.js'
 /** A clone's result as the binding returns it: the public CloneResult without `path`, which lib/ adds. */
 export type NativeCloneResult = Omit<CloneResult, 'path'>
 
+/**
+ * A clone's summary as clonePathBeneath resolves it: kind, method, files, bytes, reflinked, copied, and for a tree
+ * dirs, symlinks, hardlinks, fifos, devices, skipped sockets, skipped devices (native/binding/clone.cc summaryArray).
+ */
+export type NativeCloneArray = [kind: CloneResult['kind'], method: CloneResult['method'], ...counts: number[]]
+
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 
 export type WarmHandle = { readonly __brand: 'WarmHandle' }
@@ -146,14 +152,6 @@ export interface ClonePathOptions extends NativeCloneOptions {
   dst: string
 }
 
-export interface ClonePathBeneathOptions extends NativeCloneOptions {
-  /** The workspace's lease fd (its directory) and path: `rel` is resolved beneath it. */
-  baseFd: number
-  basePath: string
-  src: string
-  rel: string
-}
-
 export interface Native {
   openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 | 3 }>
   closePool(handle: PoolHandle): Promise<void>
@@ -185,7 +183,21 @@ export interface Native {
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>
   clonePath(options: ClonePathOptions): Promise<NativeCloneResult>
-  clonePathBeneath(options: ClonePathBeneathOptions): Promise<NativeCloneResult>
+  /**
+   * Positional (issue 12): `rel` is resolved beneath the workspace whose lease fd (its directory) is `baseFd` and
+   * path `basePath`; `reflink` and `writeback` are their index in reflinkValues and writebackValues.
+   */
+  clonePathBeneath(
+    baseFd: number,
+    basePath: string,
+    src: string,
+    rel: string,
+    reflink: number,
+    overwrite: boolean,
+    durable: boolean,
+    writeback: number,
+    progress: ProgressHandle | undefined,
+  ): Promise<NativeCloneArray>
   probeQuota(path: string): Promise<NativeQuotaSupport>
   poolSpace(handle: PoolHandle): Promise<{ availableBytes: number; freeBytes: number; totalBytes: number; quota: NativeQuotaSupport }>
   usage(handle: PoolHandle, name: string, progress: ProgressHandle | undefined): Promise<NativeUsage>

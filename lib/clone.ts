@@ -1,5 +1,5 @@
 /** The standalone clone(), and the clone options and results it shares with Workspace.clone() and templates. */
-import { native, type NativeCloneResult, type ProgressHandle } from './binding.js'
+import { native, type NativeCloneArray, type NativeCloneResult, type ProgressHandle } from './binding.js'
 import { abortSignal, absolutePath, boolean, func, oneOf, optionsObject } from './args.js'
 import { AbortError, fromNative } from './errors.js'
 import { cloneChannel, cloneResult, traced } from './trace.js'
@@ -117,6 +117,15 @@ export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): 
     onProgress: func('options.onProgress', o.onProgress),
     signal: abortSignal('options.signal', o.signal),
   }
+}
+
+/** clonePathBeneath's array as the CloneResult of destination `dest` (the members in toResult's order). */
+export function cloneResultOf(a: NativeCloneArray, dest: string): CloneResult {
+  const r: CloneResult =
+    a[0] === 'tree'
+      ? { kind: a[0], method: a[1], files: a[2], bytes: a[3], reflinked: a[4], copied: a[5], dirs: a[6], symlinks: a[7], hardlinks: a[8], fifos: a[9], devices: a[10], skipped: { sockets: a[11], devices: a[12] }, path: dest }
+      : { kind: a[0], method: a[1], files: a[2], bytes: a[3], reflinked: a[4], copied: a[5], path: dest }
+  return r
 }
 
 export function toResult(r: NativeCloneResult & { dest?: string }, dest: string): CloneResult {

@@ -22,6 +22,7 @@ import {
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import {
   cloneOptions,
+  cloneResultOf,
   reflinkValues,
   toResult,
   withProgress,
@@ -31,7 +32,7 @@ import {
   type Reflink,
   type Writeback,
 } from './clone.js'
-import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
+import type { NativeAllocateResult, NativeCloneArray, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage, type QuotaOptions, type QuotaSupport, type WorkspaceUsage } from './quota.js'
 import { WarmReserve, type WarmStats } from './warm.js'
 import {
@@ -1148,7 +1149,7 @@ export class Workspace implements AsyncDisposable {
   // done in it (against copyFile, each promise step more shows in `npm run bench -- --only clone`). A throw before
   // the native call (bad arguments, ERR_DISPOSED) still rejects, as an async function's would.
   #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
-    let run: Promise<NativeCloneResult>
+    let run: Promise<NativeCloneArray>
     let destPath: string
     try {
       const src = absolutePath('source', source)
@@ -1160,10 +1161,10 @@ export class Workspace implements AsyncDisposable {
       // string path.join would give, without its normalising pass.
       destPath = this.path + '/' + rel
       const start = (p: ProgressHandle | undefined) =>
-        native.clonePathBeneath({
-          baseFd: this.#leaseFd, basePath: this.path, src, rel, reflink: opts.reflink, overwrite: opts.overwrite,
-          durable: opts.durable, writeback: opts.writeback, progress: p,
-        })
+        native.clonePathBeneath(
+          this.#leaseFd, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
+          writebackValues.indexOf(opts.writeback), p,
+        )
       run = opts.onProgress || opts.signal ? withProgress(opts, start) : start(undefined)
     } catch (e) {
       return Promise.reject(e)
@@ -1171,10 +1172,11 @@ export class Workspace implements AsyncDisposable {
     const inFlight = this.#inFlight
     inFlight.begin()
     return run.then(
-      (r) => {
+      (a) => {
         inFlight.end()
+        const r = cloneResultOf(a, destPath)
         this.#pool._countClone(r)
-        return toResult(r, destPath)
+        return r
       },
       (e: unknown) => {
         inFlight.end()

@@ -1,13 +1,14 @@
 /**
  * The native calls' contract (lib/binding.ts, native/binding/): options objects read by name, a wrong type is a
- * TypeError naming the call and the key and changes nothing; enums travel as their names; the release addon has
- * no test seams.
+ * TypeError naming the call and the key and changes nothing; enums travel as their names; the calls of every VM
+ * (allocatePlain, dispose, clonePathBeneath) are positional and check each argument; the release addon has no test
+ * seams.
  */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { native } from '../lib/binding.js'
-import { freshDir, repoRoot } from './helpers.js'
+import { emptyPoolState, freshDir, poolState, repoRoot } from './helpers.js'
 
 describe('native options objects', () => {
   test('a wrong type is a TypeError naming the call and the key', () => {
@@ -36,6 +37,29 @@ describe('native options objects', () => {
   test('a positional call where an options object is expected is a TypeError', () => {
     const call = () => (native.replaceJsonFile as unknown as (...a: unknown[]) => unknown)('/tmp/x', '{}', false)
     expect(call).toThrow('vmspace binding: replaceJsonFile: argument 0 must be an options object')
+  })
+})
+
+describe('positional native calls', () => {
+  test('allocatePlain, dispose and clonePathBeneath refuse a wrong argument with a TypeError; nothing is made', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const { handle } = await native.openPool({ root, create: true, format: 3, projectIdFirst: 0, projectIdLast: 0 })
+    const any = (f: unknown) => f as (...a: unknown[]) => unknown
+    expect(() => any(native.allocatePlain)(handle, 'vm', 0o700, '"format":1', 'yes')).toThrow('vmspace binding: argument 4 must be a boolean')
+    expect(() => any(native.allocatePlain)(handle, 'vm', 0o17777, '"format":1', false)).toThrow('vmspace binding: allocatePlain: mode out of range')
+    expect(() => any(native.allocatePlain)(handle, 'vm', 0o700, { format: 1 }, false)).toThrow(TypeError)
+    expect(() => any(native.dispose)(handle, 'vm-x', -1, true, true)).toThrow('vmspace binding: dispose: leaseFd out of range')
+    expect(() => any(native.dispose)(handle, 'vm-x', 2 ** 40, true, true)).toThrow('vmspace binding: dispose: leaseFd out of range')
+    const src = path.join(freshDir(), 'src')
+    fs.writeFileSync(src, 'x')
+    const clone = (reflink: unknown, writeback: unknown) => () => any(native.clonePathBeneath)(0, root, src, 'f', reflink, false, false, writeback, undefined)
+    expect(clone(3, 0)).toThrow('vmspace binding: clonePathBeneath: argument 4 out of range')
+    expect(clone(-1, 0)).toThrow('vmspace binding: clonePathBeneath: argument 4 out of range')
+    expect(clone(1, 3)).toThrow('vmspace binding: clonePathBeneath: argument 7 out of range')
+    expect(clone('auto', 0)).toThrow('vmspace binding: argument 4 must be a number')
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(fs.existsSync(path.join(root, 'f'))).toBe(false)
+    await native.closePool(handle)
   })
 })
 
