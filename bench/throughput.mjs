@@ -181,7 +181,7 @@ if (want('growth')) {
   }
   const latency = []
   const calls = []
-  for (const format of [1, 2]) {
+  for (const format of [1, 2, 3]) {
     const full = await vmspace.openPool(path.join(dir, `full${format}`), { format })
     const empty = await vmspace.openPool(path.join(dir, `empty${format}`), { format })
     // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
