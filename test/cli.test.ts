@@ -290,6 +290,18 @@ describe('vmspace run', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
+  test('--format 3 makes a format-3 pool (an existing pool keeps its own); CMD runs in it and it is left empty', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const child = runChild(['--pool', root, '--format', '3', '--', 'sh', '-c', 'echo "$VMSPACE_ID"'])
+    expect(await child.exited).toEqual({ code: 0, signal: null })
+    expect(child.lines[0]).toMatch(/^[0-9a-f]{32}$/)
+    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
+    expect(poolState(root)).toEqual(emptyPoolState)
+    const again = runChild(['--pool', root, '--format', '1', '--', 'true'])
+    expect(await again.exited).toEqual({ code: 0, signal: null })
+    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
+  })
+
   test('forwards SIGTERM to CMD, waits for it, disposes, and exits with the status CMD chose', async () => {
     const root = path.join(freshDir(), 'pool')
     // The trap runs when the short foreground sleep ends (sh defers traps to the end of a command): no `wait` builtin
@@ -349,6 +361,7 @@ describe('vmspace run', () => {
       [['--pool', root, '--template', path.join(dir, 'missing'), '--', 'true'], /no such file or directory$/],
       [['--pool', root, '--template', `../up=${dir}`, '--', 'true'], /DEST must be a relative path beneath the workspace$/],
       [['--pool', root, '--reflink', 'maybe', '--', 'true'], /argument 'maybe' is invalid/],
+      [['--pool', root, '--format', '4', '--', 'true'], /argument '4' is invalid/],
       [['--pool', path.join(dir, 'no', 'pool'), '--', 'true'], /its parent directory does not exist$/],
       [['--pool', root], /missing required argument 'cmd'/],
       [['--', 'true'], /required option '--pool <root>' not specified/],
