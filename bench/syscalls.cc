@@ -4,7 +4,8 @@
 //   META: vmspace's sequence with its metadata as 1 a file in meta/ and dispose through trash/ (vmspace before
 //   issue 12), 2 a file and dispose by rmdir at the workspace's name (format 1 pools now), 3 an xattr of the
 //   workspace directory and rmdir at the name, no meta/ unlink (format 2 pools), 4 as 3 with each thread building in
-//   a staging shard of its own, staging/s<i> (format 3 pools); 0: 1 without any metadata.
+//   a staging shard of its own, staging/s<i> (format 3 pools); 0: 1 without any metadata; 5: mkdir + rmdir of a
+//   random name in one directory, nothing else (the floor of mkdtemp + rm).
 //   The name's random bytes come from a per-thread buffer refilled 256 bytes at a time, as in native/core/names.cc.
 //   BODY (environment): bytes of metadata, default 200 (what allocate() writes without meta or template).
 //   Without THREADS: prints the median ns per allocate+dispose pair of ITERATIONS pairs in one thread.
@@ -60,6 +61,7 @@ static int stagingDir() {
 static bool pair() {
   const int staging = stagingDir();
   std::string name = "vm-" + hex(16);
+  if (meta == 5) return mkdirat(rootFd, name.c_str(), 0700) == 0 && unlinkat(rootFd, name.c_str(), AT_REMOVEDIR) == 0;
   if (mkdirat(staging, name.c_str(), 0700) != 0) return false;
   int fd = openat(staging, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) return false;

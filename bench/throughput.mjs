@@ -1,9 +1,10 @@
 #!/usr/bin/env node
 // Throughput of allocate+dispose under the load of many callers (issue 12), each ratio from one run with the
 // compared implementations interleaved round by round (the machine is shared; absolute figures drift):
-//   1. `--inflight` (64) pairs in flight in one process: vmspace, fs.promises mkdtemp+rm, and the native floor
+//   1. `--inflight` (64) pairs in flight in one process: vmspace, fs.promises mkdtemp+rm, and the native floors
 //      (bench/syscalls.cc: vmspace's syscall sequence in UV_THREADPOOL_SIZE threads, the parallelism the libuv pool
-//      gives vmspace);
+//      gives vmspace), and mkdtemp+rm's own floor (mkdir + rmdir in as many threads: "mkdtemp+rm / its floor", how
+//      much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
 //   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same three (the floor in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
@@ -104,10 +105,12 @@ if (args.child) {
 const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-throughput-'))
 process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
 // The native floors: vmspace's syscall sequence for a format-1 pool (metadata file), a format-2 pool (xattr) and a
-// format-3 pool (xattr, a staging shard per thread): bench/syscalls.cc's META 2, 3 and 4.
-const floorOps = (format, threads) =>
-  Number(execFileSync(args.floor, [path.join(dir, `floor${format}`), '0', String(format + 1), String(threads), String(timeMs)]).toString())
-const names = ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', 'floor1', 'floor2', 'floor3', ...(before ? ['baseline2'] : [])]
+// format-3 pool (xattr, a staging shard per thread), and mkdtemp+rm's own (mkdir + rmdir): bench/syscalls.cc's
+// META 2, 3, 4 and 5.
+const floorModes = { floor1: 2, floor2: 3, floor3: 4, floorMk: 5 }
+const floorOps = (name, threads) =>
+  Number(execFileSync(args.floor, [path.join(dir, name), '0', String(floorModes[name]), String(threads), String(timeMs)]).toString())
+const names = ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', 'floor1', 'floor2', 'floor3', 'floorMk', ...(before ? ['baseline2'] : [])]
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
 const fsType = (() => {
   try {
@@ -127,6 +130,7 @@ const ratioRows = (label, res) => {
     'native floor ops/s': median(res[floor]).toFixed(0),
     'vmspace / mkdtemp+rm': r(vm, 'mkdtemp'),
     'vmspace / floor': r(vm, floor),
+    'mkdtemp+rm / its floor': r('mkdtemp', 'floorMk'),
     'per round (vm/mk/floor)': res[vm].map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res[floor][i].toFixed(0)}`).join(' '),
     ...(before && format >= 2 ? { 'baseline ops/s': median(res.baseline2).toFixed(0), 'vmspace / baseline': r(vm, 'baseline2') } : {}),
   })
@@ -146,7 +150,7 @@ if (want('inflight')) {
   const impls = await implementations(dir)
   for (const n of ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', ...(before ? ['baseline2'] : [])]) await loop(impls[n], inflight, 300)
   const res = await rounds_(async (name) =>
-    name.startsWith('floor') ? floorOps(Number(name.at(-1)), threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
+    name.startsWith('floor') ? floorOps(name, threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
   )
   for (const p of impls.pools) await p.close()
   rows.push(...ratioRows(`${inflight} in flight, 1 process (floor: ${threadpool} threads); load ${load()}`, res))
@@ -160,7 +164,7 @@ async function processes(name, procs) {
 
 if (want('procs')) {
   const procs = Number(args.procs)
-  const res = await rounds_((name) => (name.startsWith('floor') ? floorOps(Number(name.at(-1)), procs) : processes(name, procs)))
+  const res = await rounds_((name) => (name.startsWith('floor') ? floorOps(name, procs) : processes(name, procs)))
   rows.push(...ratioRows(`${procs} processes, 1 in flight each (floor: ${procs} threads); load ${load()}`, res))
 }
 
