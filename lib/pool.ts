@@ -55,10 +55,10 @@ export type JsonValue = string | number | boolean | null | JsonValue[] | { [key:
 /** A JSON object: workspace metadata (`meta`) and the like. */
 export type JsonObject = { [key: string]: JsonValue }
 
-/** Options of {@link openPool}. */
 /** A pool's on-disk format (see {@link PoolOptions.format}). */
 export type PoolFormat = 1 | 2 | 3
 
+/** Options of {@link openPool}. */
 export interface PoolOptions {
   /** Make the root and `.vmspace/` when missing. Default true. */
   create?: boolean
