@@ -75,7 +75,7 @@ static bool pair() {
       return false;
     close(m);
     if (renameat2(metaFd, tmp.c_str(), metaFd, mname.c_str(), RENAME_NOREPLACE) != 0) return false;
-  } else if (meta == 3) {
+  } else if (meta == 3 || meta == 4) {
     if (fsetxattr(fd, "user.vmspace.meta", body.data(), body.size(), 0) != 0) return false;
   }
   if (renameat2(staging, name.c_str(), rootFd, name.c_str(), RENAME_NOREPLACE) != 0) return false;

@@ -18,7 +18,8 @@ async function leftBehind(root: string, before: Set<string>) {
   return {
     published: names('.'),
     trash: names(path.join('.vmspace', 'trash')),
-    staging: names(path.join('.vmspace', 'staging')),
+    // In staging/ itself, or (format 3) in one of its shards.
+    staging: entries.filter((e) => e.startsWith(path.join('.vmspace', 'staging') + path.sep)).map((e) => path.basename(e)),
   }
 }
 

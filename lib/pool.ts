@@ -85,8 +85,8 @@ export interface PoolOptions {
    * the workspace directory itself (a guest given the directory through virtiofs, say) can then rewrite its
    * metadata, which format 1 keeps out of the workspace. 3: format 2, and workspaces are built in eight
    * subdirectories of `.vmspace/staging/` (`s0` … `s7`, one per thread) instead of `staging/` itself, so that
-   * parallel allocations do not all wait on one directory's lock (issue 12: +6 % allocate+dispose pairs/s with 64
-   * in flight on XFS); vmspace before format 3 refuses such a pool with `ERR_POOL_FORMAT` (its sweep would take a
+   * parallel allocations do not all wait on one directory's lock (issue 12: +5–10 % allocate+dispose pairs/s with
+   * 64 in flight on XFS, against format 2 in the same run); vmspace before format 3 refuses such a pool with `ERR_POOL_FORMAT` (its sweep would take a
    * shard for a dead build).
    */
   format?: PoolFormat
@@ -387,7 +387,8 @@ class InFlight {
 /**
  * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default): missing
  * directories are made with exact modes whatever the umask, 0o755 for the root, `.vmspace/` and missing parents,
- * 0o700 for `.vmspace/{staging,trash,meta}` (0o2770 with group `sharedGroup` for the root and `.vmspace/...`).
+ * 0o700 for `.vmspace/{staging,trash,meta}` and a format-3 pool's staging shards `.vmspace/staging/s0` … `s7`
+ * (0o2770 with group `sharedGroup` for the root and `.vmspace/...`).
  * Throws the errno of the failing call (`ENOENT` for a missing pool with `create: false`), `ERR_POOL_UNSAFE`
  * (nothing made; `path`, `uid`, `gid`, `mode` name the entry) when another user could write a directory of the
  * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_FORMAT` when

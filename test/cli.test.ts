@@ -495,6 +495,19 @@ describe('vmspace demo', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
+  test('--format 3 --chaos 1: what the killed worker left, in the staging shards too, is exactly what one sweep reclaims', () => {
+    const dir = freshDir()
+    const base = path.join(dir, 'base.img')
+    writeRandomFile(base, 64 * 1024)
+    const root = path.join(dir, 'pool')
+    const r = vmspace(['demo', '--vms', '24', '--workers', '2', '--live', '2', '--base', base, '--root', root, '--format', '3', '--chaos', '1'])
+    expect(r.status, r.stderr + r.stdout).toBe(0)
+    expect(r.stdout).toMatch(/\| result\s+\| all checks passed\s+\|/)
+    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(vmspace(['demo', '--format', '4']).stderr).toMatch(/^vmspace demo: --format must be 1, 2 or 3, got "4"\n/)
+  })
+
   test('bad demo options exit 2; --help prints the demo usage', () => {
     const r = vmspace(['demo', '--vms', '0'])
     expect(r.status).toBe(2)

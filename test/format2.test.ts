@@ -242,7 +242,7 @@ describe('format 3: staging shards', () => {
     await pool.close()
   })
 
-  test('a shard that is missing is made again when the pool is opened; one another user could write is refused, nothing changed', async () => {
+  test('a shard that is missing is made again when the pool is opened; one another user could write is refused, nothing made or changed', async () => {
     const root = path.join(freshDir(), 'pool')
     await (await openPool(root, { format: 3 })).close()
     fs.rmdirSync(path.join(stagingDir(root), 's3'))
@@ -251,6 +251,9 @@ describe('format 3: staging shards', () => {
     expect(fs.readdirSync(stagingDir(root)).sort()).toEqual(shards)
     await pool.close()
     fs.chmodSync(path.join(stagingDir(root), 's6'), 0o777)
+    // Missing pieces are not made when the pool is refused (cold review: s1 and meta/ were made first).
+    fs.rmdirSync(path.join(stagingDir(root), 's1'))
+    fs.rmdirSync(path.join(root, '.vmspace', 'meta'))
     const before = snapshotTree(root)
     const err = await openPool(root).catch((e: unknown) => e)
     expect(err).toMatchObject({ code: 'ERR_POOL_UNSAFE', path: path.join(stagingDir(root), 's6') })

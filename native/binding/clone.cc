@@ -27,20 +27,13 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
                                                   vmspace::Reflink::Never};
   static constexpr vmspace::Writeback writebacks[] = {vmspace::Writeback::None, vmspace::Writeback::Start,
                                                       vmspace::Writeback::Wait};
-  auto indexArg = [&](size_t i, int64_t below) {
-    int64_t v = intArg(info, i);
-    if (v < 0 || v >= below)
-      throw Napi::TypeError::New(info.Env(),
-                                 "vmspace binding: clonePathBeneath: argument " + std::to_string(i) + " out of range");
-    return v;
-  };
-  int baseFd = static_cast<int>(indexArg(0, INT32_MAX));
+  int baseFd = static_cast<int>(integerArg(info, 0, 0, INT32_MAX, "clonePathBeneath"));
   std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
   vmspace::CloneOptions opts;
-  opts.reflink = reflinks[indexArg(4, 3)];
+  opts.reflink = reflinks[integerArg(info, 4, 0, 2, "clonePathBeneath")];
   opts.overwrite = boolArg(info, 5);
   opts.durable = boolArg(info, 6);
-  opts.writeback = writebacks[indexArg(7, 3)];
+  opts.writeback = writebacks[integerArg(info, 7, 0, 2, "clonePathBeneath")];
   ProgressRef progress = progressArg(info, 8);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(),

@@ -1,6 +1,7 @@
 // The binding's shared helpers (common.h).
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "common.h"
@@ -158,6 +159,15 @@ int64_t intArg(const Napi::CallbackInfo& info, size_t i) {
   if (!info[i].IsNumber())
     throw Napi::TypeError::New(info.Env(), "vmspace binding: argument " + std::to_string(i) + " must be a number");
   return info[i].As<Napi::Number>().Int64Value();
+}
+
+int64_t integerArg(const Napi::CallbackInfo& info, size_t i, int64_t min, int64_t max, const char* call) {
+  double v = info[i].IsNumber() ? info[i].As<Napi::Number>().DoubleValue() : std::nan("");
+  if (!(v >= static_cast<double>(min) && v <= static_cast<double>(max) && v == std::trunc(v)))
+    throw Napi::TypeError::New(info.Env(), std::string("vmspace binding: ") + call + ": argument " + std::to_string(i) +
+                                               " must be an integer from " + std::to_string(min) + " to " +
+                                               std::to_string(max));
+  return static_cast<int64_t>(v);
 }
 
 bool boolArg(const Napi::CallbackInfo& info, size_t i) {

@@ -125,6 +125,10 @@ std::string stringArg(const Napi::CallbackInfo& info, size_t i);
 // A string of JSON object members (lib/binding.ts, jsonMembers); `what` names the value in the TypeError.
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what);
 int64_t intArg(const Napi::CallbackInfo& info, size_t i);
+// info[i] as an integer from `min` to `max`: a TypeError naming `call` and the argument for anything else (NaN,
+// Infinity, a fraction, out of range), which intArg would truncate (the positional calls: allocatePlain, dispose,
+// clonePathBeneath).
+int64_t integerArg(const Napi::CallbackInfo& info, size_t i, int64_t min, int64_t max, const char* call);
 bool boolArg(const Napi::CallbackInfo& info, size_t i);
 
 struct PoolRef {

@@ -78,10 +78,7 @@ Napi::Value AllocatePlain(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   vmspace::AllocateRequest req;
   req.prefix = stringArg(info, 1);
-  int64_t mode = intArg(info, 2);
-  if (mode < 0 || mode > 07777)
-    throw Napi::TypeError::New(info.Env(), "vmspace binding: allocatePlain: mode out of range");
-  req.mode = static_cast<mode_t>(mode);
+  req.mode = static_cast<mode_t>(integerArg(info, 2, 0, 07777, "allocatePlain"));
   static const std::string what = "allocatePlain: argument 3";
   req.info = jsonMembersOf(info.Env(), info[3], what);
   req.clone.durable = boolArg(info, 4);
@@ -104,10 +101,10 @@ Napi::Value AllocatePlain(const Napi::CallbackInfo& info) {
 Napi::Value Dispose(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   std::string name = stringArg(info, 1);
-  int64_t fd = intArg(info, 2);
-  if (fd < 0 || fd > INT32_MAX)
-    throw Napi::TypeError::New(info.Env(), "vmspace binding: dispose: leaseFd out of range");
-  int leaseFd = static_cast<int>(fd);
+  int leaseFd = static_cast<int>(integerArg(info, 2, 0, INT32_MAX, "dispose"));
+  // Only a lease this thread holds (as releaseLease): the call closes the fd, which must never be another one.
+  if (instance(info.Env()).leases.count(leaseFd) == 0)
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: dispose: not a lease of this thread");
   vmspace::DisposeHints hints;
   hints.metaFile = boolArg(info, 3);
   hints.claim = boolArg(info, 4);

@@ -414,19 +414,24 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
     throwCode("ERR_POOL_FORMAT", "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2, 3)",
               0, "open", versionPath);
 
+  // Format 3: the staging shards that exist are checked too before anything is made, so that a pool with an unsafe
+  // one is refused unchanged; the missing ones are made below, with the directories above.
+  const int shards = pool->format_ >= 3 ? kStagingShards : 0;
+  auto shardName = [](int i) { return "s" + std::to_string(i); };
+  for (int i = 0; i < shards && pool->stagingFd_; i++)
+    pool->shardFds_[i] =
+        openPoolDir(pool->stagingFd_.get(), shardName(i).c_str(), state + "/staging/" + shardName(i), false, 0, trust);
+
+  const mode_t subMode = sharedGid >= 0 ? 02770 : 0700;
   for (auto& sub : subs) {
     std::string shown = state + "/" + sub.name;
-    if (!*sub.fd)
-      *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
+    if (!*sub.fd) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, subMode, trust);
     if (!*sub.fd) throwErrno(ENOENT, "open", shown);
   }
-  // Format 3: the staging shards, checked and made as the directories above.
-  for (int i = 0; pool->format_ >= 3 && i < kStagingShards; i++) {
-    std::string name = "s" + std::to_string(i), shown = state + "/staging/" + name;
-    pool->shardFds_[i] = openPoolDir(pool->stagingFd_.get(), name.c_str(), shown, false, 0, trust);
+  for (int i = 0; i < shards; i++) {
+    std::string shown = state + "/staging/" + shardName(i);
     if (!pool->shardFds_[i])
-      pool->shardFds_[i] =
-          openPoolDir(pool->stagingFd_.get(), name.c_str(), shown, create, sharedGid >= 0 ? 02770 : 0700, trust);
+      pool->shardFds_[i] = openPoolDir(pool->stagingFd_.get(), shardName(i).c_str(), shown, create, subMode, trust);
     if (!pool->shardFds_[i]) throwErrno(ENOENT, "open", shown);
   }
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
