@@ -1,7 +1,7 @@
 /** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
+import { openPool, type PoolFormat, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 
@@ -69,11 +69,11 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
   return { json, usage }
 }
 
-async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
+async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[]; format: PoolFormat }> {
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    return { root, infos: await pool.list({ usage }), templates: await pool.templates() }
+    return { root, infos: await pool.list({ usage }), templates: await pool.templates(), format: pool.format }
   } finally {
     await pool.close()
   }
@@ -200,7 +200,9 @@ function ownerRunning(info: WorkspaceInfo, bootId: string | null): boolean | nul
 }
 
 interface Inspected extends WorkspaceJson {
+  /** Where the metadata is: its file, or (formats 2 and 3) the workspace directory whose xattr `metadataXattr` holds it. */
   metadataPath: string
+  metadataXattr: string | null
   /** The lease is free: a sweep would reclaim it, `adopt` would take it over. */
   reclaimable: boolean
   /** The workspace was made in this boot (null: not recorded). */
@@ -213,7 +215,7 @@ interface Inspected extends WorkspaceJson {
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
   if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
-  const { root, infos } = await listPool(rootArg)
+  const { root, infos, format } = await listPool(rootArg)
   const info = infos.find((i) => i.id === idArg || i.name === idArg)
   if (!info) {
     process.stderr.write(`vmspace inspect: no workspace ${idArg} in ${root}\n`)
@@ -228,9 +230,13 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
   } catch (e) {
     json.error ??= errorJson(e)
   }
+  // Formats 2 and 3 keep the metadata in the directory's xattr, in the file only where the xattr was refused.
+  const metaFile = path.join(root, '.vmspace', 'meta', `${info.name}.json`)
+  const inXattr = format >= 2 && !fs.existsSync(metaFile)
   const full: Inspected = {
     ...json,
-    metadataPath: path.join(root, '.vmspace', 'meta', `${info.name}.json`),
+    metadataPath: inXattr ? info.path : metaFile,
+    metadataXattr: inXattr ? 'user.vmspace.meta' : null,
     reclaimable: !info.live,
     sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,
     ownerRunning: ownerRunning(info, bootId),
@@ -254,7 +260,7 @@ function inspectText(w: Inspected): string {
     ['owner', `${w.pid ?? '-'} on ${w.hostname ?? '-'}${w.ownerRunning === null ? '' : w.ownerRunning ? ' (running)' : ' (gone)'}`],
     ['boot', `${w.bootId ?? '-'}${w.sameBoot === null ? '' : w.sameBoot ? ' (this boot)' : ' (an earlier boot)'}`],
     ['meta', w.meta === null ? '-' : JSON.stringify(w.meta)],
-    ['metadata', w.metadataPath],
+    ['metadata', w.metadataXattr ? `${w.metadataPath} (xattr ${w.metadataXattr})` : w.metadataPath],
     ['directory', dir ? `mode ${dir.mode}, uid ${dir.uid}, gid ${dir.gid}, dev ${dir.dev}, ino ${dir.ino}` : '-'],
     [
       'usage',

@@ -160,6 +160,7 @@ describe('vmspace inspect', () => {
       sameBoot: true,
       ownerRunning: true,
       metadataPath: metaPath(pool.root, ws.name),
+      metadataXattr: null,
       directory: { mode: '0700', uid: process.getuid!(), gid: process.getgid!() },
       usage: { files: 1, logicalBytes: ws.id.length, dirs: 1, others: 0, skipped: 0, allocatedBytes: allocatedOf(ws.path) },
       error: null,
@@ -168,6 +169,17 @@ describe('vmspace inspect', () => {
     const text = vmspace(['inspect', pool.root, ws.id])
     expect(text.status).toBe(0)
     expect(text.stdout).toMatch(/^state\s+free \(no process holds the lease/m)
+  })
+
+  test('inspect of a workspace in a format-3 pool names the directory and its xattr as where the metadata is', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'), { format: 3 })
+    const ws = await orphan(pool, { tenant: 'acme' })
+    const out = json(['inspect', pool.root, ws.id])
+    expect(out).toMatchObject({ id: ws.id, meta: { tenant: 'acme' }, metadataPath: ws.path, metadataXattr: 'user.vmspace.meta', error: null })
+    const lines = vmspace(['inspect', pool.root, ws.id]).stdout.split('\n')
+    expect(lines).toContainEqual(expect.stringMatching(/^metadata\s+/))
+    expect(lines.find((l) => l.startsWith('metadata'))!.replace(/^metadata\s+/, '')).toBe(`${ws.path} (xattr user.vmspace.meta)`)
+    await pool.close()
   })
 
   test('an unknown id exits 1 with one line; a malformed one is a usage error', async () => {
