@@ -116,14 +116,14 @@ function templateJson(t: Template): TemplateJson {
 
 /** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
 export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
-  const { root, infos, templates } = await listPool(rootArg, true)
+  const { root, infos, templates, format } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
     rows.push((await describeWorkspace(info, now)).json)
   const tpl = templates.map(templateJson)
   const failed = rows.filter((r) => r.error !== null).length + tpl.filter((t) => t.error !== null).length
-  if (opts.json) printJson({ root, workspaces: rows, templates: tpl })
+  if (opts.json) printJson({ root, format, workspaces: rows, templates: tpl })
   else {
     const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
     process.stdout.write(

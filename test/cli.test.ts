@@ -93,6 +93,7 @@ describe('vmspace ls', () => {
 
     const out = json(['ls', pool.root])
     expect(out.root).toBe(pool.root)
+    expect(out.format).toBe(1)
     const byId = new Map<string, any>(out.workspaces.map((w: any) => [w.id, w]))
     expect([...byId.keys()].sort()).toEqual([held.id, free.id].sort())
     const h = byId.get(held.id)
@@ -176,6 +177,7 @@ describe('vmspace inspect', () => {
     const ws = await orphan(pool, { tenant: 'acme' })
     const out = json(['inspect', pool.root, ws.id])
     expect(out).toMatchObject({ id: ws.id, meta: { tenant: 'acme' }, metadataPath: ws.path, metadataXattr: 'user.vmspace.meta', error: null })
+    expect(json(['ls', pool.root]).format).toBe(3)
     const lines = vmspace(['inspect', pool.root, ws.id]).stdout.split('\n')
     expect(lines).toContainEqual(expect.stringMatching(/^metadata\s+/))
     expect(lines.find((l) => l.startsWith('metadata'))!.replace(/^metadata\s+/, '')).toBe(`${ws.path} (xattr user.vmspace.meta)`)
