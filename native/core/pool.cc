@@ -374,6 +374,9 @@ int readMetaXattr(int fd, std::string* out) {
 
 }  // namespace
 
+// Format 3: the name of staging shard `i` in .vmspace/staging/ ("s0" ... ).
+static std::string shardName(int i) { return "s" + std::to_string(i); }
+
 std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid, int newFormat) {
   std::shared_ptr<Pool> pool(new Pool());
   pool->root_ = root;
@@ -417,7 +420,6 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   // Format 3: the staging shards that exist are checked too before anything is made, so that a pool with an unsafe
   // one is refused unchanged; the missing ones are made below, with the directories above.
   const int shards = pool->format_ >= 3 ? kStagingShards : 0;
-  auto shardName = [](int i) { return "s" + std::to_string(i); };
   for (int i = 0; i < shards && pool->stagingFd_; i++)
     pool->shardFds_[i] =
         openPoolDir(pool->stagingFd_.get(), shardName(i).c_str(), state + "/staging/" + shardName(i), false, 0, trust);
@@ -462,8 +464,7 @@ int Pool::stagingShard() const {
 }
 
 std::string Pool::stagingPath(int shard, const std::string& name) const {
-  return shard < 0 ? root_ + "/.vmspace/staging/" + name
-                   : root_ + "/.vmspace/staging/s" + std::to_string(shard) + "/" + name;
+  return shard < 0 ? root_ + "/.vmspace/staging/" + name : root_ + "/.vmspace/staging/" + shardName(shard) + "/" + name;
 }
 
 bool Pool::inStaging(const std::string& name) const {
@@ -1121,7 +1122,7 @@ class PoolSweep {
   void stagingPass() {
     stagingPassIn(pool_.stagingFd_.get(), stagingDir_, pool_.format_ >= 3);
     for (int i = 0; pool_.format_ >= 3 && i < kStagingShards; i++)
-      stagingPassIn(pool_.shardFds_[i].get(), stagingDir_ + "/s" + std::to_string(i), false);
+      stagingPassIn(pool_.shardFds_[i].get(), stagingDir_ + "/" + shardName(i), false);
   }
   void stagingPassIn(int dirFd, const std::string& dir, bool skipShards) {
     for (auto& entry : readNames(dirFd, dir)) {
@@ -1138,7 +1139,7 @@ class PoolSweep {
   // s0 ... s<kStagingShards - 1>: no workspace name (<prefix>-<32 hex>) is one.
   static bool isShardName(const std::string& name) {
     for (int i = 0; i < kStagingShards; i++)
-      if (name == "s" + std::to_string(i)) return true;
+      if (name == shardName(i)) return true;
     return false;
   }
 
