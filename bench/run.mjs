@@ -4,6 +4,7 @@
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
 //   npm run bench -- --only throughput,trace,clone,tree [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
+//   npm run bench -- --only tree [--load 0,2]   the tree section once per count of busy-loop processes (default: 0 and the CPUs)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -33,7 +34,7 @@ const { values: args } = parseArgs({
     'warm-count': { type: 'string', default: '2' },
     'template-files': { type: 'string', default: '10000,10' }, // templates-btrfs: tree sizes (files)
     'clone-rounds': { type: 'string', default: '200' },
-    load: { type: 'string', default: '0' }, // tree: this many busy-loop processes run during the section
+    load: { type: 'string', default: `0,${os.cpus().length}` }, // tree: one pass per count of busy-loop processes
   },
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
@@ -227,91 +228,96 @@ if (want('tree')) {
     const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ') // fields from 3 (state) on
     return ((Number(f[13]) + Number(f[14])) * 1000) / ticks // cutime, cstime (fields 16, 17)
   }
-  // --load N: N processes spinning on the CPUs for the whole section ("while other processes load the CPUs").
-  const spinners = Array.from({ length: Number(args.load) }, () =>
-    spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }),
-  )
-  for (const t of targets) {
-    const reflink = t.fs.startsWith('xfs')
-    const src = path.join(t.dir, 'tree-src')
-    fs.mkdirSync(src)
-    for (let d = 0; d < 100; d++) {
-      fs.mkdirSync(path.join(src, `d${d}`))
-      for (let f = 0; f < 100; f++)
-        fs.writeFileSync(path.join(src, `d${d}`, `f${f}`), Buffer.alloc(1024 * (1 + ((d * 100 + f) % 16)), d))
-    }
-    sh('sync', [])
-    const pool = await vmspace.openPool(path.join(t.dir, 'tree-pool'))
-    const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [], unlinks: [], ...(before && reflink ? { before: [] } : {}) }
-    const cpu = Object.fromEntries(Object.keys(r).map((k) => [k, []]))
-    let method
-    // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
-    const timed = async (key, fn) => {
-      sh('sync', [])
-      const c0 = process.cpuUsage()
-      const k0 = childCpuMs()
-      const t0 = process.hrtime.bigint()
-      const out = await fn()
-      r[key].push(ms(t0))
-      const c = process.cpuUsage(c0)
-      cpu[key].push((c.user + c.system) / 1e3 + (childCpuMs() - k0))
-      return out
-    }
-    for (let i = 0; i < Number(args.rounds); i++) {
-      if (reflink) {
-        method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${i}`), { reflink: 'always' }))).method
-        await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${i}`)]))
-        if (before) {
-          await timed('before', () => before.clone(src, path.join(t.dir, `b${i}`), { reflink: 'always' }))
-          await before.removeTree(path.join(t.dir, `b${i}`))
-        }
-      } else {
-        method = (await vmspace.clone(src, path.join(t.dir, `v${i}`))).method
-        sh('cp', ['-a', src, path.join(t.dir, `c${i}`)])
+  // --load N,M…: the section runs once per count, with that many processes spinning on the CPUs for the whole pass
+  // (issue 12: "also while other processes load the CPUs"). Default: idle, then one busy loop per CPU.
+  const loads = args.load.split(',').map(Number)
+  if (!loads.every((n) => Number.isInteger(n) && n >= 0)) throw new Error(`--load: counts of busy loops (0,2), not ${args.load}`)
+  for (const busy of loads) {
+    const spinners = Array.from({ length: busy }, () =>
+      spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }),
+    )
+    for (const t of targets) {
+      const reflink = t.fs.startsWith('xfs')
+      const src = path.join(t.dir, `tree-src-${busy}`)
+      fs.mkdirSync(src)
+      for (let d = 0; d < 100; d++) {
+        fs.mkdirSync(path.join(src, `d${d}`))
+        for (let f = 0; f < 100; f++)
+          fs.writeFileSync(path.join(src, `d${d}`, `f${f}`), Buffer.alloc(1024 * (1 + ((d * 100 + f) % 16)), d))
       }
-      sh('cp', ['-a', '--reflink=auto', src, path.join(t.dir, `u${i}`)])
-      const ws = reflink ? await timed('allocate', () => pool.allocate({ template: src })) : await pool.allocate({ template: src })
-      // The three removals rotate, so that none always runs first (or last) on a warm or busy machine.
-      const removals = [
-        () => timed('dispose', () => ws.dispose()),
-        () => timed('removeTree', () => vmspace.removeTree(path.join(t.dir, `v${i}`))),
-        () => timed('rm', () => fs.promises.rm(path.join(t.dir, `c${i}`), { recursive: true })),
-        async () => {
-          sh('sync', [])
-          const [elapsed, cpuMs] = sh(unlinksBin, [path.join(t.dir, `u${i}`)]).trim().split(' ').map(Number)
-          r.unlinks.push(elapsed)
-          cpu.unlinks.push(cpuMs)
-        },
-      ]
-      for (let k = 0; k < removals.length; k++) await removals[(i + k) % removals.length]()
+      sh('sync', [])
+      const pool = await vmspace.openPool(path.join(t.dir, `tree-pool-${busy}`))
+      const r = { clone: [], allocate: [], cp: [], dispose: [], removeTree: [], rm: [], unlinks: [], ...(before && reflink ? { before: [] } : {}) }
+      const cpu = Object.fromEntries(Object.keys(r).map((k) => [k, []]))
+      let method
+      // Each timed step starts after a sync, so that none pays for the writeback of the one before it.
+      const timed = async (key, fn) => {
+        sh('sync', [])
+        const c0 = process.cpuUsage()
+        const k0 = childCpuMs()
+        const t0 = process.hrtime.bigint()
+        const out = await fn()
+        r[key].push(ms(t0))
+        const c = process.cpuUsage(c0)
+        cpu[key].push((c.user + c.system) / 1e3 + (childCpuMs() - k0))
+        return out
+      }
+      for (let i = 0; i < Number(args.rounds); i++) {
+        if (reflink) {
+          method = (await timed('clone', () => vmspace.clone(src, path.join(t.dir, `v${busy}-${i}`), { reflink: 'always' }))).method
+          await timed('cp', () => sh('cp', ['-a', '--reflink=always', src, path.join(t.dir, `c${busy}-${i}`)]))
+          if (before) {
+            await timed('before', () => before.clone(src, path.join(t.dir, `b${busy}-${i}`), { reflink: 'always' }))
+            await before.removeTree(path.join(t.dir, `b${busy}-${i}`))
+          }
+        } else {
+          method = (await vmspace.clone(src, path.join(t.dir, `v${busy}-${i}`))).method
+          sh('cp', ['-a', src, path.join(t.dir, `c${busy}-${i}`)])
+        }
+        sh('cp', ['-a', '--reflink=auto', src, path.join(t.dir, `u${busy}-${i}`)])
+        const ws = reflink ? await timed('allocate', () => pool.allocate({ template: src })) : await pool.allocate({ template: src })
+        // The three removals rotate, so that none always runs first (or last) on a warm or busy machine.
+        const removals = [
+          () => timed('dispose', () => ws.dispose()),
+          () => timed('removeTree', () => vmspace.removeTree(path.join(t.dir, `v${busy}-${i}`))),
+          () => timed('rm', () => fs.promises.rm(path.join(t.dir, `c${busy}-${i}`), { recursive: true })),
+          async () => {
+            sh('sync', [])
+            const [elapsed, cpuMs] = sh(unlinksBin, [path.join(t.dir, `u${busy}-${i}`)]).trim().split(' ').map(Number)
+            r.unlinks.push(elapsed)
+            cpu.unlinks.push(cpuMs)
+          },
+        ]
+        for (let k = 0; k < removals.length; k++) await removals[(i + k) % removals.length]()
+      }
+      await pool.close()
+      const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
+      const c = Object.fromEntries(Object.entries(cpu).map(([k, v]) => [k, median(v)]))
+      console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms; ${spinners.length} busy-loop processes); ${load()}`)
+      const rows = []
+      const row = (operation, key, base, baseline) =>
+        rows.push({
+          operation,
+          'vmspace ms': m[key].toFixed(0),
+          'vmspace CPU ms': c[key].toFixed(0),
+          baseline,
+          'baseline ms': m[base].toFixed(0),
+          'baseline CPU ms': c[base].toFixed(0),
+          'speed-up': (m[base] / m[key]).toFixed(2),
+          'unlink floor ms': base === 'rm' ? m.unlinks.toFixed(0) : '-',
+          'vmspace / floor': base === 'rm' ? (m[key] / m.unlinks).toFixed(2) : '-',
+        })
+      if (reflink) {
+        row('clone (standalone)', 'clone', 'cp', 'cp -a --reflink=always')
+        if (before) row(`clone (standalone), baseline ${path.basename(path.resolve(args.baseline))}`, 'before', 'cp', 'cp -a --reflink=always')
+        row('allocate({ template: dir })', 'allocate', 'cp', 'cp -a --reflink=always')
+      }
+      row('Workspace.dispose', 'dispose', 'rm', 'fs.promises.rm recursive')
+      row('removeTree', 'removeTree', 'rm', 'fs.promises.rm recursive')
+      console.table(rows)
     }
-    await pool.close()
-    const m = Object.fromEntries(Object.entries(r).map(([k, v]) => [k, median(v)]))
-    const c = Object.fromEntries(Object.entries(cpu).map(([k, v]) => [k, median(v)]))
-    console.log(`\ntree of 10,000 files on ${t.fs} (method ${method}; medians of ${args.rounds} rounds, ms; ${spinners.length} busy-loop processes); ${load()}`)
-    const rows = []
-    const row = (operation, key, base, baseline) =>
-      rows.push({
-        operation,
-        'vmspace ms': m[key].toFixed(0),
-        'vmspace CPU ms': c[key].toFixed(0),
-        baseline,
-        'baseline ms': m[base].toFixed(0),
-        'baseline CPU ms': c[base].toFixed(0),
-        'speed-up': (m[base] / m[key]).toFixed(2),
-        'unlink floor ms': base === 'rm' ? m.unlinks.toFixed(0) : '-',
-        'vmspace / floor': base === 'rm' ? (m[key] / m.unlinks).toFixed(2) : '-',
-      })
-    if (reflink) {
-      row('clone (standalone)', 'clone', 'cp', 'cp -a --reflink=always')
-      if (before) row(`clone (standalone), baseline ${path.basename(path.resolve(args.baseline))}`, 'before', 'cp', 'cp -a --reflink=always')
-      row('allocate({ template: dir })', 'allocate', 'cp', 'cp -a --reflink=always')
-    }
-    row('Workspace.dispose', 'dispose', 'rm', 'fs.promises.rm recursive')
-    row('removeTree', 'removeTree', 'rm', 'fs.promises.rm recursive')
-    console.table(rows)
+    for (const p of spinners) p.kill('SIGKILL')
   }
-  for (const p of spinners) p.kill('SIGKILL')
 }
 
 // 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs). Format 3
