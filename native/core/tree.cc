@@ -105,36 +105,36 @@ struct Task {
   Dir dir;
 };
 
-// How long the calling thread has waited for a CPU, against how long it ran, from /proc/thread-self/schedstat
-// (run ns, run-queue wait ns, timeslices: the kernel's Documentation/scheduler/sched-stats.rst). Read at most once per
-// kIntervalNs of the thread's life, so a walk of many tiny directories pays ~3 syscalls per 2 ms. Where the file
-// cannot be read (no CONFIG_SCHED_INFO, /proc not mounted, EMFILE) the answer is always no: the walk keeps one
-// thread per CPU, as it does on an idle machine.
+// How long the calling thread has waited for a CPU, against how long it ran, since it started on this walk: from
+// /proc/thread-self/schedstat (run ns, run-queue wait ns, timeslices; the kernel's
+// Documentation/scheduler/sched-stats.rst). Read at most once per kIntervalNs, so a walk of many tiny directories
+// pays ~3 syscalls per 2 ms. The answer is yes once the thread has been runnable for kMinSpanNs and waited at
+// least half as long as it ran (it got at most 2/3 of a CPU): a sum over the walk, so that a blip (a kworker, the
+// JS thread) on an idle machine does not count; 2 busy loops on 2 CPUs give a wait about equal to the run. Where
+// the file cannot be read (no CONFIG_SCHED_INFO, /proc not mounted, EMFILE) the answer is always no: the walk keeps
+// one thread per CPU, as on an idle machine.
 class CpuWait {
  public:
   static constexpr int64_t kIntervalNs = 2'000'000;
+  static constexpr uint64_t kMinSpanNs = 8'000'000;
 
-  explicit CpuWait(bool wanted) : on_(wanted && read(&run_, &wait_)), last_(now()) {}
+  explicit CpuWait(bool wanted) : on_(wanted && read(&run0_, &wait0_)), last_(now()) {}
 
-  // True once, when since the last reading this thread waited on a run queue at least as long as it ran.
-  bool waitedAsLongAsRan() {
+  // True once, when the thread has waited on a run queue at least half as long as it ran (see above).
+  bool waitedLong() {
     if (!on_) return false;
     int64_t t = now();
     if (t - last_ < kIntervalNs) return false;
+    last_ = t;
     uint64_t run, wait;
     if (!read(&run, &wait)) {
       on_ = false;
       return false;
     }
-    // Both counters advance at context switches and ticks, not continuously: a reading of under 1 ms of either
-    // is noise (a thread that mostly slept on a lock), not an answer.
-    uint64_t ran = run >= run_ ? run - run_ : 0, waited = wait >= wait_ ? wait - wait_ : 0;
-    bool busy = ran + waited >= kIntervalNs / 2 && waited >= ran;
-    run_ = run;
-    wait_ = wait;
-    last_ = t;
-    if (busy) on_ = false;  // asked once: the limit is raised for the whole walk
-    return busy;
+    uint64_t ran = run >= run0_ ? run - run0_ : 0, waited = wait >= wait0_ ? wait - wait0_ : 0;
+    if (ran + waited < kMinSpanNs || 2 * waited < ran) return false;
+    on_ = false;  // asked once: the limit is raised for the whole walk
+    return true;
   }
 
  private:
@@ -163,7 +163,7 @@ class CpuWait {
     return true;
   }
 
-  uint64_t run_ = 0, wait_ = 0;  // declared before on_: its initializer reads into them
+  uint64_t run0_ = 0, wait0_ = 0;  // at the start; declared before on_, whose initializer reads into them
   bool on_;
   int64_t last_;
 };
@@ -171,11 +171,12 @@ class CpuWait {
 // The threads of a tree walk and the directories queued between them: one thread per CPU, up to kMaxThreads (the
 // per-file cost is kernel work: openat(O_CREAT) and FICLONE), take tasks from a queue of at most kQueuePerThread
 // per thread; a thread that finds a subdirectory while the queue has room hands it over (handOff), already opened,
-// instead of entering it. When other processes keep the CPUs busy (a walking thread spends at least as long
-// waiting on a run queue as running: see CpuWait), the walk goes up to kMaxThreads threads, so that it keeps a
-// share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy loops took 212-239
-// ms against 243-283 ms with the limit held at 2 (four runs of 9 rounds); idle, where more threads than CPUs only
-// contend (4 threads: 150 ms against 114), the limit stays at 2 and the time is unchanged (issue 12). When no thread
+// instead of entering it. When other processes keep the CPUs busy (a walking thread waits on a run queue at
+// least half as long as it runs: see CpuWait), the walk goes up to kMaxThreads threads, so that it keeps a
+// share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy loops took 225
+// ms against 251 with the limit held at 2 (medians of 25 interleaved rounds; 1.02-1.12x in three runs). Idle, where
+// more threads than CPUs only contend (4 threads: 150 ms against 114), the limit stays at 2: 109 against 112 ms in
+// the same A/B (issue 12). When no thread
 // can be started (EAGAIN at RLIMIT_NPROC) the threads there are (at least the caller's) do the work. The first error of
 // any thread stops them all and is the one run() throws.
 class WalkThreads {
@@ -262,7 +263,7 @@ class WalkThreads {
     }
   }
 
-  // Called by a thread between tasks: once it has waited on a run queue at least as long as it ran (CpuWait),
+  // Called by a thread between tasks: once it has waited long on a run queue (CpuWait),
   // the limit goes to kMaxThreads (once per walk; never down again) and helpers start for the queued tasks.
   void cpuBusy() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -315,7 +316,7 @@ class WalkThreads {
         fail(currentError());
       }
       t.reset();
-      if (cpu.waitedAsLongAsRan()) cpuBusy();
+      if (cpu.waitedLong()) cpuBusy();
       bool last;
       {
         std::lock_guard<std::mutex> lock(mu_);
