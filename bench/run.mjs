@@ -230,8 +230,8 @@ if (want('tree')) {
   }
   // --load N,M…: the section runs once per count, with that many processes spinning on the CPUs for the whole pass
   // (issue 12: "also while other processes load the CPUs"). Default: idle, then one busy loop per CPU.
+  if (!/^\d+(,\d+)*$/.test(args.load)) throw new Error(`--load: counts of busy loops, comma-separated (0,2), not '${args.load}'`)
   const loads = args.load.split(',').map(Number)
-  if (!loads.every((n) => Number.isInteger(n) && n >= 0)) throw new Error(`--load: counts of busy loops (0,2), not ${args.load}`)
   for (const busy of loads) {
     const spinners = Array.from({ length: busy }, () =>
       spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }),

@@ -4,7 +4,9 @@
  * child (test/fixtures/faults-child.cjs) that sets its own limits with prlimit(1), so that the limit, the RSS it
  * measures (ru_maxrss growth over the call) and the uid are its own.
  */
+import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
+import * as os from 'node:os'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { Child, emptyPoolState, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, unprivilegedChildren } from './helpers.js'
@@ -152,6 +154,34 @@ describe('a low RLIMIT_NOFILE', () => {
     expect(r.event, JSON.stringify(r)).toBe('result')
     expect(r.snapshot).toEqual(r.source)
     expect(fs.readdirSync(dir).sort()).toEqual(['dst', 'src'])
+  })
+
+  // The walk raises its thread limit when its threads wait for a CPU (native/core/tree.cc, CpuWait), but not with
+  // few fds: four threads' open frames failed with EMFILE at `ulimit -n 64` where two never did (cold review).
+  test('44 free fds, one busy loop per CPU: clone() of 300 small directories and a chain 120 deep is exact, 5 times', { timeout: 120_000 }, async () => {
+    const dir = freshDir()
+    const src = path.join(dir, 'src')
+    for (let i = 1; i <= 300; i++) {
+      const d = path.join(src, `a${i % 7}`, `d${i}`)
+      fs.mkdirSync(path.join(d, 'e'), { recursive: true })
+      for (let f = 1; f <= 3; f++) fs.writeFileSync(path.join(d, `f${f}`), `f${i}-${f}`)
+      fs.writeFileSync(path.join(d, 'e', 'g'), `x${i}`)
+    }
+    let deep = path.join(src, 'deep')
+    for (let k = 1; k <= 120; k++) deep = path.join(deep, `l${k}`)
+    fs.mkdirSync(deep, { recursive: true })
+    fs.writeFileSync(path.join(deep, 'b'), 'bottom')
+    const spinners = os.cpus().map(() => spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }))
+    onTestFinished(() => {
+      for (const p of spinners) p.kill('SIGKILL')
+    })
+    for (let round = 0; round < 5; round++) {
+      const dst = path.join(dir, `dst${round}`)
+      const r = await run({ op: 'clone', src, dst, snapshot: true, limits: { nofileHeadroom: 44 } })
+      expect(r.event, JSON.stringify(r)).toBe('result')
+      expect(r.snapshot).toEqual(r.source)
+    }
+    expect(fs.readdirSync(dir).sort()).toEqual(['dst0', 'dst1', 'dst2', 'dst3', 'dst4', 'src'])
   })
 
   // Headroom: fds free above the highest one open when the call starts.

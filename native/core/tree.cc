@@ -171,14 +171,15 @@ class CpuWait {
 // The threads of a tree walk and the directories queued between them: one thread per CPU, up to kMaxThreads (the
 // per-file cost is kernel work: openat(O_CREAT) and FICLONE), take tasks from a queue of at most kQueuePerThread
 // per thread; a thread that finds a subdirectory while the queue has room hands it over (handOff), already opened,
-// instead of entering it. When other processes keep the CPUs busy (a walking thread waits on a run queue at
-// least half as long as it runs: see CpuWait), the walk goes up to kMaxThreads threads, so that it keeps a
-// share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy loops took 225
-// ms against 251 with the limit held at 2 (medians of 25 interleaved rounds; 1.02-1.12x in three runs). Idle, where
-// more threads than CPUs only contend (4 threads: 150 ms against 114), the limit stays at 2: 109 against 112 ms in
-// the same A/B (issue 12). When no thread
-// can be started (EAGAIN at RLIMIT_NPROC) the threads there are (at least the caller's) do the work. The first error of
-// any thread stops them all and is the one run() throws.
+// instead of entering it. When other processes keep the CPUs busy (a walking thread waits on a run queue at least
+// half as long as it runs: see CpuWait; asked between directories, so a walk of one flat directory never asks) and
+// fds are plenty (the soft RLIMIT_NOFILE at least kDeepQueueFdLimit), the walk goes up to kMaxThreads threads, so
+// that it keeps a share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy
+// loops took 225 ms against 251 with the limit held at 2 (medians of 25 interleaved rounds; 1.02-1.12x in three
+// runs). Idle, where more threads than CPUs only contend (4 threads: 150 ms against 114), the limit stays at 2:
+// 109 against 112 ms in the same A/B (issue 12). When no thread can be started (EAGAIN at RLIMIT_NPROC) the threads
+// there are (at least the caller's) do the work. The first error of any thread stops them all and is the one run()
+// throws.
 class WalkThreads {
  public:
   static constexpr unsigned kMaxThreads = 4;
@@ -197,9 +198,11 @@ class WalkThreads {
   explicit WalkThreads(Walk walk) : walk_(std::move(walk)) {
     unsigned cores = std::thread::hardware_concurrency();
     maxThreads_ = std::max(1u, std::min(kMaxThreads, cores ? cores : 1u));
-    canGrow_ = maxThreads_ < kMaxThreads;
     struct rlimit nofile;
     bool roomy = getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur >= kDeepQueueFdLimit;
+    // Each thread keeps up to 2 fds per open frame and pages out only its own under EMFILE: more threads than
+    // CPUs only where fds are plenty (at `ulimit -n 64` four threads failed with EMFILE where two never did).
+    canGrow_ = roomy && maxThreads_ < kMaxThreads;
     queueMax_ = maxThreads_ * (roomy ? kQueuePerThread : 1);
     helpers_.reserve(kMaxThreads);
     queue_.reserve(queueMax_);
@@ -241,10 +244,12 @@ class WalkThreads {
     return true;
   }
 
-  // Fds ran short (EMFILE, ENFILE): the queue, whose fds no thread can close, is held to one task per thread.
+  // Fds ran short (EMFILE, ENFILE): the queue, whose fds no thread can close, is held to one task per thread, and the
+  // thread limit is not raised any more.
   void fdsShort() {
     std::lock_guard<std::mutex> lock(mu_);
     queueMax_ = std::min(queueMax_, maxThreads_);
+    canGrow_ = false;  // no more threads, whose frames would take more fds
   }
 
   // True once the walk is to stop (an error in any thread): read between entries, without the lock.
