@@ -109,10 +109,11 @@ struct Task {
 // /proc/thread-self/schedstat (run ns, run-queue wait ns, timeslices; the kernel's
 // Documentation/scheduler/sched-stats.rst). Read at most once per kIntervalNs, so a walk of many tiny directories
 // pays ~3 syscalls per 2 ms. The answer is yes once the thread has been runnable for kMinSpanNs and waited at
-// least half as long as it ran (it got at most 2/3 of a CPU): a sum over the walk, so that a blip (a kworker, the
-// JS thread) on an idle machine does not count; 2 busy loops on 2 CPUs give a wait about equal to the run. Where
-// the file cannot be read (no CONFIG_SCHED_INFO, /proc not mounted, EMFILE) the answer is always no: the walk keeps
-// one thread per CPU, as on an idle machine.
+// least as long as it ran (it got at most half a CPU): a sum over the walk, so that a blip (a kworker, the JS
+// thread) on an idle machine seldom counts. Measured on 2 CPUs, XFS, 10,000-file clones: with 2 busy loops every
+// walk raised (10 of 10); idle, 1 of 20 (XFS's deferred inode work after a removal competes for the CPUs); at
+// "half as long" idle walks raised 6 of 20. Where the file cannot be read (no CONFIG_SCHED_INFO, /proc not mounted,
+// EMFILE) the answer is always no: the walk keeps one thread per CPU, as on an idle machine.
 class CpuWait {
  public:
   static constexpr int64_t kIntervalNs = 2'000'000;
@@ -120,7 +121,7 @@ class CpuWait {
 
   explicit CpuWait(bool wanted) : on_(wanted && read(&run0_, &wait0_)), last_(now()) {}
 
-  // True once, when the thread has waited on a run queue at least half as long as it ran (see above).
+  // True once, when the thread has waited on a run queue at least as long as it ran (see above).
   bool waitedLong() {
     if (!on_) return false;
     int64_t t = now();
@@ -132,7 +133,7 @@ class CpuWait {
       return false;
     }
     uint64_t ran = run >= run0_ ? run - run0_ : 0, waited = wait >= wait0_ ? wait - wait0_ : 0;
-    if (ran + waited < kMinSpanNs || 2 * waited < ran) return false;
+    if (ran + waited < kMinSpanNs || waited < ran) return false;
     on_ = false;  // asked once: the limit is raised for the whole walk
     return true;
   }
@@ -172,14 +173,13 @@ class CpuWait {
 // per-file cost is kernel work: openat(O_CREAT) and FICLONE), take tasks from a queue of at most kQueuePerThread
 // per thread; a thread that finds a subdirectory while the queue has room hands it over (handOff), already opened,
 // instead of entering it. When other processes keep the CPUs busy (a walking thread waits on a run queue at least
-// half as long as it runs: see CpuWait; asked between directories, so a walk of one flat directory never asks) and
+// as long as it runs: see CpuWait; asked between directories, so a walk of one flat directory never asks) and
 // fds are plenty (the soft RLIMIT_NOFILE at least kDeepQueueFdLimit), the walk goes up to kMaxThreads threads, so
 // that it keeps a share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy
-// loops took 225 ms against 251 with the limit held at 2 (medians of 25 interleaved rounds; 1.02-1.12x in three
-// runs). Idle, where more threads than CPUs only contend (4 threads: 150 ms against 114), the limit stays at 2:
-// 109 against 112 ms in the same A/B (issue 12). When no thread can be started (EAGAIN at RLIMIT_NPROC) the threads
-// there are (at least the caller's) do the work. The first error of any thread stops them all and is the one run()
-// throws.
+// loops took 202 ms against 231 for the build before (limit 2; medians of 15 interleaved rounds); idle, where more
+// threads than CPUs only contend (4 threads: 150 ms against 114), 99 against 97 ms (issue 12). When no thread can be
+// started (EAGAIN at RLIMIT_NPROC) the threads there are (at least the caller's) do the work. The first error of any
+// thread stops them all and is the one run() throws.
 class WalkThreads {
  public:
   static constexpr unsigned kMaxThreads = 4;
