@@ -27,6 +27,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "names.h"
 #include "process.h"
 #include "remove.h"
@@ -144,14 +145,11 @@ class CpuWait {
     if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) return 0;  // cannot fail with a valid clock id; checked anyway
     return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
   }
-  // The first two fields; false on any failure (open, read, a short or malformed line).
+  // The first two fields; false on any failure (open, read, a malformed line).
   static bool read(uint64_t* run, uint64_t* wait) {
-    UniqueFd fd(open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC));
-    if (!fd) return false;
-    char buf[96];
-    ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
-    if (n <= 0) return false;
-    buf[n] = '\0';
+    std::string text;
+    if (readRegularFileAt(AT_FDCWD, "/proc/thread-self/schedstat", 0, 256, &text) != 0) return false;
+    const char* buf = text.c_str();
     char* end = nullptr;
     errno = 0;
     unsigned long long r = strtoull(buf, &end, 10);
@@ -256,29 +254,29 @@ class WalkThreads {
   bool stopping() const { return stop_; }
 
  private:
-  // Starts a helper (mu_ held) when a queued task has no idle thread to take it and the limit allows one more.
-  void startHelperLocked() {
-    if (stop_ || idle_ >= queue_.size() || helpers_.size() + 1 >= maxThreads_) return;
+  // Starts a helper (mu_ held) when a queued task has no idle thread to take it and the limit allows one more;
+  // true when one was started.
+  bool startHelperLocked() {
+    if (stop_ || idle_ >= queue_.size() || helpers_.size() + 1 >= maxThreads_) return false;
     try {
       helpers_.emplace_back([this] { work(); });
+      return true;
     } catch (const std::system_error&) {
       // No thread (EAGAIN: RLIMIT_NPROC or the kernel's thread limit): the threads there are do the work.
       maxThreads_ = static_cast<unsigned>(helpers_.size()) + 1;
       canGrow_ = false;
+      return false;
     }
   }
 
-  // Called by a thread between tasks: once it has waited long on a run queue (CpuWait),
-  // the limit goes to kMaxThreads (once per walk; never down again) and helpers start for the queued tasks.
+  // Called by a thread between tasks once it has waited long on a run queue (CpuWait): the limit goes to kMaxThreads
+  // (once per walk; never down again) and helpers start for the queued tasks.
   void cpuBusy() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!canGrow_) return;
     canGrow_ = false;
     maxThreads_ = kMaxThreads;
-    while (helpers_.size() + 1 < maxThreads_ && idle_ < queue_.size() && !stop_) {
-      size_t before = helpers_.size();
-      startHelperLocked();
-      if (helpers_.size() == before) break;
+    while (startHelperLocked()) {
     }
   }
 
