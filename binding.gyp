@@ -18,6 +18,7 @@
         "native/core/clone.cc",
         "native/core/names.cc",
         "native/core/pool.cc",
+        "native/core/lease.cc",
         "native/core/warm.cc",
         "native/core/remove.cc",
         "native/core/rename.cc",

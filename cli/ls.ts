@@ -1,7 +1,7 @@
 /** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { openPool, type PoolFormat, type Template, type WorkspaceInfo } from 'vmspace'
+import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 
@@ -69,11 +69,11 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
   return { json, usage }
 }
 
-async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[]; format: PoolFormat }> {
+async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    return { root, infos: await pool.list({ usage }), templates: await pool.templates(), format: pool.format }
+    return { root, infos: await pool.list({ usage }), templates: await pool.templates() }
   } finally {
     await pool.close()
   }
@@ -116,14 +116,14 @@ function templateJson(t: Template): TemplateJson {
 
 /** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
 export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
-  const { root, infos, templates, format } = await listPool(rootArg, true)
+  const { root, infos, templates } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
     rows.push((await describeWorkspace(info, now)).json)
   const tpl = templates.map(templateJson)
   const failed = rows.filter((r) => r.error !== null).length + tpl.filter((t) => t.error !== null).length
-  if (opts.json) printJson({ root, format, workspaces: rows, templates: tpl })
+  if (opts.json) printJson({ root, workspaces: rows, templates: tpl })
   else {
     const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
     process.stdout.write(
@@ -200,7 +200,7 @@ function ownerRunning(info: WorkspaceInfo, bootId: string | null): boolean | nul
 }
 
 interface Inspected extends WorkspaceJson {
-  /** Where the metadata is: its file, or (formats 2 and 3) the workspace directory whose xattr `metadataXattr` holds it. */
+  /** The workspace's lease file, whose xattr `metadataXattr` holds its record (its contents, where the file system refused the xattr). */
   metadataPath: string
   metadataXattr: string | null
   /** The lease is free: a sweep would reclaim it, `adopt` would take it over. */
@@ -215,7 +215,7 @@ interface Inspected extends WorkspaceJson {
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
   if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
-  const { root, infos, format } = await listPool(rootArg)
+  const { root, infos } = await listPool(rootArg)
   const info = infos.find((i) => i.id === idArg || i.name === idArg)
   if (!info) {
     process.stderr.write(`vmspace inspect: no workspace ${idArg} in ${root}\n`)
@@ -230,13 +230,11 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
   } catch (e) {
     json.error ??= errorJson(e)
   }
-  // Formats 2 and 3 keep the metadata in the directory's xattr, in the file only where the xattr was refused.
-  const metaFile = path.join(root, '.vmspace', 'meta', `${info.name}.json`)
-  const inXattr = format >= 2 && !fs.existsSync(metaFile)
+  const leaseFile = path.join(root, '.vmspace', 'leases', info.id.charAt(0), info.name)
   const full: Inspected = {
     ...json,
-    metadataPath: inXattr ? info.path : metaFile,
-    metadataXattr: inXattr ? 'user.vmspace.meta' : null,
+    metadataPath: leaseFile,
+    metadataXattr: 'user.vmspace.record',
     reclaimable: !info.live,
     sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,
     ownerRunning: ownerRunning(info, bootId),

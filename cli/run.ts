@@ -1,5 +1,5 @@
 /**
- * `vmspace run --pool ROOT [--template [DEST=]PATH]… [--meta JSON] [--reflink MODE] [--format N] -- CMD ARGS…`: a workspace for the life of one
+ * `vmspace run --pool ROOT [--template [DEST=]PATH]… [--meta JSON] [--reflink MODE] -- CMD ARGS…`: a workspace for the life of one
  * command. The command runs in the workspace with the lease as its fd 3, so the workspace stays live while it (or
  * anything it passed fd 3 to) runs, even if this process is killed; it is disposed when the command exits.
  */
@@ -7,7 +7,7 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { openPool, type JsonObject, type PoolFormat, type Reflink, type Workspace } from 'vmspace'
+import { openPool, type JsonObject, type Reflink, type Workspace } from 'vmspace'
 import { EXIT_FAILED, errorText, UsageError } from './common.js'
 
 /** fd number of the lease in the command's process. */
@@ -22,8 +22,6 @@ export interface RunOptions {
   template: string[]
   meta?: string
   reflink?: Reflink
-  /** On-disk format of a pool made here (PoolOptions.format). */
-  format?: '1' | '2' | '3'
 }
 
 /** `[DEST=]PATH` values as allocate's template map; every source must exist, every DEST stay beneath the workspace. */
@@ -128,7 +126,6 @@ export async function run(cmd: string[], opts: RunOptions): Promise<number> {
   for (const sig of FORWARDED) process.on(sig, onSignal)
   const pool = await openPool(root, {
     ...(opts.reflink ? { reflink: opts.reflink } : {}),
-    ...(opts.format ? { format: Number(opts.format) as PoolFormat } : {}),
   })
   let ws: Workspace
   try {

@@ -27,16 +27,18 @@ export async function sweep(rootArg: string, opts: { dryRun?: boolean; grace?: n
       bytesFreed: dryRun ? null : bytesFreed,
       live: report.live,
       failed,
-      metadataRemoved: report.metadataRemoved,
+      leasesRemoved: report.leasesRemoved,
+      foreign: report.foreign,
     })
   } else {
     const verb = dryRun ? 'would reclaim' : 'reclaimed'
     for (const e of report.reclaimed) process.stdout.write(`${verb} ${e.name} (${e.from}${dryRun ? '' : `, ${humanBytes(e.bytes)}`})\n`)
     for (const f of failed) process.stdout.write(`failed ${f.name} (${f.from}): ${f.message}\n`)
+    for (const p of report.foreign) process.stdout.write(`left ${p}: named like a workspace, but vmspace did not make it (no lease file)\n`)
     process.stdout.write(
       `${root}: ${report.reclaimed.length} ${dryRun ? "to reclaim" : "reclaimed"}${dryRun ? '' : ` (${humanBytes(bytesFreed)} freed)`}, ` +
-        `${report.live} live left alone, ${failed.length} failed, ${report.metadataRemoved} metadata file(s) ` +
-        `${dryRun ? 'without a workspace' : 'removed'}\n`,
+        `${report.live} live left alone, ${failed.length} failed, ${report.leasesRemoved} lease file(s) ` +
+        `${dryRun ? 'without a workspace' : 'removed'}, ${report.foreign.length} foreign left alone\n`,
     )
   }
   return failed.length ? EXIT_FAILED : EXIT_OK

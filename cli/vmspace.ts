@@ -103,10 +103,9 @@ program
   .option('--template <[dest=]path>', 'clone PATH into the workspace as DEST (default: its basename); repeatable', (v: string, prev: string[]) => [...prev, v], [] as string[])
   .option('--meta <json>', 'a JSON object kept in the workspace metadata')
   .addOption(reflinkOption())
-  .addOption(new Option('--format <n>', 'on-disk format of a pool made here (an existing pool keeps its own): 1, 2 (metadata xattr) or 3 (2 with staging shards)').choices(['1', '2', '3']))
   .passThroughOptions()
   .argument('<cmd...>', 'the command and its arguments (after --)')
-  .action(action(async (cmd: string[], o: { pool: string; template: string[]; meta?: string; reflink?: 'always' | 'auto' | 'never'; format?: '1' | '2' | '3' }) => (await import('./run.js')).run(cmd, o)))
+  .action(action(async (cmd: string[], o: { pool: string; template: string[]; meta?: string; reflink?: 'always' | 'auto' | 'never' }) => (await import('./run.js')).run(cmd, o)))
 
 program
   .command('clone')

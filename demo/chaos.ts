@@ -18,7 +18,6 @@ async function leftBehind(root: string, before: Set<string>) {
   return {
     published: names('.'),
     trash: names(path.join('.vmspace', 'trash')),
-    // In staging/ itself, or (format 3) in one of its shards.
     staging: entries.filter((e) => e.startsWith(path.join('.vmspace', 'staging') + path.sep)).map((e) => path.basename(e)),
   }
 }
@@ -97,7 +96,7 @@ export async function chaos(demo: Demo, s: Setup, c: Checked): Promise<[string, 
     [
       'sweep reclaimed from',
       `published ${from('published')}, trash ${from('trash')}, staging ${from('staging')}; ` +
-        `${report.metadataRemoved} metadata file(s); ${report.live} live left alone`,
+        `${report.leasesRemoved} lease file(s) without a workspace; ${report.live} live left alone`,
     ],
   ]
 }

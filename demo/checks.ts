@@ -133,7 +133,7 @@ export async function checkLeftovers(demo: Demo, s: Setup): Promise<string[]> {
       const from = (k: string) => r.reclaimed.filter((e) => e.from === k).length
       text +=
         `; pool.sweep() then reclaimed ${r.reclaimed.length} (published ${from('published')}, staging ` +
-        `${from('staging')}, trash ${from('trash')}; ${r.metadataRemoved} metadata file(s)), ${after} entries left`
+        `${from('staging')}, trash ${from('trash')}; ${r.leasesRemoved} lease file(s)), ${after} entries left`
     } catch (e) {
       text += `; pool.sweep() failed: ${describe(e)}`
     }

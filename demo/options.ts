@@ -3,7 +3,6 @@ import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { parseArgs } from 'node:util'
-import type { PoolFormat } from 'vmspace'
 import { CRASH_ENV, describe, MARKER_LEN, MARKER_OFFSET, ROOTFS, TREE_MARKER } from './protocol.js'
 import { statOrUndefined } from './util.js'
 
@@ -34,9 +33,6 @@ Options:
                    listing, modes, sizes, times and file contents) must be
                    unchanged at the end. On another file system than the pool, DIR
                    is copied into the pool once and the workspaces clone the copy.
-  --format N       on-disk format of the pool when the demo makes it: 1 (the
-                   default), 2 (metadata in an xattr) or 3 (2 with staging
-                   shards); an existing pool keeps its own
   --quota BYTES    give every workspace a disk quota of BYTES (suffix K, M, G:
                    binary units), enforced by the kernel (allocate({ quota })):
                    the pool must be on btrfs with quotas enabled (btrfs quota
@@ -80,8 +76,6 @@ export interface Options {
   chaos?: { count: number } | { percent: number }
   /** --fork N: fork one parent into N children instead of running the workers. */
   fork?: number
-  /** --format: the on-disk format of a pool the demo makes (PoolOptions.format). */
-  format?: PoolFormat
 }
 
 export class UsageError extends Error {}
@@ -125,7 +119,6 @@ export function parseOptions(argv: string[]): Options | 'help' {
         chaos: { type: 'string' },
         fork: { type: 'string' },
         quota: { type: 'string' },
-        format: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
       strict: true,
@@ -185,10 +178,6 @@ export function parseOptions(argv: string[]): Options | 'help' {
     if (!m || !Number.isSafeInteger(n) || n < 1024 * 1024)
       throw new UsageError(`--quota must be a size of at least 1M (e.g. 64M, 1G), got ${JSON.stringify(v.quota)}`)
     opts.quota = n
-  }
-  if (v.format !== undefined) {
-    if (!/^[123]$/.test(v.format)) throw new UsageError(`--format must be 1, 2 or 3, got ${JSON.stringify(v.format)}`)
-    opts.format = Number(v.format) as PoolFormat
   }
   if (v.chaos !== undefined) {
     const c = v.chaos.trim()

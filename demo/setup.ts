@@ -52,7 +52,7 @@ export async function setup(demo: Demo): Promise<Setup> {
   }
   if (ownRoot) demo.cleanup.add(() => removeIfThere(root))
   // durable: the one workspace this process allocates holds a base, fsynced once when it is made.
-  const pool = await openPool(root, { durable: true, ...(o.format ? { format: o.format } : {}) })
+  const pool = await openPool(root, { durable: true })
   demo.cleanup.add(() => pool.close())
   const s: Setup = { root, ownRoot, pool, before: new Set(await poolEntries(root)), rootFs: await fsType(root), base0, hashBefore: '' }
 

@@ -204,14 +204,17 @@ export async function removeIfThere(p: string): Promise<void> {
 
 // The pool's entries, to show that dispose left nothing behind
 
-// A format-3 pool's staging shards (.vmspace/staging/s0 ... s7) are not entries: what is in them is.
+// The staging shards (.vmspace/staging/s0 ... s7) and lease shards (.vmspace/leases/0 ... f) are not entries: what
+// is in them is.
 export async function poolEntries(root: string): Promise<string[]> {
   const out: string[] = []
   const read = async (rel: string, skip?: string) => {
     try {
       for (const name of await fsp.readdir(path.join(root, rel))) {
         if (name === skip) continue
-        const shard = rel === path.join('.vmspace', 'staging') && /^s[0-7]$/.test(name)
+        const shard =
+          (rel === path.join('.vmspace', 'staging') && /^s[0-7]$/.test(name)) ||
+          (rel === path.join('.vmspace', 'leases') && /^[0-9a-f]$/.test(name))
         if (shard && (await fsp.lstat(path.join(root, rel, name))).isDirectory()) await read(path.join(rel, name))
         else out.push(path.join(rel, name))
       }
@@ -220,6 +223,6 @@ export async function poolEntries(root: string): Promise<string[]> {
     }
   }
   await read('.', '.vmspace')
-  for (const sub of ['staging', 'trash', 'meta']) await read(path.join('.vmspace', sub))
+  for (const sub of ['staging', 'trash', 'leases']) await read(path.join('.vmspace', sub))
   return out
 }

@@ -21,14 +21,12 @@ export interface NativeListEntry {
   live: boolean
   metaText?: string
   metaError?: unknown
-  /** The metadata (or its error) is the workspace directory's xattr (format 2), not its file. */
-  metaXattr?: boolean
-  /** The lease probe's flock failed with an unexpected errno (liveness undecided). */
+  /** The lease probe failed (liveness undecided). */
   probeError?: unknown
 }
 
-/** allocatePlain's result: the workspace's name, its lease fd, the names redrawn, whether the metadata is the xattr. */
-export type PlainAllocateResult = [name: string, leaseFd: number, retries: number, metaXattr: boolean]
+/** allocatePlain's result: the workspace's name, its lease fd, the names redrawn. */
+export type PlainAllocateResult = [name: string, leaseFd: number, retries: number]
 
 export interface NativeAllocateResult {
   id: string
@@ -36,16 +34,14 @@ export interface NativeAllocateResult {
   leaseFd: number
   retries: number
   clones: (NativeCloneResult & { dest: string })[]
-  /** Issue 14: the template cloned (allocate `from`) and its template.json text. */
+  /** The template cloned (allocate `from`) and its template.json text. */
   templateId?: string
   templateMeta?: string
-  /** Format 2: the metadata went into the directory's xattr, no file was made (dispose's `metaFile: false`). */
-  metaXattr?: boolean
 }
 
 export interface NativeSweepEntry {
   name: string
-  from: 'published' | 'staging' | 'trash' | 'template' | 'template-staging'
+  from: 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging'
   bytes: number
   error?: unknown
 }
@@ -54,7 +50,9 @@ export interface NativeSweepReport {
   reclaimed: NativeSweepEntry[]
   failed: NativeSweepEntry[]
   live: number
-  metaRemoved: number
+  leasesRemoved: number
+  /** Paths of entries named like workspaces that have no lease file: not vmspace's, left alone. */
+  foreign: string[]
 }
 
 export interface NativeQuotaSupport {
@@ -113,8 +111,8 @@ export interface OpenPoolOptions {
   create: boolean
   /** The group of a shared pool; -1 or absent: none. */
   sharedGid?: number
-  /** The format of a pool made here (an existing pool keeps its own). */
-  format: 1 | 2 | 3
+  /** Make a pool in a directory that holds other entries (else ERR_POOL_NOT_EMPTY). */
+  nonEmpty: boolean
   minFreeBytes?: number
   projectIdFirst: number
   projectIdLast: number
@@ -153,7 +151,7 @@ export interface ClonePathOptions extends NativeCloneOptions {
 }
 
 export interface Native {
-  openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string; format: 1 | 2 | 3 }>
+  openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string }>
   closePool(handle: PoolHandle): Promise<void>
   allocate(handle: PoolHandle, options: AllocateNativeOptions): Promise<NativeAllocateResult>
   /**
@@ -174,21 +172,24 @@ export interface Native {
   listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
   /**
-   * What this process knows of the workspace (DisposeHints in native/core/pool.h; true = unknown): `metaFile: false`,
-   * its metadata is the xattr (no .vmspace/meta/ file is unlinked); `claim: false`, it was made without a quota
-   * (.vmspace/projects/ is not probed).
+   * Closes `handoverFd` (-1: none), then removes the workspace unless another description holds its lease
+   * (ERR_LEASE_HELD, nothing removed); closes `leaseFd` either way. `claim` (DisposeHints in native/core/pool.h; true
+   * = unknown): false when it was made without a quota (.vmspace/projects/ is not probed).
    */
-  dispose(handle: PoolHandle, name: string, leaseFd: number, metaFile: boolean, claim: boolean): Promise<void>
+  dispose(handle: PoolHandle, name: string, leaseFd: number, handoverFd: number, claim: boolean): Promise<void>
+  /** A new read-only fd of the workspace's lease file, holding the handover byte (synchronous). */
+  openHandover(handle: PoolHandle, name: string, leaseFd: number): number
   list(handle: PoolHandle): Promise<NativeListEntry[]>
-  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown; metaXattr?: boolean }>
+  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>
   clonePath(options: ClonePathOptions): Promise<NativeCloneResult>
   /**
-   * Positional (issue 12): `rel` is resolved beneath the workspace whose lease fd (its directory) is `baseFd` and
-   * path `basePath`; `reflink` and `writeback` are their index in reflinkValues and writebackValues.
+   * Positional: `rel` is resolved beneath the published workspace `name` of the pool (its directory opened by the
+   * call), path `basePath`; `reflink` and `writeback` are their index in reflinkValues and writebackValues.
    */
   clonePathBeneath(
-    baseFd: number,
+    handle: PoolHandle,
+    name: string,
     basePath: string,
     src: string,
     rel: string,

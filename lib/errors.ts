@@ -14,11 +14,12 @@ export type VmspaceErrorCode =
   | 'ERR_NAME_EXHAUSTED' // 16 workspace names drawn in a row existed already
   | 'ERR_DISPOSED' // the workspace was disposed (or its dispose failed)
   | 'ERR_POOL_CLOSED' // the pool was closed
-  | 'ERR_POOL_FORMAT' // .vmspace/version names a format this version does not read
+  | 'ERR_POOL_FORMAT' // .vmspace/ is not this layout (another version, or its version file or a directory of its own missing)
+  | 'ERR_POOL_NOT_EMPTY' // openPool would make a pool in a directory holding other entries (see PoolOptions.nonEmpty)
   | 'ERR_POOL_UNSAFE' // another user could write a directory of the pool or above it (see `uid`, `gid`, `mode`)
   | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
-  | 'ERR_CORRUPT_METADATA' // a workspace's metadata file does not parse (reported per entry by list())
-  | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt)
+  | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
+  | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)
   | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
   | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
   | 'ERR_TEMPLATE_NOT_FOUND' // allocate({ from }), template(), removeTemplate(): no template of that id or name (issue 14)

@@ -4,7 +4,7 @@
 export { openPool, Pool, Workspace } from './pool.js'
 export type {
   PoolOptions,
-  PoolFormat,
+  SweepSource,
   AllocateOptions,
   WorkspaceInfo,
   PoolStats,

@@ -55,13 +55,19 @@ export type JsonValue = string | number | boolean | null | JsonValue[] | { [key:
 /** A JSON object: workspace metadata (`meta`) and the like. */
 export type JsonObject = { [key: string]: JsonValue }
 
-/** A pool's on-disk format (see {@link PoolOptions.format}). */
-export type PoolFormat = 1 | 2 | 3
-
 /** Options of {@link openPool}. */
 export interface PoolOptions {
-  /** Make the root and `.vmspace/` when missing. Default true. */
+  /**
+   * Make the pool when `root` is not one yet: the directory (and its parents) when missing, and `.vmspace/`,
+   * built whole under a temp name and renamed into place, so concurrent first calls make one pool. Default true.
+   */
   create?: boolean
+  /**
+   * Make the pool in a directory that already holds other entries. Default false: such a directory is refused
+   * with `ERR_POOL_NOT_EMPTY` (nothing made), so that a typo never turns a directory of other files into a pool.
+   * Entries that are not vmspace's are never touched: a sweep reports ones named like workspaces in `foreign`.
+   */
+  nonEmpty?: boolean
   /** Workspace names are `${prefix}-${id}`: 1–64 of `[A-Za-z0-9_-]`, starting with a letter or digit. Default `'vm'`. */
   prefix?: string
   /** Default reflink mode of template clones (see CloneOptions.reflink). Default `'auto'`. */
@@ -76,20 +82,6 @@ export interface PoolOptions {
    * mode 0o2770. Default: none.
    */
   sharedGroup?: number
-  /**
-   * On-disk format of a pool made by this call (an existing pool keeps its own; `Pool.format` tells it). 1 (the
-   * default): each workspace's metadata is a file `.vmspace/meta/<name>.json`. 2: it is the xattr
-   * `user.vmspace.meta` of the workspace directory (a file where the file system refuses the xattr), which
-   * halves the cost of allocate+dispose and lets many workers run it without contending on `.vmspace/meta/`
-   * (issue 12); vmspace before format 2 refuses such a pool with `ERR_POOL_FORMAT`. Whoever can set xattrs on
-   * the workspace directory itself (a guest given the directory through virtiofs, say) can then rewrite its
-   * metadata, which format 1 keeps out of the workspace. 3: format 2, and workspaces are built in eight
-   * subdirectories of `.vmspace/staging/` (`s0` … `s7`, one per thread) instead of `staging/` itself, so that
-   * parallel allocations do not all wait on one directory's lock (issue 12: +5–10 % allocate+dispose pairs/s with
-   * 64 in flight on XFS, against format 2 in the same run); vmspace before format 3 refuses such a pool with `ERR_POOL_FORMAT` (its sweep would take a
-   * shard for a dead build).
-   */
-  format?: PoolFormat
   /**
    * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
    * allocate() of that template only publishes one. Default: none.
@@ -261,10 +253,9 @@ export interface SweepOptions {
   /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
   dryRun?: boolean
   /**
-   * Staging entries and metadata files younger than this (ms, by birth time) are left alone even when
-   * unleased: a build may not have taken its lease yet. Default 60000. With 0, an allocate running meanwhile in
-   * another process can lose its staging entry in the microseconds before its lease; it then draws a fresh name,
-   * and fails with `ENOENT` only after 16 such losses in a row. Metadata of a build in staging is always kept.
+   * What has no lease is left alone while younger than this (ms, by birth time): half-built templates, temp files
+   * of a write or a pool being made. Workspaces need none: a build's lease is held from before its directory
+   * exists, so none in progress is ever taken. Default 60000.
    */
   graceMs?: number
 }
@@ -277,12 +268,14 @@ export interface SweepEntry {
   name: string
   /**
    * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
-   * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`).
+   * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`);
+   * `'lease'` for a failure on a lease file whose workspace was gone.
    */
-  from: 'published' | 'staging' | 'trash' | 'template' | 'template-staging'
+  from: SweepSource
   /**
-   * Space freed (allocated blocks, bytes). 0 where nothing was measured: with `dryRun` (nothing is removed) and for
-   * an entry in `failed`.
+   * Space the file system got back, in bytes: the allocated blocks of what was removed less the extents it shared
+   * with other files (FIEMAP_EXTENT_SHARED: reflinked template data stays allocated). Where the tree could not be
+   * read for that, its allocated blocks. 0 with `dryRun` (nothing is removed) and for an entry in `failed`.
    */
   bytes: number
 }
@@ -304,14 +297,22 @@ export interface SweepReport {
   /**
    * Entries whose handling failed, one each; the sweep goes on with the others. `EBUSY` (a mount inside) and
    * any other errno of the removal, `ENOMEM` (also a C++ allocation failure), `ERR_INTERNAL`; `error.syscall`
-   * `'flock'` when the lease probe failed with an errno other than `EWOULDBLOCK` (the entry's liveness is then
-   * unknown: it is neither counted `live` nor touched). What is left stays for a later sweep. An entry that a
-   * concurrent dispose, allocate or sweep finished meanwhile is not a failure (it is in no list).
+   * `'fcntl(F_OFD_GETLK)'` when the lease probe failed (the entry's liveness is then unknown: it is neither
+   * counted `live` nor touched). What is left stays for a later sweep. An entry that a concurrent dispose,
+   * allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
   failed: SweepFailure[]
-  /** Metadata files removed because no workspace has them. */
-  metadataRemoved: number
+  /** Lease files removed because their workspace was gone (a build or dispose that died between two steps). */
+  leasesRemoved: number
+  /**
+   * Paths of entries in the root, staging or trash named like workspaces but without a lease file: vmspace did
+   * not make them (or no longer owns them), so they are left as they are.
+   */
+  foreign: string[]
 }
+
+/** Where a swept entry was found ({@link SweepEntry.from}). */
+export type SweepSource = 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging'
 
 /** Counters of {@link Pool.stats}. */
 export interface PoolStats {
@@ -335,6 +336,8 @@ export interface PoolStats {
 }
 
 const MAX_META_BYTES = 64 * 1024
+/** Where a workspace's lease file (and record) is: `.vmspace/leases/<the id's first hex digit>/<name>`. */
+const leasePath = (root: string, name: string) => path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
 const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
 const NAME = /^(.+)-([0-9a-f]{32})$/
 const constructing = Symbol('vmspace.internal')
@@ -342,16 +345,14 @@ const constructing = Symbol('vmspace.internal')
 // The constructors of Pool and Workspace, which their types declare private.
 const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
 const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
-type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string, format: PoolFormat]
+type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
 // hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
 type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
 interface DisposeHints {
-  /** Its metadata may be a .vmspace/meta/ file (false: known to be the directory's xattr). */
-  metaFile: boolean
   /** It may hold a project id claim (false: made here without a quota). */
   claim: boolean
 }
-const unknownHints: DisposeHints = { metaFile: true, claim: true }
+const unknownHints: DisposeHints = { claim: true }
 
 /**
  * Calls still running, so that close()/dispose() wait for them before the fds they use are closed. A count, not a
@@ -406,22 +407,25 @@ class InFlight {
 /**
  * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default): missing
  * directories are made with exact modes whatever the umask, 0o755 for the root, `.vmspace/` and missing parents,
- * 0o700 for `.vmspace/{staging,trash,meta}` and a format-3 pool's staging shards `.vmspace/staging/s0` … `s7`
- * (0o2770 with group `sharedGroup` for the root and `.vmspace/...`).
+ * 0o700 for `.vmspace/{staging,trash,leases}`, the staging shards `.vmspace/staging/s0` … `s7` and the lease shards
+ * `.vmspace/leases/0` … `f` (0o2770 with group `sharedGroup` for the root and `.vmspace/...`).
  * Throws the errno of the failing call (`ENOENT` for a missing pool with `create: false`), `ERR_POOL_UNSAFE`
  * (nothing made; `path`, `uid`, `gid`, `mode` name the entry) when another user could write a directory of the
- * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_FORMAT` when
- * `.vmspace/version` names another format, `EXDEV` when `.vmspace/` is on another file system than the root.
+ * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_NOT_EMPTY` (see
+ * {@link PoolOptions.nonEmpty}), `ERR_POOL_FORMAT` when `.vmspace/` is not this layout (another version, or its
+ * version file or one of its directories missing: such a pool is refused untouched, never made again),
+ * `EXDEV` when `.vmspace/` is on another file system than the root.
  * On a file system without renameat2(RENAME_NOREPLACE) (FUSE, some network file systems; asked once, here) the
  * pool opens, and its allocate() fails with `ERR_RENAME_NOREPLACE_UNSUPPORTED`.
  */
 export async function openPool(root: string, options?: PoolOptions): Promise<Pool> {
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
-    create: true, prefix: true, reflink: true, durable: true, sharedGroup: true, format: true, warm: true,
+    create: true, nonEmpty: true, prefix: true, reflink: true, durable: true, sharedGroup: true, warm: true,
     minFreeBytes: true, projectIds: true,
   })
   const create = boolean('options.create', o.create, true)
+  const nonEmpty = boolean('options.nonEmpty', o.nonEmpty, false)
   const prefix = o.prefix === undefined ? 'vm' : o.prefix
   if (typeof prefix !== 'string') throw invalidType('options.prefix', 'a string', prefix)
   if (!PREFIX.test(prefix)) throw invalidValue('options.prefix', '1-64 characters of [A-Za-z0-9_-]', prefix)
@@ -429,11 +433,10 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const durable = boolean('options.durable', o.durable, false)
   const sharedGroup = integerIn('options.sharedGroup', o.sharedGroup, 0, 2 ** 32 - 2, -1)
   const warm = warmOptions(o.warm)
-  const format = integerIn('options.format', o.format, 1, 3, 1) as PoolFormat
   const minFreeBytes = integerIn('options.minFreeBytes', o.minFreeBytes, 0, Number.MAX_SAFE_INTEGER, 0)
   const [projectFirst, projectLast] = projectIdRange(o.projectIds)
-  const r = await call(native.openPool({ root: dir, create, sharedGid: sharedGroup, format, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
-  const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId, r.format)
+  const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
+  const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId)
   if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
   return pool
 }
@@ -456,8 +459,6 @@ export class Pool implements AsyncDisposable {
   readonly root: string
   /** Workspace names are `${prefix}-${id}` ({@link PoolOptions.prefix}). */
   readonly prefix: string
-  /** The pool's on-disk format (see {@link PoolOptions.format}). */
-  readonly format: PoolFormat
   readonly #handle: PoolHandle
   readonly #reflink: Reflink
   readonly #durable: boolean
@@ -478,9 +479,8 @@ export class Pool implements AsyncDisposable {
   readonly #stats: PoolStats = { allocated: 0, disposed: 0, failed: 0, nameRetries: 0, clones: { reflink: 0, copy: 0 }, bytesCloned: 0 }
 
   // Private in the published types (pools come from openPool()); lib/ makes pools through newPool.
-  private constructor(...[token, handle, root, prefix, reflink, durable, bootId, format]: PoolArgs) {
+  private constructor(...[token, handle, root, prefix, reflink, durable, bootId]: PoolArgs) {
     if (token !== constructing) throw new TypeError('Use openPool() to open a pool')
-    this.format = format
     this.#handle = handle
     this.root = root
     this.#rootSlash = root.endsWith('/') ? root : root + '/' // path.resolve's output: '/' is the only one with it
@@ -582,7 +582,7 @@ export class Pool implements AsyncDisposable {
     const prefixLength = this.prefix.length + 1
     return this.#inFlight.mapNative(
       native.allocatePlain(this.#handle, this.prefix, req.mode, req.info, this.#durable),
-      ([name, leaseFd, retries, metaXattr]) => ({ id: name.slice(prefixLength), name, leaseFd, retries, clones: [], metaXattr }),
+      ([name, leaseFd, retries]) => ({ id: name.slice(prefixLength), name, leaseFd, retries, clones: [] }),
     )
   }
 
@@ -594,7 +594,7 @@ export class Pool implements AsyncDisposable {
   #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined, claim: boolean): Workspace | Promise<Workspace> {
     this.#stats.allocated++
     this.#stats.nameRetries += r.retries
-    const hints = { metaFile: r.metaXattr !== true, claim }
+    const hints = { claim }
     const ws = newWorkspace(constructing, this, r.id, r.name, this.#rootSlash + r.name, r.leaseFd, hints)
     if (r.clones.length)
       ws.template = r.clones.map((c) => {
@@ -638,7 +638,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
     const infos = entries.map((e) => {
-      const info = this.#info(e.name, e.live, e.metaText, e.metaError, e.metaXattr)
+      const info = this.#info(e.name, e.live, e.metaText, e.metaError)
       // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
       // entry's error, before any metadata problem.
       if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
@@ -698,7 +698,7 @@ export class Pool implements AsyncDisposable {
     return toUsage(await this.#inFlight.track(withProgress({ signal }, (p) => native.usage(this.#handle, name, p))))
   }
 
-  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown, metaXattr = false): WorkspaceInfo {
+  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
     const id = NAME.exec(name)?.[2] ?? name
     const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
     if (metaText === undefined) {
@@ -713,7 +713,7 @@ export class Pool implements AsyncDisposable {
     }
     if (!isPlainObject(parsed)) {
       info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
-        path: metaXattr ? path.join(this.root, name) : path.join(this.root, '.vmspace', 'meta', `${name}.json`),
+        path: leasePath(this.root, name),
       })
       return info
     }
@@ -731,9 +731,10 @@ export class Pool implements AsyncDisposable {
 
   /**
    * Takes over the workspace `id` (of this pool's prefix) whose lease is free, e.g. after its sidecar
-   * restarted and its VM exited. Throws `ERR_LEASE_HELD` while any process holds the lease, `ENOENT` for an
-   * unknown id. A list() elsewhere probing the lease at that moment (a shared flock, which a lease never is) only
-   * delays the take-over, by up to 1 s of back-off, and refuses it only if the probes never pause that long. The returned workspace's `info` has its metadata (with `error` where it does not parse).
+   * restarted and its VM exited. Throws `ERR_LEASE_HELD` while any process holds the lease (its owner, or a child
+   * it was handed to) or another adopt or sweep is taking it, `ENOENT` for an unknown id (or an entry vmspace did
+   * not make: no lease file). A list() never gets in the way (its probe takes no lock). The returned workspace's
+   * `info` has its record (with `error` where it does not parse).
    */
   async adopt(id: string): Promise<Workspace> {
     if (typeof id !== 'string') throw invalidType('id', 'a workspace id string', id)
@@ -748,19 +749,18 @@ export class Pool implements AsyncDisposable {
       await this._forget()
       throw e
     }
-    // Its dispose looks for a metadata file: an xattr read here may be one a guest set on a workspace whose
-    // metadata is the file (the xattr was refused when it was made).
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd, unknownHints)
-    ws.info = this.#info(name, true, r.metaText, r.metaError, r.metaXattr)
+    ws.info = this.#info(name, true, r.metaText, r.metaError)
     ws.templateId = ws.info.templateId
     return ws
   }
 
   /**
-   * Reclaims what no live process holds (DESIGN.md, "sweep"): every published workspace whose lease is free
-   * (moved to trash, removed), everything in trash that no dispose is removing, unleased staging entries older
-   * than `graceMs`, and metadata without a workspace. A held lease is never taken: liveness is the lease alone,
-   * never age or pid. A lease found under list() probes only is waited out as by adopt(), else counted live.
+   * Reclaims what no live process holds (DESIGN.md, "sweep"): every workspace whose lease is free, published
+   * (moved to trash, removed), in staging (a build whose process died) or in trash (a dispose that died), and
+   * lease files whose workspace is gone. A held lease is never taken: liveness is the lease alone, never age or
+   * pid. Only what vmspace made (a workspace with its lease file) is removed; anything else named like one is
+   * reported in `foreign` and left.
    */
   sweep(options?: SweepOptions): Promise<SweepReport> {
     return traced(sweepChannel, () => ({ root: this.root, options }), () => this.#sweep(options), sweepResult)
@@ -785,7 +785,8 @@ export class Pool implements AsyncDisposable {
         const error = fromNative(e.error) as VmspaceError
         return { ...entry(e), code: error.code, error }
       }),
-      metadataRemoved: r.metaRemoved,
+      leasesRemoved: r.leasesRemoved,
+      foreign: r.foreign,
     }
   }
 
@@ -1036,10 +1037,10 @@ export class Pool implements AsyncDisposable {
    * @internal Not an async function: one promise reaction after the native call (issue 12, as Workspace.clone).
    * The workspace is forgotten on every path; the pool's own release error, if any, wins over the dispose's.
    */
-  _dispose(ws: Workspace, leaseFd: number, hints: DisposeHints): Promise<void> {
+  _dispose(ws: Workspace, leaseFd: number, handoverFd: number, hints: DisposeHints): Promise<void> {
     let run: Promise<void>
     try {
-      run = native.dispose(this.#handle, ws.name, leaseFd, hints.metaFile, hints.claim)
+      run = native.dispose(this.#handle, ws.name, leaseFd, handoverFd, hints.claim)
     } catch (e) {
       return this.#forgetAndReject(e)
     }
@@ -1065,6 +1066,20 @@ export class Pool implements AsyncDisposable {
   _forget(): Promise<void> | undefined {
     this.#open--
     return this.#closed ? this.#releaseIfIdle() : undefined
+  }
+
+  /** @internal The native pool, for a workspace's own calls. */
+  get _handle(): PoolHandle {
+    return this.#handle
+  }
+
+  /** @internal A new handover fd of workspace `name`'s lease, which `leaseFd` holds (synchronous). */
+  _openHandover(name: string, leaseFd: number): number {
+    try {
+      return native.openHandover(this.#handle, name, leaseFd)
+    } catch (e) {
+      throw fromNative(e)
+    }
   }
 
   /** @internal */
@@ -1097,15 +1112,24 @@ export class Workspace implements AsyncDisposable {
   /** Absolute path of the workspace directory. */
   readonly path: string
   /**
-   * The lease: an fd of the workspace directory holding flock(LOCK_EX), opened O_CLOEXEC. Hand it to a child
-   * process (spawn's `stdio`) to keep the workspace live while the child runs. Closed by dispose() and release(),
-   * after which it is -1: the number itself may be reused by the next fd this process opens (e.g. another
-   * workspace's lease), so a stale copy must never be handed to a child.
+   * The lease to hand to the sandbox's process (spawn's `stdio`, `crun run --preserve-fds`, a VMM's inherited
+   * fd): the workspace stays live, and no dispose or sweep removes it, while any process holds it (DESIGN.md,
+   * "Leases"). An fd of the workspace's lease file, opened on first access (close-on-exec in this process):
+   * a read-only regular file in the pool's `.vmspace/leases/`, not the workspace directory, so a holder can open
+   * nothing through it (no `openat`, `fchdir` or `/proc/self/fd/N/..`), cannot write it, and cannot chmod it
+   * when root made the pool (it belongs to uid 4294967294 then). After the hand-over, release() this process's
+   * hold, or dispose() once the child exited (dispose() rejects with `ERR_LEASE_HELD` while it runs). -1 after
+   * dispose() and release(): the number itself may be reused by the next fd this process opens, so a stale copy
+   * must never be handed to a child. Throws the errno of the open (`EMFILE`, ...).
    */
   get leaseFd(): number {
-    return this.#leaseFd
+    if (this.#leaseFd < 0 || this.#disposing) return -1
+    if (this.#handoverFd < 0) this.#handoverFd = this.#pool._openHandover(this.name, this.#leaseFd)
+    return this.#handoverFd
   }
+  // The owner's hold of the lease (never handed out) and the description handed over (-1 until asked for).
   #leaseFd: number
+  #handoverFd = -1
   /** What the template cloned into the workspace (allocate only). */
   template: CloneResult[] = []
   /** Issue 14: the id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
@@ -1173,7 +1197,7 @@ export class Workspace implements AsyncDisposable {
       destPath = this.path + '/' + rel
       const start = (p: ProgressHandle | undefined) =>
         native.clonePathBeneath(
-          this.#leaseFd, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
+          this.#pool._handle, this.name, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
           writebackValues.indexOf(opts.writeback), p,
         )
       run = opts.onProgress || opts.signal ? withProgress(opts, start) : start(undefined)
@@ -1188,11 +1212,14 @@ export class Workspace implements AsyncDisposable {
   }
 
   /**
-   * Removes the workspace: renamed into the pool's trash (the name is gone at once and never reused), removed
-   * without following symlinks or entering mounts, its metadata dropped, its lease released. Waits for clones
-   * still running. Idempotent: later calls return the first call's promise; after release() it rejects with
-   * `ERR_DISPOSED` (the lease is no longer this object's to remove). A mount inside gives `EBUSY`; the
-   * workspace is then `'unrecoverable'` and what is left stays in trash for a sweep.
+   * Removes the workspace: removed at its name (or renamed into the pool's trash and removed there) without
+   * following symlinks or entering mounts, then its lease file; the name is never reused. Waits for clones still
+   * running. While another process holds the lease (a child given {@link Workspace.leaseFd} that still runs),
+   * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
+   * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
+   * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
+   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
+   * `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {
     if (this.#disposing) return this.#disposing
@@ -1216,9 +1243,10 @@ export class Workspace implements AsyncDisposable {
     try {
       const pool = this.#pool
       const fd = this.#leaseFd
-      // The native dispose owns the fd from here on (closed whatever happens): its number is no longer ours.
-      this.#leaseFd = -1
-      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, this.#hints))
+      const handover = this.#handoverFd
+      // The native dispose owns the fds from here on (closed whatever happens): their numbers are no longer ours.
+      this.#leaseFd = this.#handoverFd = -1
+      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, handover, this.#hints))
     } catch (e) {
       run = Promise.reject(e)
     }
@@ -1228,7 +1256,8 @@ export class Workspace implements AsyncDisposable {
         resolve()
       },
       (e: unknown) => {
-        this.#status = 'unrecoverable'
+        // ERR_LEASE_HELD: nothing was removed and this process no longer holds it: released, not broken.
+        this.#status = (e as { code?: string }).code === 'ERR_LEASE_HELD' ? 'released' : 'unrecoverable'
         this.#cause = e
         reject(e)
       },
@@ -1236,9 +1265,10 @@ export class Workspace implements AsyncDisposable {
   }
 
   /**
-   * Closes this process's lease fd without removing the workspace: after handing `leaseFd` to a child process,
-   * the workspace then lives exactly as long as that child (and any other holder); once the lease is free, a
-   * sweep reclaims it or another process adopts it. Later calls to dispose()/clone() throw `ERR_DISPOSED`.
+   * Drops this process's hold of the lease (its fds closed) without removing the workspace: after handing
+   * {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long as that child (and
+   * any other holder); once the lease is free, a sweep reclaims it or another process adopts it. Later calls to
+   * dispose()/clone() throw `ERR_DISPOSED`.
    */
   async release(): Promise<void> {
     if (this.#status !== 'ready' || this.#disposing)
@@ -1249,7 +1279,9 @@ export class Workspace implements AsyncDisposable {
     this.#disposing.catch(() => {})
     await this.#inFlight.idle()
     const fd = this.#leaseFd
-    this.#leaseFd = -1  // close(2) frees the number even when it reports an error
+    const handover = this.#handoverFd
+    this.#leaseFd = this.#handoverFd = -1  // close(2) frees the number even when it reports an error
+    if (handover >= 0) await call(native.releaseLease(handover))
     await call(native.releaseLease(fd))
     this.#status = 'released'
     await this.#pool._forget()

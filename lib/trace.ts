@@ -86,8 +86,10 @@ export interface SweepTrace extends TraceContext {
   live?: number
   /** Entries whose removal failed. */
   failed?: number
-  /** Metadata files removed. */
-  metadataRemoved?: number
+  /** Lease files removed whose workspace was gone. */
+  leasesRemoved?: number
+  /** Entries named like workspaces without a lease file, left alone. */
+  foreign?: number
 }
 
 /** `vmspace:lock`: lockFile() (and so the lock of updateJsonFile()). `waited` and `waitMs` are set once it is granted. */
@@ -194,5 +196,6 @@ export function sweepResult(t: SweepTrace, r: SweepReport): void {
   t.bytes = r.reclaimed.reduce((n, e) => n + e.bytes, 0)
   t.live = r.live
   t.failed = r.failed.length
-  t.metadataRemoved = r.metadataRemoved
+  t.leasesRemoved = r.leasesRemoved
+  t.foreign = r.foreign.length
 }

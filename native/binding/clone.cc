@@ -18,7 +18,8 @@ Napi::Value ClonePath(const Napi::CallbackInfo& info) {
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
 }
 
-// clonePathBeneath(baseFd, basePath, src, rel, reflink, overwrite, durable, writeback, progress): positional, the
+// clonePathBeneath(pool, name, basePath, src, rel, reflink, overwrite, durable, writeback, progress): into the
+// published workspace `name` of `pool` (its directory opened here, O_NOFOLLOW); positional, the
 // enums as their index in lib/clone.ts's reflinkValues and writebackValues, resolving to summaryArray: an options
 // object and a result object were ~15 property reads and ~6 stores per Workspace.clone, 3-5 us of a 1 GiB reflink
 // clone's ~45 (issue 12).
@@ -27,18 +28,21 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
                                                   vmspace::Reflink::Never};
   static constexpr vmspace::Writeback writebacks[] = {vmspace::Writeback::None, vmspace::Writeback::Start,
                                                       vmspace::Writeback::Wait};
-  int baseFd = static_cast<int>(integerArg(info, 0, 0, INT32_MAX, "clonePathBeneath"));
-  std::string basePath = stringArg(info, 1), src = stringArg(info, 2), rel = stringArg(info, 3);
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  std::string basePath = stringArg(info, 2), src = stringArg(info, 3), rel = stringArg(info, 4);
   vmspace::CloneOptions opts;
-  opts.reflink = reflinks[integerArg(info, 4, 0, 2, "clonePathBeneath")];
-  opts.overwrite = boolArg(info, 5);
-  opts.durable = boolArg(info, 6);
-  opts.writeback = writebacks[integerArg(info, 7, 0, 2, "clonePathBeneath")];
-  ProgressRef progress = progressArg(info, 8);
+  opts.reflink = reflinks[integerArg(info, 5, 0, 2, "clonePathBeneath")];
+  opts.overwrite = boolArg(info, 6);
+  opts.durable = boolArg(info, 7);
+  opts.writeback = writebacks[integerArg(info, 8, 0, 2, "clonePathBeneath")];
+  ProgressRef progress = progressArg(info, 9);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(),
-      [baseFd, basePath = std::move(basePath), src = std::move(src), rel = std::move(rel), opts, progress] {
-        return vmspace::clonePathBeneath(src, baseFd, basePath, rel, opts, progress.get());
+      [pool, name = std::move(name), basePath = std::move(basePath), src = std::move(src), rel = std::move(rel), opts,
+       progress] {
+        vmspace::UniqueFd base = pool->openWorkspaceDir(name);
+        return vmspace::clonePathBeneath(src, base.get(), basePath, rel, opts, progress.get());
       },
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryArray(env, s, opts.reflink); });
 }

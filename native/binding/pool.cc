@@ -13,20 +13,20 @@ namespace vmspace::binding {
 
 namespace {
 
-// openPool({root, create, sharedGid, format, minFreeBytes, projectIdFirst, projectIdLast})
+// openPool({root, create, sharedGid, nonEmpty, minFreeBytes, projectIdFirst, projectIdLast})
 Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   Options o(info, 0, "openPool");
   std::string root = o.string("root");
   bool create = o.boolean("create");
   int64_t sharedGid = o.int64Or("sharedGid", -1);  // -1: none
-  int format = o.int32("format");                  // of a pool made here: 1 or 2
-  // quota (issue 13): minFreeBytes, project id range
+  bool nonEmpty = o.boolean("nonEmpty");           // make a pool in a directory holding other entries
+  // quota: minFreeBytes, project id range
   uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
   vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
   return Work<std::shared_ptr<vmspace::Pool>>::StartHandle(
       info.Env(),
-      [root, create, sharedGid, format, minFreeBytes, projectIds] {
-        auto pool = vmspace::Pool::open(root, create, sharedGid, format);
+      [root, create, sharedGid, nonEmpty, minFreeBytes, projectIds] {
+        auto pool = vmspace::Pool::open(root, create, sharedGid, nonEmpty);
         pool->setSpaceConfig(minFreeBytes, projectIds);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
@@ -36,7 +36,6 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
         o.Set("handle",
               Napi::External<PoolRef>::New(env, new PoolRef{pool}, [](Napi::Env, PoolRef* ref) { delete ref; }));
         o.Set("bootId", vmspace::bootId());
-        o.Set("format", pool->format());
         return o;
       });
 }
@@ -71,9 +70,9 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
 }
 
 // allocatePlain(pool, prefix, mode, info, durable): allocate() of an empty workspace (no template, quota, progress
-// or writeback), the common call. Its arguments are positional and it resolves to [name, leaseFd, retries,
-// metaXattr]: an options object and a result object cost ~40 property lookups and stores per call, the largest
-// share of the binding's time with many calls in flight (issue 12, `perf`).
+// or writeback), the common call. Its arguments are positional and it resolves to [name, leaseFd, retries]: an
+// options object and a result object cost ~40 property lookups and stores per call, the largest share of the
+// binding's time with many calls in flight (`perf`).
 Napi::Value AllocatePlain(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   vmspace::AllocateRequest req;
@@ -87,56 +86,78 @@ Napi::Value AllocatePlain(const Napi::CallbackInfo& info) {
                                        [](Napi::Env env, vmspace::AllocateResult& r) -> Napi::Value {
                                          int fd = std::exchange(r.leaseFd, -1);
                                          instance(env).leases.insert(fd);
-                                         Napi::Array a = Napi::Array::New(env, 4);
+                                         Napi::Array a = Napi::Array::New(env, 3);
                                          a.Set(0u, r.name);
                                          a.Set(1u, fd);
                                          a.Set(2u, r.retries);
-                                         a.Set(3u, r.metaInXattr);
                                          return a;
                                        },
                                        dropAllocateResult));
 }
 
-// dispose(pool, name, leaseFd, metaFile, claim): positional, as allocatePlain (issue 12).
+// dispose(pool, name, leaseFd, handoverFd, claim): positional, as allocatePlain. handoverFd -1: none opened.
 Napi::Value Dispose(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   std::string name = stringArg(info, 1);
   int leaseFd = static_cast<int>(integerArg(info, 2, 0, INT32_MAX, "dispose"));
-  // Only a lease this thread holds (as releaseLease): the call closes the fd, which must never be another one.
-  if (instance(info.Env()).leases.count(leaseFd) == 0)
+  int handoverFd = static_cast<int>(integerArg(info, 3, -1, INT32_MAX, "dispose"));
+  // Only leases this thread holds (as releaseLease): the call closes the fds, which must never be other ones.
+  auto& leases = instance(info.Env()).leases;
+  if (leases.count(leaseFd) == 0 || (handoverFd >= 0 && leases.count(handoverFd) == 0))
     throw Napi::TypeError::New(info.Env(), "vmspace binding: dispose: not a lease of this thread");
   vmspace::DisposeHints hints;
-  hints.metaFile = boolArg(info, 3);
   hints.claim = boolArg(info, 4);
   struct Unit {};
   Napi::Promise promise = submitBatched(
       info.Env(), std::make_unique<LambdaJob<Unit>>(
                       info.Env(),
-                      [pool, name, leaseFd, hints] {
-                        pool->dispose(name, leaseFd, hints);
+                      [pool, name, leaseFd, handoverFd, hints] {
+                        pool->dispose(name, leaseFd, handoverFd, hints);
                         return Unit{};
                       },
-                      [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr, [leaseFd] { ::close(leaseFd); }));
-  // Only now that the call owns the fd (the core closes it on every path; so does a call never run): a throw above
-  // (no promise or queue could be made) leaves the lease with the workspace. No lease can reuse the number before
-  // this line: leases are added on this thread only.
-  instance(info.Env()).leases.erase(leaseFd);
+                      [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr,
+                      [leaseFd, handoverFd] {
+                        ::close(leaseFd);
+                        if (handoverFd >= 0) ::close(handoverFd);
+                      }));
+  // Only now that the call owns the fds (the core closes them on every path; so does a call never run): a throw
+  // above (no promise or queue could be made) leaves the lease with the workspace. No lease can reuse the numbers
+  // before this line: leases are added on this thread only.
+  leases.erase(leaseFd);
+  if (handoverFd >= 0) leases.erase(handoverFd);
   return promise;
 }
 
-// A workspace's metadata on `o`: `metaText`, or `metaError` (the errno of reading its xattr or file, with that
-// path); `metaXattr` when it is the xattr's (format 2).
+// openHandover(pool, name, leaseFd): a new read-only description of the workspace's lease, holding the handover
+// byte (Pool::openHandover), for a child process. Synchronous: an open, two fstat and an fcntl.
+Napi::Value OpenHandover(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  int leaseFd = static_cast<int>(integerArg(info, 2, 0, INT32_MAX, "openHandover"));
+  auto& leases = instance(info.Env()).leases;
+  if (leases.count(leaseFd) == 0)
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: openHandover: not a lease of this thread");
+  int fd;
+  try {
+    fd = pool->openHandover(name, leaseFd);
+  } catch (const vmspace::Error& e) {
+    throw Napi::Error(info.Env(), errorObject(info.Env(), e));
+  }
+  leases.insert(fd);
+  return Napi::Number::New(info.Env(), fd);
+}
+
+// A workspace's record on `o`: `metaText`, or `metaError` (the errno of reading its lease file, with that path).
 void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
-             const std::string& metaText, bool inXattr) {
-  if (inXattr) o.Set("metaXattr", true);
+             const std::string& metaText) {
   if (metaErrno == 0) {
     o.Set("metaText", metaText);
     return;
   }
   vmspace::Error e;
   e.err = metaErrno;
-  e.syscall = inXattr ? "fgetxattr" : "open";
-  e.path = inXattr ? pool.root() + "/" + name : pool.metaPath(name);
+  e.syscall = "fgetxattr";
+  e.path = pool.leasePath(name);
   o.Set("metaError", errorObject(env, e));
 }
 
@@ -150,7 +171,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
         instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", fd);
-        setMeta(env, o, *pool, name, r.metaErrno, r.metaText, r.metaInXattr);
+        setMeta(env, o, *pool, name, r.metaErrno, r.metaText);
         return o;
       },
       [](vmspace::AdoptResult& r) {
@@ -183,7 +204,10 @@ Napi::Value Sweep(const Napi::CallbackInfo& info) {
         o.Set("reclaimed", entries(r.reclaimed, false));
         o.Set("failed", entries(r.failed, true));
         o.Set("live", static_cast<double>(r.live));
-        o.Set("metaRemoved", static_cast<double>(r.metaRemoved));
+        o.Set("leasesRemoved", static_cast<double>(r.leasesRemoved));
+        Napi::Array foreign = Napi::Array::New(env, r.foreign.size());
+        for (size_t i = 0; i < r.foreign.size(); i++) foreign.Set(static_cast<uint32_t>(i), r.foreign[i]);
+        o.Set("foreign", foreign);
         return o;
       });
 }
@@ -198,12 +222,12 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           Napi::Object o = Napi::Object::New(env);
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
-          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText, entries[i].metaInXattr);
+          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
           if (entries[i].probeErrno) {
             vmspace::Error e;
             e.err = entries[i].probeErrno;
             e.syscall = entries[i].probeSyscall;
-            e.path = pool->root() + "/" + entries[i].name;
+            e.path = pool->leasePath(entries[i].name);
             o.Set("probeError", errorObject(env, e));
           }
           out.Set(static_cast<uint32_t>(i), o);
@@ -212,7 +236,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
       });
 }
 
-// Closes a workspace's lease fd without removing the workspace (Workspace.release).
+// Closes a workspace's lease fd (or its handover fd) without removing the workspace (Workspace.release).
 Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
   int fd = static_cast<int>(intArg(info, 0));
   auto& leases = instance(info.Env()).leases;
@@ -269,7 +293,6 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
   o.Set(propertyKey(env, "name"), r.name);
   o.Set(propertyKey(env, "leaseFd"), fd);
   o.Set(propertyKey(env, "retries"), r.retries);
-  if (r.metaInXattr) o.Set(propertyKey(env, "metaXattr"), true);
   Napi::Array clones = Napi::Array::New(env, r.clones.size());
   for (size_t i = 0; i < r.clones.size(); i++) {
     Napi::Object c = summaryObject(env, r.clones[i].result, reflink);
@@ -298,6 +321,7 @@ void initPool(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "adopt", Adopt);
   exportFunction(env, exports, "sweep", Sweep);
   exportFunction(env, exports, "releaseLease", ReleaseLease);
+  exportFunction(env, exports, "openHandover", OpenHandover);
   exportFunction(env, exports, "stopBatch", StopBatch);
 }
 

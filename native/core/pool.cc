@@ -20,6 +20,7 @@
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
+#include "lease.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
@@ -226,10 +227,11 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
 }
 
 constexpr char kNoReplaceProbe[] = ".noreplace-probe-";  // the sweep removes ownerless ones
+constexpr char kInitPrefix[] = ".vmspace.init-";         // a new pool's .vmspace/ while it is built
 
 // Whether the pool's file system takes renameat2(RENAME_NOREPLACE): 0, or the errno with which it refuses the flag
 // (EINVAL, ENOSYS: FUSE without rename2, some network file systems). Asked once, by renaming an empty probe file
-// in `dirFd` (.vmspace/, which no sweep reads: a sweep of meta/ or staging/ would count a probe it removed).
+// in `dirFd` (.vmspace/, which no sweep pass reads but the probe pass).
 // Where no probe can be made (read-only, no permission) it counts as supported: nothing can be published there.
 int probeNoReplace(int dirFd) {
   std::string probe = kNoReplaceProbe + randomHex(6), moved = probe + "-b";
@@ -246,43 +248,8 @@ int probeNoReplace(int dirFd) {
   return err;
 }
 
-// How long a lease held only by shared probes (list() in some process, each a few microseconds) is tried
-// again before it counts as held; a free lease is refused only when probes overlap for all that time.
-constexpr long kProbeDeadlineNs = 1000L * 1000 * 1000;
-constexpr long kProbeFirstPauseUs = 100;
-constexpr long kProbeMaxPauseUs = 10000;
-
-long monotonicNs() {
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  return now.tv_sec * 1000L * 1000 * 1000 + now.tv_nsec;
-}
-
-void pauseUs(long us) {
-  struct timespec pause = {0, us * 1000};
-  nanosleep(&pause, nullptr);
-}
-
-// flock(LOCK_EX|LOCK_NB) on a workspace directory. Leases are exclusive and list() probes are shared, so when
-// the exclusive try fails a shared try tells them apart: it fails at once under a lease (false, errno
-// EWOULDBLOCK), and succeeds when only probes are in the way, which are waited out with a growing pause.
-// Probes are waited out until `deadline` (monotonicNs), then the lease counts as held.
-bool tryLease(int fd, long deadline) {
-  for (long pauseFor = kProbeFirstPauseUs;; pauseFor = std::min(pauseFor * 2, kProbeMaxPauseUs)) {
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
-    if (errno != EWOULDBLOCK) return false;
-    if (flock(fd, LOCK_SH | LOCK_NB) != 0) return false;  // EWOULDBLOCK: an exclusive lease
-    flock(fd, LOCK_UN);
-    if (monotonicNs() >= deadline) {
-      errno = EWOULDBLOCK;
-      return false;
-    }
-    pauseUs(pauseFor);
-  }
-}
-
-// True when `name` in dirFd (not followed) is the file `own` describes: the identity check of a directory held
-// by fd against what is at its name now, after anything else could have moved it.
+// True when `name` in dirFd (not followed) is the file `own` describes: the identity check of a file held by fd
+// against what is at its name now, after anything else could have moved it.
 bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
   struct stat at;
   return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
@@ -304,28 +271,98 @@ bool isWorkspaceName(const char* name) {
   return name[len - kIdHexChars - 1] == '-' && isHexId(name + len - kIdHexChars);
 }
 
+std::string shardName(int i) { return "s" + std::to_string(i); }
+std::string leaseShardName(int i) { return std::string(1, "0123456789abcdef"[i]); }
+
+// Whether the directory `fd` has an entry other than another opener's half-built .vmspace (kInitPrefix).
+bool hasEntries(int fd, const std::string& shown) {
+  bool any = false;
+  forEachName(fd, shown, [&](const struct dirent& e) {
+    if (strncmp(e.d_name, kInitPrefix, sizeof kInitPrefix - 1) != 0) any = true;
+  });
+  return any;
+}
+
+// Builds a new pool's .vmspace/ whole under a temp name in the root, then renames it into place without
+// replacing, so that no opener ever sees a pool without its version or its directories. False when another
+// opener's came first (ours is removed).
+bool makeState(int rootFd, const std::string& root, long long gid) {
+  const std::string tmp = kInitPrefix + randomHex(8), shown = root + "/" + tmp;
+  const mode_t stateMode = gid >= 0 ? 02770 : 0755, subMode = gid >= 0 ? 02770 : 0700;
+  makeDirExact(rootFd, tmp.c_str(), stateMode, gid, shown);
+  auto removeTemp = [&] {
+    try {
+      removeTreeNoFollow(rootFd, tmp, shown);
+    } catch (...) {
+      // Left for a sweep (kInitPrefix entries past the grace period); the first error is the one to report.
+    }
+  };
+  try {
+    UniqueFd state(openat(rootFd, tmp.c_str(), kDirFlags));
+    if (!state) throwErrno(errno, "open", shown);
+    writeFileNoReplace(state.get(), "version", std::string(kLayoutVersion) + "\n", false, shown + "/version");
+    const std::pair<const char*, int> subs[] = {{"staging", kStagingShards}, {"trash", 0}, {"leases", kLeaseShards}};
+    for (auto [sub, shards] : subs) {
+      std::string subShown = shown + "/" + sub;
+      makeDirExact(state.get(), sub, subMode, gid, subShown);
+      UniqueFd dir(openat(state.get(), sub, kDirFlags));
+      if (!dir) throwErrno(errno, "open", subShown);
+      for (int i = 0; i < shards; i++) {
+        std::string n = shards == kStagingShards ? shardName(i) : leaseShardName(i);
+        makeDirExact(dir.get(), n.c_str(), subMode, gid, subShown + "/" + n);
+      }
+    }
+    int moved = renameat2(rootFd, tmp.c_str(), rootFd, ".vmspace", RENAME_NOREPLACE);
+    // Without RENAME_NOREPLACE, rename(2) still never replaces a non-empty .vmspace/ (ENOTEMPTY).
+    if (moved != 0 && noReplaceUnsupported(errno)) moved = renameat(rootFd, tmp.c_str(), rootFd, ".vmspace");
+    if (moved == 0) return true;
+    if (errno != EEXIST && errno != ENOTEMPTY) throwErrno(errno, "renameat2", shown, root + "/.vmspace");
+  } catch (...) {
+    removeTemp();
+    throw;
+  }
+  removeTemp();
+  return false;
+}
+
+// Milliseconds since the entry was made: its birth time where the file system records it (statx STATX_BTIME:
+// ext4, XFS, btrfs), else its last status change.
+int64_t ageMs(int dirFd, const std::string& name) {
+  struct statx stx;
+  if (statx(dirFd, name.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
+  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
+}
+
 #ifdef VMSPACE_TEST_HOOKS
 std::mutex g_faultMutex;
 std::vector<SweepFault> g_faults;  // guarded by g_faultMutex
 bool g_faultsActive = false;       // read without the mutex: a stale false only delays a fault set meanwhile
 #endif
 
-// Whether setSweepFaultsForTest set a fault for `name` of that kind (a flock errno, or bad_alloc when
-// `flockErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
-int takeSweepFault(const std::string& name, bool flockErrno) {
+// Whether setSweepFaultsForTest set a fault for `name` of that kind (a probe errno, or bad_alloc when
+// `probeErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
+int takeSweepFault(const std::string& name, bool probeErrno) {
 #ifndef VMSPACE_TEST_HOOKS
   return 0;  // a release build has no seam
 #else
   if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
   std::lock_guard<std::mutex> hold(g_faultMutex);
   for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
-    if (it->name != name || (it->flockErrno != 0) != flockErrno) continue;
-    int err = flockErrno ? it->flockErrno : 1;
+    if (it->name != name || (it->flockErrno != 0) != probeErrno) continue;
+    int err = probeErrno ? it->flockErrno : 1;
     g_faults.erase(it);
     return err;
   }
   return 0;
 #endif
+}
+
+// Refuses a pool whose .vmspace/ is not this layout: ERR_POOL_FORMAT naming what is wrong, nothing touched.
+[[noreturn]] void throwFormat(const std::string& what, const std::string& shown) {
+  throwCode("ERR_POOL_FORMAT", what + " (this vmspace reads '" + kLayoutVersion + "' pools only)", 0, "open", shown);
 }
 
 }  // namespace
@@ -348,52 +385,24 @@ const std::string& bootId() {
   return id;
 }
 
-namespace {
-
-// The xattr refused by the file system, not failing: none at all (ENOTSUP: tmpfs before 6.6, some FUSE and network
-// file systems), or not this big (E2BIG, ENOSPC, ERANGE: ext4 keeps a directory's xattrs in one block). The
-// metadata then goes to its file.
-bool xattrRefused(int err) { return err == ENOTSUP || err == E2BIG || err == ENOSPC || err == ERANGE; }
-
-// Reads xattr kMetaXattr of `fd` (at most XATTR_SIZE_MAX, 64 KiB, by the kernel's own limit); returns the errno.
-int readMetaXattr(int fd, std::string* out) {
-  out->resize(512);
-  for (;;) {
-    ssize_t n = fgetxattr(fd, kMetaXattr, out->data(), out->size());
-    if (n >= 0) {
-      out->resize(static_cast<size_t>(n));
-      return 0;
-    }
-    if (errno != ERANGE) return errno;
-    // Bigger than the buffer: ask its size (it may change again before the next read: then loop).
-    ssize_t need = fgetxattr(fd, kMetaXattr, nullptr, 0);
-    if (need < 0) return errno;
-    out->resize(static_cast<size_t>(need) + 1);
-  }
-}
-
-}  // namespace
-
-// Format 3: the name of staging shard `i` in .vmspace/staging/ ("s0" ... ).
-static std::string shardName(int i) { return "s" + std::to_string(i); }
-
-std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid, int newFormat) {
+std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid, bool nonEmpty) {
   std::shared_ptr<Pool> pool(new Pool());
   pool->root_ = root;
-  std::string state = root + "/.vmspace";
+  const std::string state = root + "/.vmspace";
   const Trust trust{geteuid(), sharedGid};
-  const mode_t dirMode = sharedGid >= 0 ? 02770 : 0755;  // setgid: entries made inside keep the shared group
-  pool->rootFd_ = openTrustedPath(root, create, dirMode, trust);
-  pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, create, dirMode, trust);
-  if (!pool->stateFd_) throwErrno(ENOENT, "open", state);
-
-  // The subdirectories that exist are checked before anything (the version file, a missing subdirectory) is
-  // made: an unsafe pool is refused unchanged.
-  struct Sub {
-    const char* name;
-    UniqueFd* fd;
-  } subs[] = {{"staging", &pool->stagingFd_}, {"trash", &pool->trashFd_}, {"meta", &pool->metaFd_}};
-  for (auto& sub : subs) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, state + "/" + sub.name, false, 0, trust);
+  pool->rootFd_ = openTrustedPath(root, create, sharedGid >= 0 ? 02770 : 0755, trust);
+  pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, false, 0, trust);
+  if (!pool->stateFd_) {
+    if (!create) throwErrno(ENOENT, "open", state);
+    if (!nonEmpty && hasEntries(pool->rootFd_.get(), root))
+      throwCode("ERR_POOL_NOT_EMPTY",
+                "'" + root + "' is not a pool and holds other entries; a pool is made in an empty directory unless " +
+                    "asked for explicitly",
+                ENOTEMPTY, "mkdir", state);
+    makeState(pool->rootFd_.get(), root, sharedGid);  // false: another opener made it first, opened below
+    pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, false, 0, trust);
+    if (!pool->stateFd_) throwErrno(ENOENT, "open", state);
+  }
 
   // Renames between the root and .vmspace/ must stay on one file system (rename(2) cannot cross them).
   struct stat rootSt, stateSt;
@@ -402,46 +411,33 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   if (rootSt.st_dev != stateSt.st_dev) throwErrno(EXDEV, "open", state, root);
   pool->rootDev_ = rootSt.st_dev;
 
-  // The format is checked before anything is made inside .vmspace/, so an unknown pool is never modified.
+  // The layout is checked before anything is made inside .vmspace/: a pool of another layout, or one that lost
+  // its version or a directory of its own, is refused untouched, never initialised again (its sweep would take
+  // what it does not know for dead builds).
   std::string versionPath = state + "/version", version;
   int err = readSmallFile(pool->stateFd_.get(), "version", &version);
-  if (err == ENOENT && create) {
-    writeFileNoReplace(pool->stateFd_.get(), "version", std::to_string(newFormat) + "\n", false, versionPath);
-    err = readSmallFile(pool->stateFd_.get(), "version", &version);
-  }
+  if (err == ENOENT) throwFormat("'" + state + "' has no version file", versionPath);
   if (err) throwErrno(err, "open", versionPath);
   while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
-  if (version == "1" || version == "2" || version == "3")
-    pool->format_ = version[0] - '0';
-  else
-    throwCode("ERR_POOL_FORMAT", "pool format '" + version.substr(0, 32) + "' is not one this vmspace reads (1, 2, 3)",
-              0, "open", versionPath);
-
-  // Format 3: the staging shards that exist are checked too before anything is made, so that a pool with an unsafe
-  // one is refused unchanged; the missing ones are made below, with the directories above.
-  const int shards = pool->format_ >= 3 ? kStagingShards : 0;
-  for (int i = 0; i < shards && pool->stagingFd_; i++)
-    pool->shardFds_[i] =
-        openPoolDir(pool->stagingFd_.get(), shardName(i).c_str(), state + "/staging/" + shardName(i), false, 0, trust);
-
-  const mode_t subMode = sharedGid >= 0 ? 02770 : 0700;
-  for (auto& sub : subs) {
-    std::string shown = state + "/" + sub.name;
-    if (!*sub.fd) *sub.fd = openPoolDir(pool->stateFd_.get(), sub.name, shown, create, subMode, trust);
-    if (!*sub.fd) throwErrno(ENOENT, "open", shown);
-  }
-  for (int i = 0; i < shards; i++) {
-    std::string shown = state + "/staging/" + shardName(i);
-    if (!pool->shardFds_[i])
-      pool->shardFds_[i] = openPoolDir(pool->stagingFd_.get(), shardName(i).c_str(), shown, create, subMode, trust);
-    if (!pool->shardFds_[i]) throwErrno(ENOENT, "open", shown);
-  }
+  if (version != kLayoutVersion) throwFormat("pool layout '" + version.substr(0, 32) + "' is not this one", versionPath);
+  auto own = [&](int at, const std::string& name, const std::string& shown) {
+    UniqueFd fd = openPoolDir(at, name.c_str(), shown, false, 0, trust);
+    if (!fd) throwFormat("'" + shown + "' is missing", shown);
+    return fd;
+  };
+  pool->stagingFd_ = own(pool->stateFd_.get(), "staging", state + "/staging");
+  pool->trashFd_ = own(pool->stateFd_.get(), "trash", state + "/trash");
+  pool->leasesFd_ = own(pool->stateFd_.get(), "leases", state + "/leases");
+  for (int i = 0; i < kStagingShards; i++)
+    pool->shardFds_[i] = own(pool->stagingFd_.get(), shardName(i), state + "/staging/" + shardName(i));
+  for (int i = 0; i < kLeaseShards; i++)
+    pool->leaseShardFds_[i] = own(pool->leasesFd_.get(), leaseShardName(i), state + "/leases/" + leaseShardName(i));
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   pool->sharedGid_ = sharedGid;
   return pool;
 }
 
-// Issue 14: templates/ is made on the first commit, so pools without templates stay as older code made them.
+// templates/ is made on the first commit: pools without templates have none.
 TemplateStore* Pool::templates(bool create) {
   std::lock_guard<std::mutex> hold(templatesMu_);
   if (!templates_)
@@ -449,14 +445,7 @@ TemplateStore* Pool::templates(bool create) {
   return templates_.get();
 }
 
-bool Pool::publishMeta(const std::string& name, const std::string& json, bool durable) {
-  return writeFileNoReplace(metaFd_.get(), name + ".json", json, durable, metaPath(name));
-}
-
-AllocateResult Pool::allocate(const AllocateRequest& req) { return publish(stage(req), req.info, req.clone); }
-
 int Pool::stagingShard() const {
-  if (format_ < 3) return -1;
   // Threads of one process take consecutive shards, processes start at shards spread by their pid.
   static std::atomic<unsigned> next{static_cast<unsigned>(getpid()) * 5u};
   thread_local const int shard = static_cast<int>(next.fetch_add(1, std::memory_order_relaxed) % kStagingShards);
@@ -464,15 +453,28 @@ int Pool::stagingShard() const {
 }
 
 std::string Pool::stagingPath(int shard, const std::string& name) const {
-  return shard < 0 ? root_ + "/.vmspace/staging/" + name : root_ + "/.vmspace/staging/" + shardName(shard) + "/" + name;
+  return shard < 0 ? path(name) : root_ + "/.vmspace/staging/" + shardName(shard) + "/" + name;
 }
 
 bool Pool::inStaging(const std::string& name) const {
   struct stat st;
-  if (fstatat(stagingFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return true;
-  for (int i = 0; format_ >= 3 && i < kStagingShards; i++)
+  for (int i = 0; i < kStagingShards; i++)
     if (fstatat(shardFds_[i].get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return true;
   return false;
+}
+
+int Pool::leaseDirFd(const std::string& name) const {
+  char c = leaseShardOf(name)[0];
+  return leaseShardFds_[c >= 'a' ? c - 'a' + 10 : c - '0'].get();
+}
+
+void Pool::dropLease(const std::string& name, int leaseFd) {
+  // Only the inode held: a lease file at the name is never another's (the name is ours while we hold it), but
+  // what is unlinked must be what was removed with.
+  struct stat own;
+  if (fstat(leaseFd, &own) != 0) throwErrno(errno, "fstat", leasePath(name));
+  if (!sameEntry(leaseDirFd(name), name, own)) return;
+  if (unlinkat(leaseDirFd(name), name.c_str(), 0) != 0 && errno != ENOENT) throwErrno(errno, "unlink", leasePath(name));
 }
 
 namespace {
@@ -489,17 +491,52 @@ void drawName(int* tries, const std::string& prefix, const std::string& root, st
   *name = prefix + *id;
 }
 
+// A workspace's record: the caller's members, then its name, its template and the identity (device, inode, size,
+// mtime at clone time) of each source cloned into it.
+std::string recordJson(const JsonMembers& info, const std::string& name, const std::string& templateId,
+                       const std::vector<ClonedEntry>& clones, Reflink reflink) {
+  JsonMembers members = info;
+  std::string quoted;
+  appendJsonString(&quoted, name);
+  members.emplace_back("name", std::move(quoted));
+  if (!templateId.empty()) members.emplace_back("templateId", "\"" + templateId + "\"");
+  std::string json = "[";
+  for (size_t i = 0; i < clones.size(); i++) {
+    const ClonedEntry& c = clones[i];
+    const SourceIdentity& id = c.identity;
+    if (i) json += ",";
+    json += "{\"dest\":";
+    appendJsonString(&json, c.dest);
+    json += ",\"source\":";
+    appendJsonString(&json, c.source);
+    json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" + std::to_string(id.dev) +
+            "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
+            std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
+            methodName(c.result, reflink) + "\"}";
+  }
+  json += "]";
+  members.emplace_back("template", std::move(json));
+  return jsonObject(members) + "\n";
+}
+
+// A request that clones nothing and has no quota: its workspace is complete once made, so it is made at its name
+// in the root (no staging entry, no publish rename); its lease file, with the whole record, exists before it.
+bool isPlain(const AllocateRequest& req) {
+  return req.templateDir.empty() && req.entries.empty() && req.fromTemplate.empty() && !req.quota.any();
+}
+
 }  // namespace
 
-// One build of a workspace in staging (Pool::stage): a function per phase. The checks and the template come first,
-// so that a refused request leaves nothing; then a name is claimed (directory or snapshot, and its lease), and the
-// quota and the clones go into it.
+// One build of a workspace (Pool::stage): a function per phase. The checks and the template come first, so that a
+// refused request leaves nothing; then a name is claimed (its lease file, then its directory or snapshot), and the
+// quota and the clones go into it. `direct`: a plain request made at its name in the root, its record written with
+// the lease.
 class PoolStage {
  public:
-  PoolStage(Pool& pool, const AllocateRequest& req)
-      : pool_(pool), req_(req), shard_(pool.stagingShard()), dirFd_(pool.stagingDirFd(shard_)),
-        stagingDir_(pool.stagingPath(shard_, "")) {}
-  // Issue 14: a template being read is released when the build ends, after its lease was dropped (a failure).
+  PoolStage(Pool& pool, const AllocateRequest& req, bool direct)
+      : pool_(pool), req_(req), direct_(direct), shard_(direct ? -1 : pool.stagingShard()),
+        dirFd_(pool.stagingDirFd(shard_)) {}
+  // A template being read is released when the build ends, after its lease was dropped (a failure).
   ~PoolStage() {
     if (store_) store_->release(reader_);
   }
@@ -507,25 +544,22 @@ class PoolStage {
   StagedWorkspace run() {
     checkCanBuild();
     acquireTemplate();
-    // Issue 14: from a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no
-    // walk); where the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
+    // From a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no walk); where
+    // the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
     snapshot_ = reader_.subvolume && req_.clone.reflink != Reflink::Never;
     UniqueFd lease = claimName();
-    std::string stagingPath = stagingDir_ + res_.name;
+    std::string stagingPath = pool_.stagingPath(shard_, res_.name);
     try {
+      UniqueFd ws(openat(dirFd_, res_.name.c_str(), kDirFlags));
+      if (!ws) throwErrno(errno, "open", stagingPath);
       // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
       if (req_.quota.any())
-        res_.quota = applyQuota(lease.get(), stagingPath, quotaSupport_, req_.quota,
+        res_.quota = applyQuota(ws.get(), stagingPath, quotaSupport_, req_.quota,
                                 quotaSupport_.backend == QuotaBackend::Project ? pool_.projectsFd(true) : -1,
                                 pool_.projectIds_, res_.name);
-      cloneSources(lease.get(), stagingPath);
+      cloneSources(ws.get(), stagingPath);
     } catch (...) {
-      try {
-        pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
-      } catch (...) {
-        // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
-        // whatever the cleanup met (an Error, or bad_alloc).
-      }
+      abandon(lease.get(), stagingPath);
       throw;
     }
     res_.lease = std::move(lease);
@@ -537,14 +571,14 @@ class PoolStage {
  private:
   // Refusals before anything is made.
   void checkCanBuild() {
-    // A workspace is a directory: without RENAME_NOREPLACE nothing publishes it without the risk of replacing one
-    // (rename(2) replaces an empty directory; link(2) takes no directory).
+    // A workspace is a directory: without RENAME_NOREPLACE nothing publishes or moves it without the risk of
+    // replacing one (rename(2) replaces an empty directory; link(2) takes no directory).
     if (pool_.noReplaceErr_)
       throwCode("ERR_RENAME_NOREPLACE_UNSUPPORTED",
                 "the pool's file system cannot rename without replacing (renameat2 RENAME_NOREPLACE), which publishing "
                 "a workspace needs",
                 pool_.noReplaceErr_, "renameat2", pool_.root_);
-    // Quota and free-space floor (issue 13, quota.h).
+    // Quota and free-space floor (quota.h).
     if (req_.quota.any()) {
       quotaSupport_ = probeQuota(pool_.rootFd_.get());
       if (quotaSupport_.err)
@@ -559,8 +593,8 @@ class PoolStage {
     subvolume_ = req_.quota.any() && quotaSupport_.backend == QuotaBackend::Btrfs;
   }
 
-  // Issue 14: a template is resolved and held for reading (flock LOCK_SH) before anything is made, so an
-  // unknown one (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
+  // A template is resolved and held for reading (flock LOCK_SH) before anything is made, so an unknown one
+  // (ERR_TEMPLATE_NOT_FOUND) leaves nothing, and a removal or replace waits for this clone.
   void acquireTemplate() {
     if (req_.fromTemplate.empty()) return;
     TemplateStore* s = pool_.templates(false);
@@ -573,65 +607,62 @@ class PoolStage {
     res_.templateMeta = reader_.metaText;
   }
 
-  // The exclusive mkdir is the claim on a name: EEXIST means someone has it, and it is never adopted. The
-  // lease is taken before anything is inside, so a sweep sees a leased staging entry as being built.
+  // The lease file is the claim on a name: made exclusively and already locked, before anything else is made under
+  // that name, so no sweep ever sees a build whose lease is free. EEXIST, of the lease or of the directory (an
+  // entry that is not vmspace's), draws a new name; nothing existing is ever adopted.
   UniqueFd claimName() {
-    UniqueFd lease;
     for (;; res_.retries++) {
       drawName(&tries_, req_.prefix + "-", pool_.root_, &res_.id, &res_.name);
-      if (snapshot_) {
-        int err = makeSnapshot();
-        if (err == EEXIST) continue;
-        snapshot_ = err == 0;
+      std::string record = direct_ ? recordJson(req_.info, res_.name, "", {}, req_.clone.reflink) : std::string();
+      UniqueFd lease(makeLeaseFile(pool_.leaseDirFd(res_.name), res_.name, record, pool_.sharedGid_));
+      if (!lease) {
+        if (errno == EEXIST) continue;
+        throwErrno(errno, "open", pool_.leasePath(res_.name));
       }
-      if (!snapshot_ && makeDir() == EEXIST) continue;
-      if (takeLease(&lease)) break;
-      tries_--;  // not a collision
+      int err;
+      try {
+        err = makeEntry();
+      } catch (...) {
+        dropLeaseQuietly(lease.get());
+        throw;
+      }
+      if (err == 0) return lease;
+      dropLeaseQuietly(lease.get());  // EEXIST: draw again
     }
-    return lease;
   }
 
-  // Issue 14: staging/<name> as a writable snapshot of the template's subvolume. 0 (made), EEXIST (a collision), or
-  // the errno with which the kernel refused a snapshot (the caller then makes a directory and clones into it).
-  int makeSnapshot() {
-    int err = makeWorkspaceSnapshot(reader_.subvolume.get(), dirFd_, res_.name, req_.mode);
-    if (err != 0 && err != EEXIST && err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY &&
-        err != EOPNOTSUPP)
-      throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", stagingDir_ + res_.name);
-    return err;
-  }
-
-  // staging/<name> as a directory, or a btrfs subvolume for a quota. 0 (made) or EEXIST (a collision).
-  int makeDir() {
+  // The workspace's directory at res_.name in dirFd_: a writable snapshot of the template's subvolume, a btrfs
+  // subvolume for a quota, or a directory. 0 (made) or EEXIST (a collision).
+  int makeEntry() {
+    if (snapshot_) {
+      int err = makeWorkspaceSnapshot(reader_.subvolume.get(), dirFd_, res_.name, req_.mode);
+      if (err == 0 || err == EEXIST) return err;
+      if (err != EPERM && err != EACCES && err != EXDEV && err != ENOTTY && err != EOPNOTSUPP)
+        throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", pool_.stagingPath(shard_, res_.name));
+      snapshot_ = false;  // refused: a directory, cloned into
+    }
     int err = makeWorkspaceDir(dirFd_, res_.name, req_.mode, subvolume_);
     if (err != 0 && err != EEXIST)
-      throwErrno(err, subvolume_ ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", stagingDir_ + res_.name);
+      throwErrno(err, subvolume_ ? "ioctl(BTRFS_IOC_SUBVOL_CREATE)" : "mkdir", pool_.stagingPath(shard_, res_.name));
     return err;
   }
 
-  // The lease on the entry just made: true when held on it. Until the lease is ours, a sweep with a grace period
-  // shorter than this build's age may reclaim the entry: then it is gone (ENOENT here) or no longer the directory at
-  // the name (below), false is returned, and a fresh name is claimed.
-  bool takeLease(UniqueFd* lease) {
-    std::string shown = stagingDir_ + res_.name;
-    lease->reset(openat(dirFd_, res_.name.c_str(), kDirFlags));
-    if (!*lease) {
-      int err = errno;
-      if (err == ENOENT && ++reclaimed_ < kMaxNameTries) return false;
-      unlinkat(dirFd_, res_.name.c_str(), AT_REMOVEDIR);
-      throwErrno(err, "open", shown);
+  void dropLeaseQuietly(int lease) {
+    try {
+      pool_.dropLease(res_.name, lease);
+    } catch (...) {
+      // Left free (closed by the caller): a sweep removes a lease file whose workspace is gone.
     }
-    // A probe of that sweep holds the lock for a moment: wait for it.
-    if (flock(lease->get(), LOCK_EX | LOCK_NB) != 0 && (errno != EWOULDBLOCK || flock(lease->get(), LOCK_EX) != 0)) {
-      int err = errno;
-      unlinkat(dirFd_, res_.name.c_str(), AT_REMOVEDIR);
-      throwErrno(err, "flock", shown);
+  }
+
+  // A failed build: its entry removed, then its lease file. What cannot be removed stays under a free lease (closed
+  // by the caller), which a sweep finishes; the original error is the one to report, whatever the cleanup met.
+  void abandon(int lease, const std::string& stagingPath) {
+    try {
+      pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
+      pool_.dropLease(res_.name, lease);
+    } catch (...) {
     }
-    struct stat own;
-    if (fstat(lease->get(), &own) != 0) throwErrno(errno, "fstat", shown);
-    if (sameEntry(dirFd_, res_.name, own)) return true;
-    if (++reclaimed_ == kMaxNameTries) throwErrno(ENOENT, "open", shown);
-    return false;
   }
 
   // The template's committed tree (a snapshot made already, or cloned here), then the template directory and the
@@ -639,7 +670,7 @@ class PoolStage {
   void cloneSources(int wsFd, const std::string& stagingPath) {
     CloneOptions opts = req_.clone;
     opts.overwrite = false;
-    if (store_) {  // issue 14: the committed tree, then the write bits the commit removed
+    if (store_) {  // the committed tree, then the write bits the commit removed
       ClonedEntry c{"", reader_.treePath, {}, {}};
       if (snapshot_) {
         struct stat st;
@@ -647,50 +678,67 @@ class PoolStage {
         fillIdentity(&c.identity, st);
         c.result.tree = c.result.snapshot = true;
       } else {
-        c.result = cloneTreeInto(reader_.treePath, wsFd, pool_.path(res_.name), opts, req_.progress, &c.identity);
+        c.result = cloneTreeInto(reader_.treePath, wsFd, stagingPath, opts, req_.progress, &c.identity);
       }
       store_->restoreModes(reader_, wsFd, stagingPath);
       res_.clones.push_back(std::move(c));
     }
     if (!req_.templateDir.empty()) {
       ClonedEntry c{"", req_.templateDir, {}, {}};
-      c.result = cloneTreeInto(req_.templateDir, wsFd, pool_.path(res_.name), opts, req_.progress, &c.identity);
+      c.result = cloneTreeInto(req_.templateDir, wsFd, stagingPath, opts, req_.progress, &c.identity);
       res_.clones.push_back(std::move(c));
     }
     for (const TemplateEntry& entry : req_.entries) {
       std::string leaf;
       ParentDir parent = openParentBeneath(wsFd, entry.dest, &leaf, stagingPath, true);
       ClonedEntry c{entry.dest, entry.source, {}, {}};
-      c.result = clonePathAt(entry.source, parent.get(), leaf, pool_.path(res_.name) + "/" + entry.dest, opts,
-                             req_.progress, &c.identity);
+      c.result = clonePathAt(entry.source, parent.get(), leaf, stagingPath + "/" + entry.dest, opts, req_.progress,
+                             &c.identity);
       res_.clones.push_back(std::move(c));
     }
   }
 
   Pool& pool_;
   const AllocateRequest& req_;
-  const int shard_;               // format 3: the shard built in (-1: staging/ itself)
-  const int dirFd_;               // staging/ or the shard
-  const std::string stagingDir_;  // "<root>/.vmspace/staging/" (or ".../staging/s<i>/"), as errors show it
+  const bool direct_;  // made at its name in the root, record and all
+  const int shard_;    // the staging shard built in (-1: the root)
+  const int dirFd_;    // the shard, or the root
   StagedWorkspace res_;
-  int tries_ = 0;      // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
-  int reclaimed_ = 0;  // entries a sweep (graceMs shorter than a build's first microseconds) took from us
+  int tries_ = 0;  // names drawn, first or after a collision: ERR_NAME_EXHAUSTED past kMaxNameTries
   QuotaSupport quotaSupport_;
   bool subvolume_ = false;  // the workspace is a btrfs subvolume (its quota is a qgroup)
   TemplateStore* store_ = nullptr;
   TemplateReader reader_;
-  bool snapshot_ = false;  // issue 14: the workspace is a snapshot of the template's subvolume
+  bool snapshot_ = false;  // the workspace is a snapshot of the template's subvolume
 };
 
-StagedWorkspace Pool::stage(const AllocateRequest& req) { return PoolStage(*this, req).run(); }
+StagedWorkspace Pool::stage(const AllocateRequest& req) { return PoolStage(*this, req, false).run(); }
+
+AllocateResult Pool::allocate(const AllocateRequest& req) {
+  if (!isPlain(req)) return publish(stage(req), req.info, req.clone);
+  StagedWorkspace made = PoolStage(*this, req, true).run();
+  AllocateResult res;
+  if (req.clone.durable) {
+    // The lease file (record and name) and the workspace's name, on disk before the call returns.
+    if (fsync(made.lease.get()) != 0) throwErrno(errno, "fsync", leasePath(made.name));
+    if (fsync(leaseDirFd(made.name)) != 0) throwErrno(errno, "fsync", leasePath(made.name));
+    if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
+  }
+  res.id = std::move(made.id);
+  res.name = std::move(made.name);
+  res.retries = made.retries;
+  res.leaseFd = made.lease.release();
+  return res;
+}
 
 void Pool::discard(StagedWorkspace&& staged) {
   UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
   removeWorkspace(stagingDirFd(staged.shard), staged.name, stagingPath(staged.shard, staged.name));
+  dropLease(staged.name, lease.get());
 }
 
-// One publish of a staged workspace (Pool::publish): its metadata written, then its name claimed in the root, a fresh
-// one drawn on each collision; any failure removes the workspace and its metadata.
+// One publish of a staged workspace (Pool::publish): its record written to its lease file, then its name claimed
+// in the root, a fresh one drawn on each collision; any failure removes the workspace and its lease file.
 class PoolPublish {
  public:
   PoolPublish(Pool& pool, StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone)
@@ -701,21 +749,19 @@ class PoolPublish {
     res_.name = std::move(staged.name);
     res_.retries = staged.retries;
     res_.clones = std::move(staged.clones);
-    res_.templateId = std::move(staged.templateId);  // issue 14
+    res_.templateId = std::move(staged.templateId);
     res_.templateMeta = std::move(staged.templateMeta);
-    stagingName_ = res_.name;
-    stagingPath_ = pool.stagingPath(shard_, stagingName_);
-    inXattr_ = pool.format_ >= 2;
   }
 
   AllocateResult run() {
     try {
-      if (inXattr_) setMetaXattr();
-      // The metadata name (format 1) and then the workspace name are each claimed with RENAME_NOREPLACE; an
-      // existing entry under either is a collision, answered with a fresh name, never by adopting it.
+      writeRecordOrThrow();
+      // The workspace name is claimed with RENAME_NOREPLACE: an existing entry (not vmspace's: its lease file
+      // would have collided) is answered with a fresh name, never by adopting it.
       while (!claimName()) redraw();
       if (clone_.durable) {
-        if (!inXattr_ && fsync(pool_.metaFd_.get()) != 0) throwErrno(errno, "fsync", pool_.root_ + "/.vmspace/meta");
+        if (fsync(lease_.get()) != 0) throwErrno(errno, "fsync", pool_.leasePath(res_.name));
+        if (fsync(pool_.leaseDirFd(res_.name)) != 0) throwErrno(errno, "fsync", pool_.leasePath(res_.name));
         if (fsync(pool_.rootFd_.get()) != 0) throwErrno(errno, "fsync", pool_.root_);
       }
     } catch (...) {
@@ -723,97 +769,53 @@ class PoolPublish {
       throw;
     }
     res_.leaseFd = lease_.release();
-    res_.metaInXattr = inXattr_;
     return std::move(res_);
   }
 
  private:
-  // The caller's members, then the name and the template sources, added here, where the sources' identity
-  // (device, inode, size, mtime at clone time) is known.
-  std::string metaJson() const {
-    JsonMembers members = info_;
-    std::string name;
-    appendJsonString(&name, res_.name);
-    members.emplace_back("name", std::move(name));
-    if (!res_.templateId.empty()) members.emplace_back("templateId", "\"" + res_.templateId + "\"");  // issue 14
-    std::string json = "[";
-    for (size_t i = 0; i < res_.clones.size(); i++) {
-      const ClonedEntry& c = res_.clones[i];
-      const SourceIdentity& id = c.identity;
-      if (i) json += ",";
-      json += "{\"dest\":";
-      appendJsonString(&json, c.dest);
-      json += ",\"source\":";
-      appendJsonString(&json, c.source);
-      json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" +
-              std::to_string(id.dev) + "\",\"ino\":\"" + std::to_string(id.ino) +
-              "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
-              std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
-              methodName(c.result, clone_.reflink) + "\"}";
-    }
-    json += "]";
-    members.emplace_back("template", std::move(json));
-    return jsonObject(members) + "\n";
+  // The record, complete before the workspace is visible at its name; written again after a redraw (it names
+  // the workspace).
+  void writeRecordOrThrow() {
+    std::string json = recordJson(info_, res_.name, res_.templateId, res_.clones, clone_.reflink);
+    if (int err = writeRecord(lease_.get(), json)) throwErrno(err, "fsetxattr", pool_.leasePath(res_.name));
   }
 
-  // Format 2: the metadata is an xattr of the workspace directory, set (replacing any that a template clone
-  // copied onto it) while it is still in staging, so it is never seen without it; written again after a redraw
-  // (it names the workspace). A file system that refuses the xattr gets the file, as format 1.
-  void setMetaXattr() {
-    std::string json = metaJson();
-    if (fsetxattr(lease_.get(), kMetaXattr, json.data(), json.size(), 0) == 0) {
-      syncXattr();
-      return;
-    }
-    if (!xattrRefused(errno)) throwErrno(errno, "fsetxattr", stagingPath_);
-    inXattr_ = false;
-    // A copy from the template (which fit, when ours did not) must not shadow the file.
-    if (fremovexattr(lease_.get(), kMetaXattr) != 0 && errno != ENODATA && errno != ENOTSUP)
-      throwErrno(errno, "fremovexattr", stagingPath_);
-  }
-  void syncXattr() {
-    if (clone_.durable && fsync(lease_.get()) != 0) throwErrno(errno, "fsync", stagingPath_);
-  }
-
-  // The metadata file (format 1), then the workspace, under res_.name: false on a collision (nothing left there).
   bool claimName() {
-    if (!inXattr_ && !pool_.publishMeta(res_.name, metaJson(), clone_.durable)) return false;
-    if (!inXattr_) metaPublished_ = res_.name;
-    if (renameat2(dirFd_, stagingName_.c_str(), pool_.rootFd_.get(), res_.name.c_str(), RENAME_NOREPLACE) == 0) {
+    if (renameat2(dirFd_, res_.name.c_str(), pool_.rootFd_.get(), res_.name.c_str(), RENAME_NOREPLACE) == 0) {
       published_ = true;
       return true;
     }
-    if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.path(res_.name));
-    if (!inXattr_) {
-      unlinkat(pool_.metaFd_.get(), (res_.name + ".json").c_str(), 0);  // ours: we just made it
-      metaPublished_.clear();
-    }
+    if (errno != EEXIST) throwErrno(errno, "renameat2", pool_.stagingPath(shard_, res_.name), pool_.path(res_.name));
     return false;
   }
 
-  // A fresh name is claimed in staging too (the staging entry is renamed to it with RENAME_NOREPLACE), so that
-  // a staging name always belongs to one build, as the first exclusive mkdir made it.
+  // A fresh name: the lease file linked under it first (the claim, as at stage), then the staging entry renamed
+  // to it, then the old lease name unlinked, so the entry is never without its lease file.
   void redraw() {
+    std::string oldName = res_.name;
     for (;;) {
       res_.retries++;
-      drawName(&tries_, res_.name.substr(0, res_.name.size() - res_.id.size()), pool_.root_, &res_.id,
-               &res_.name);  // the prefix: "<prefix>-"
-      if (renameat2(dirFd_, stagingName_.c_str(), dirFd_, res_.name.c_str(), RENAME_NOREPLACE) == 0) break;
-      if (errno != EEXIST) throwErrno(errno, "renameat2", stagingPath_, pool_.stagingPath(shard_, res_.name));
+      drawName(&tries_, oldName.substr(0, oldName.size() - res_.id.size()), pool_.root_, &res_.id, &res_.name);
+      int err = linkLeaseFile(lease_.get(), pool_.leaseDirFd(res_.name), res_.name);
+      if (err == EEXIST) continue;
+      if (err) throwErrno(err, "linkat", pool_.leasePath(res_.name));
+      if (renameat2(dirFd_, oldName.c_str(), dirFd_, res_.name.c_str(), RENAME_NOREPLACE) == 0) break;
+      err = errno;
+      unlinkat(pool_.leaseDirFd(res_.name), res_.name.c_str(), 0);  // ours: just linked
+      if (err != EEXIST) throwErrno(err, "renameat2", pool_.stagingPath(shard_, oldName), pool_.stagingPath(shard_, res_.name));
     }
-    stagingName_ = res_.name;
-    stagingPath_ = pool_.stagingPath(shard_, stagingName_);
+    unlinkat(pool_.leaseDirFd(oldName), oldName.c_str(), 0);
     if (projectId_) renameProjectClaim(pool_.projectsFd(false), projectId_, res_.name);  // quota
-    if (inXattr_) setMetaXattr();
+    writeRecordOrThrow();
   }
 
   void cleanUp() {
-    if (!metaPublished_.empty()) unlinkat(pool_.metaFd_.get(), (metaPublished_ + ".json").c_str(), 0);
     try {
       if (published_)  // only when the final fsync failed
         pool_.removeWorkspace(pool_.rootFd_.get(), res_.name, pool_.path(res_.name));
       else
-        pool_.removeWorkspace(dirFd_, stagingName_, stagingPath_);
+        pool_.removeWorkspace(dirFd_, res_.name, pool_.stagingPath(shard_, res_.name));
+      pool_.dropLease(res_.name, lease_.get());
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
@@ -826,42 +828,24 @@ class PoolPublish {
   UniqueFd lease_;
   AllocateResult res_;
   const uint32_t projectId_;  // quota: its claim follows the name
-  const int shard_;           // format 3: the staging shard it was built in (-1: staging/)
-  const int dirFd_;           // staging/ or the shard
+  const int shard_;           // the staging shard it was built in
+  const int dirFd_;           // that shard
   int tries_;
-  std::string stagingName_, stagingPath_;
-  std::string metaPublished_;  // format 1: the metadata file made, removed on a failure
-  bool published_ = false;     // the workspace is in the root (only a final fsync can fail then)
-  bool inXattr_;               // format 2: the metadata is an xattr (false where refused: the file)
+  bool published_ = false;  // the workspace is in the root (only a final fsync can fail then)
 };
 
 AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& clone) {
   return PoolPublish(*this, std::move(staged), info, clone).run();
 }
 
-int Pool::readMeta(int wsFd, const std::string& name, std::string* text, bool* inXattr) {
-  *inXattr = false;
-  if (format_ >= 2) {
-    int err = readMetaXattr(wsFd, text);
-    // ENODATA: none, its metadata is in the file (the xattr was refused when it was made).
-    if (err != ENODATA && err != ENOTSUP) {
-      *inXattr = true;
-      return err;
-    }
+bool Pool::moveToTrash(const std::string& name) {
+  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+  if (!fd) {
+    if (errno == ENOENT) return false;
+    throwErrno(errno, "open", path(name));
   }
-  return readSmallFile(metaFd_.get(), name + ".json", text);
-}
-
-void Pool::dropMeta(const std::string& name) {
-  std::string file = name + ".json";
-  if (unlinkat(metaFd_.get(), file.c_str(), 0) == 0 || errno == ENOENT) return;
-  if (errno != EISDIR) throwErrno(errno, "unlink", metaPath(name));
-  removeTreeNoFollow(metaFd_.get(), file, metaPath(name));  // a directory in its place: removed safely too
-}
-
-bool Pool::moveToTrash(const std::string& name, int fd) {
   struct stat own;
-  if (fstat(fd, &own) != 0) throwErrno(errno, "fstat", path(name));
+  if (fstat(fd.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
   // The name disappears from the root atomically; from here on nobody can open or adopt it by name. Without
   // RENAME_NOREPLACE (noReplaceErr_), rename(2) could replace only an empty directory of that name in trash,
   // which is garbage there; what moved is checked below either way.
@@ -875,7 +859,7 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
     // (fs/namei.c, vfs_rename), and a guest may have cleared its owner write bit (chmod 500 .). We own it:
     // give the bit back through the fd we hold and try once more; the first errno is what went wrong otherwise.
     bool retried = false;
-    if (err == EACCES && (own.st_mode & S_IWUSR) == 0 && fchmod(fd, (own.st_mode & 07777) | S_IWUSR) == 0) {
+    if (err == EACCES && (own.st_mode & S_IWUSR) == 0 && fchmod(fd.get(), (own.st_mode & 07777) | S_IWUSR) == 0) {
       retried = true;
       if (move() == 0)
         err = 0;
@@ -883,7 +867,7 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
         err = ENOENT;
     }
     if (err != 0) {
-      if (retried) fchmod(fd, own.st_mode & 07777);  // best effort: leave its mode as it was
+      if (retried) fchmod(fd.get(), own.st_mode & 07777);  // best effort: leave its mode as it was
       if (err == ENOENT) return false;
       throwErrno(err, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
     }
@@ -892,77 +876,91 @@ bool Pool::moveToTrash(const std::string& name, int fd) {
   if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0)
     throwErrno(errno, "stat", root_ + "/.vmspace/trash/" + name);
   if (moved.st_dev != own.st_dev || moved.st_ino != own.st_ino) {
-    // Whatever was at the name is not the directory we hold: put it back untouched.
+    // Whatever was at the name is not the directory we opened: put it back untouched.
     renameat2(trashFd_.get(), name.c_str(), rootFd_.get(), name.c_str(), RENAME_NOREPLACE);
     throwErrno(ESTALE, "rename", path(name));
   }
   return true;
 }
 
-void Pool::dispose(const std::string& name, int leaseFd, DisposeHints hints) {
+void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, DisposeHints hints) {
   UniqueFd lease(leaseFd);
+  // This process's handover description goes first: what still holds the lease then is another process's.
+  if (handoverFd >= 0) ::close(handoverFd);
+  int held = leaseHeldByOther(lease.get());
+  if (held < 0) throwErrno(-held, "fcntl(F_OFD_GETLK)", leasePath(name));
+  if (held > 0)
+    throwCode("ERR_LEASE_HELD",
+              "another process holds the lease of workspace " + name +
+                  " (it was handed over): nothing was removed; it is left to its holder and a sweep once free",
+              EWOULDBLOCK, "fcntl(F_OFD_GETLK)", leasePath(name));
+  // From here the owner's lock stays held: no sweep or adopt can take the workspace while it is removed.
   // An empty workspace (the common case) is removed at its name: one rmdir(2) changes one directory, where the
   // move into trash and the rmdir there change two, twice (under many workers these directory locks are the
-  // bottleneck, issue 12). rmdir removes only an empty directory and refuses a mount point (EBUSY), and the name
-  // vanishes atomically as with the rename. The identity check closes what the rename's check closes: the name
-  // must still be the directory we hold (only a process of the pool's owner could have swapped it meanwhile).
-  // Not for a workspace with a quota of its own (issue 13): a btrfs subvolume (its own st_dev) or a pool that has
-  // project-id claims goes through removeWorkspace, which releases them.
-  struct stat own;
-  bool known = fstat(lease.get(), &own) == 0;
-  bool plain = known && own.st_dev == rootDev_ && (!hints.claim || claimsIfAny() < 0);
-  if (plain && sameEntry(rootFd_.get(), name, own) && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
-    if (hints.metaFile) dropMeta(name);
-    return;
+  // bottleneck). rmdir removes only an empty directory and refuses a mount point (EBUSY), and the name vanishes
+  // atomically as with the rename. Not for a workspace with a quota of its own: a btrfs subvolume (its own st_dev)
+  // or a pool that has project-id claims goes through removeWorkspace, which releases them.
+  struct stat st;
+  bool atName = fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+  bool plain = atName && st.st_dev == rootDev_ && (!hints.claim || claimsIfAny() < 0);
+  if (!(plain && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0)) {
+    // Anything else (not empty, gone, a mount) takes the general path, which reports it.
+    bool inTrash = atName && moveToTrash(name);
+    // Gone from the root: a dispose that failed before may have left it in trash; its lease is ours, so it is too.
+    if (!inTrash) inTrash = fstatat(trashFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+    if (inTrash) removeWorkspace(trashFd_.get(), name, root_ + "/.vmspace/trash/" + name);
   }
-  // Anything else (not empty, not ours, gone, a mount) takes the general path, which reports it as before.
-  std::string trashPath = root_ + "/.vmspace/trash/" + name;
-  bool inTrash = moveToTrash(name, lease.get());
-  if (!inTrash) {
-    // Gone from the root: a dispose that failed before may have left it in trash; finish it if it is ours.
-    inTrash = known && sameEntry(trashFd_.get(), name, own);
-  }
-  if (inTrash) removeWorkspace(trashFd_.get(), name, trashPath);
-  if (hints.metaFile) dropMeta(name);
+  dropLease(name, lease.get());
+}
+
+int Pool::openHandover(const std::string& name, int leaseFd) {
+  UniqueFd fd(openLeaseFile(leaseDirFd(name), name));
+  if (!fd) throwErrno(errno, "open", leasePath(name));
+  struct stat own, got;
+  if (fstat(leaseFd, &own) != 0) throwErrno(errno, "fstat", leasePath(name));
+  if (fstat(fd.get(), &got) != 0) throwErrno(errno, "fstat", leasePath(name));
+  if (own.st_dev != got.st_dev || own.st_ino != got.st_ino) throwErrno(ESTALE, "open", leasePath(name));
+  if (int err = holdLease(fd.get(), LeaseByte::Handover)) throwErrno(err, "fcntl(F_OFD_SETLK)", leasePath(name));
+  return fd.release();
+}
+
+UniqueFd Pool::openWorkspaceDir(const std::string& name) {
+  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+  if (!fd) throwErrno(errno, "open", path(name));
+  return fd;
 }
 
 AdoptResult Pool::adopt(const std::string& name) {
   AdoptResult r;
-  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
-  if (!fd) throwErrno(errno == ENOTDIR || errno == ELOOP ? ENOENT : errno, "open", path(name));
-  if (!tryLease(fd.get(), monotonicNs() + kProbeDeadlineNs)) {
+  UniqueFd fd(openLeaseFile(leaseDirFd(name), name));
+  // No lease file: no workspace of vmspace's by that name (an entry there is foreign).
+  if (!fd) throwErrno(errno == ELOOP || errno == ENOTDIR ? ENOENT : errno, "open", path(name));
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", leasePath(name));
+  if (!S_ISREG(st.st_mode)) throwErrno(ENOENT, "open", path(name));
+  if (!takeFreeLease(fd.get())) {
     if (errno == EWOULDBLOCK)
-      throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, "flock",
-                path(name));
-    throwErrno(errno, "flock", path(name));
+      throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK,
+                "fcntl(F_OFD_GETLK)", leasePath(name));
+    throwErrno(errno, "fcntl(F_OFD_GETLK)", leasePath(name));
   }
-  // A sweep may have removed it between our open and our lock: it must still be the directory at the name.
-  struct stat own;
-  if (fstat(fd.get(), &own) != 0) throwErrno(errno, "fstat", path(name));
-  if (!sameEntry(rootFd_.get(), name, own)) throwErrno(ENOENT, "open", path(name));
-  r.metaErrno = readMeta(fd.get(), name, &r.metaText, &r.metaInXattr);
+  // A sweep may have removed it between our open and our take: its lease file is then unlinked, and its
+  // directory gone from the root.
+  if (!sameEntry(leaseDirFd(name), name, st) ||
+      !(fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)))
+    throwErrno(ENOENT, "open", path(name));
+  if (int err = holdLease(fd.get(), LeaseByte::Owner)) throwErrno(err, "fcntl(F_OFD_SETLK)", leasePath(name));
+  flock(fd.get(), LOCK_UN);  // the take ends; the owner's lock holds the workspace from here
+  r.metaErrno = readRecord(fd.get(), &r.metaText);
   r.leaseFd = fd.release();
   return r;
 }
 
 namespace {
 
-// Names in a directory, read through a fresh open file description (readdir offsets are per description).
-
 // A published workspace as readdir shows it: a directory (or an entry of unknown type) named <prefix>-<32 hex>.
 bool isWorkspaceEntry(const std::string& name, unsigned char type) {
   return (type == DT_DIR || type == DT_UNKNOWN) && isWorkspaceName(name.c_str());
-}
-
-// Milliseconds since the entry was made: its birth time where the file system records it (statx STATX_BTIME:
-// ext4, XFS, btrfs), else its last status change.
-int64_t ageMs(int dirFd, const std::string& name) {
-  struct statx stx;
-  if (statx(dirFd, name.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
-  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
-  struct timespec now;
-  clock_gettime(CLOCK_REALTIME, &now);
-  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
 }
 
 // What handling one sweep entry threw (call inside a catch), as that entry's error: a core Error as it is;
@@ -989,6 +987,21 @@ Error entryError(const std::string& shown) {
 // ENOENT at the entry itself (not below it): the entry is gone, finished by someone else.
 bool vanished(const Error& e, const std::string& shown) { return e.code.empty() && e.err == ENOENT && e.path == shown; }
 
+// What removing dirFd/name gives back to the file system: the blocks of its entries less the extents they share
+// with other files (reflinked or snapshotted ones stay allocated; FIEMAP_EXTENT_SHARED). False where it cannot be
+// told (a tree the walk cannot read): the removal's st_blocks count stands then.
+bool freedBytes(int dirFd, const std::string& name, const std::string& shown, uint64_t* out) {
+  try {
+    UniqueFd ws(openat(dirFd, name.c_str(), kDirFlags));
+    if (!ws) return false;
+    UsageReport u = workspaceUsage(ws.get(), shown, QuotaRef{}, nullptr);
+    *out = u.allocatedBytes > u.sharedBytes ? u.allocatedBytes - u.sharedBytes : 0;
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 }  // namespace
 
 // One sweep of a pool (Pool::sweep): a function per pass, and the report and per-entry handling they share.
@@ -1002,15 +1015,17 @@ class PoolSweep {
     publishedPass();
     trashPass();
     stagingPass();
-    // Issue 14: half-built templates, retired templates no one reads, names of commits that died.
+    // Half-built templates, retired templates no one reads, names of commits that died.
     if (TemplateStore* store = pool_.templates(false)) store->sweep(dryRun_, graceMs_, report_);
-    metaPass();
-    probePass();
+    leasePass();
+    leftoverPass();
     pool_.sweepProjectClaims(dryRun_, graceMs_);  // quota: project ids of workspaces gone without releasing them
     return std::move(report_);
   }
 
  private:
+  enum class Lease { Free, Held, None };
+
   // One entry's failure (any errno, or an exception such as std::bad_alloc) is reported in that entry and the
   // sweep goes on: one guest's tree must not stop the reclamation of the whole pool. ENOENT at the entry itself
   // is no failure: a dispose, publish or sweep elsewhere finished it meanwhile.
@@ -1025,171 +1040,185 @@ class PoolSweep {
     }
   }
 
-  // Removes dirFd/name (shown below dirPath) and reports it reclaimed (with the bytes freed) or failed.
-  void removeEntry(int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
-    std::string shown = dirPath + "/" + name;
-    guarded(name, from, shown, [&] {
-      SweepEntry e{name, from, 0, {}};
-      pool_.removeWorkspace(dirFd, name, shown, &e.bytes);
-      report_.reclaimed.push_back(std::move(e));
-    });
-  }
-
-  // Metadata of a workspace this sweep removed; a metadata file it cannot remove is left for a later sweep.
-  void dropMetaQuietly(const std::string& name) {
-    try {
-      pool_.dropMeta(name);
-    } catch (...) {
+  // The lease of workspace `name`: Free (taken into *out: no other sweep or adopt acts on it until *out closes),
+  // Held (its owner or a holder lives, or another sweep is taking it), or None (no lease file: not vmspace's).
+  Lease probe(const std::string& name, UniqueFd* out) {
+    UniqueFd fd(openLeaseFile(pool_.leaseDirFd(name), name));
+    if (!fd) {
+      if (errno == ENOENT || errno == ELOOP) return Lease::None;
+      throwErrno(errno, "open", pool_.leasePath(name));
     }
-  }
-
-  // Published workspaces: a free lease means the owner is gone. The lock is held while the workspace is moved
-  // and removed, so no adopt can take it meanwhile.
-  void reclaimPublished(const std::string& name, int fd) {
-    handled_.insert(name);
-    if (dryRun_) {
-      report_.reclaimed.push_back({name, "published", 0, {}});
-      return;
+    struct stat st;
+    if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", pool_.leasePath(name));
+    if (!S_ISREG(st.st_mode)) return Lease::None;
+    bool free = takeFreeLease(fd.get());
+    if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
+      free = false;
+      errno = fault;
     }
-    if (!pool_.moveToTrash(name, fd)) return;  // disposed or reclaimed by someone else meanwhile
-    removeEntry(pool_.trashFd_.get(), trashDir_, name, "published");
-    dropMetaQuietly(name);
+    if (!free) {
+      if (errno == EWOULDBLOCK) return Lease::Held;
+      throwErrno(errno, "fcntl(F_OFD_GETLK)", pool_.leasePath(name));  // a probe that cannot decide
+    }
+    *out = std::move(fd);
+    return Lease::Free;
   }
 
+  // Removes dirFd/name (shown below dirPath), then its lease file (taken through `lease`), and reports it.
+  void reclaim(int dirFd, const std::string& dirPath, const std::string& name, const char* from, int lease) {
+    SweepEntry e{name, from, 0, {}};
+    if (!dryRun_) {
+      std::string shown = dirPath + "/" + name;
+      bool told = freedBytes(dirFd, name, shown, &e.bytes);
+      pool_.removeWorkspace(dirFd, name, shown, told ? nullptr : &e.bytes);
+      pool_.dropLease(name, lease);
+    }
+    report_.reclaimed.push_back(std::move(e));
+  }
+
+  void foreign(const std::string& shown) { report_.foreign.push_back(shown); }
+
+  // Published workspaces: a free lease means the owner and every holder are gone. The take is held while the
+  // workspace is moved and removed, so no adopt or other sweep acts on it meanwhile.
   void publishedPass() {
-    // One deadline for the whole pass: shared locks on many entries cost at most kProbeDeadlineNs in all.
-    const long probeDeadline = monotonicNs() + kProbeDeadlineNs;
     // `name` below is a plain reference: a C++17 lambda may not capture a structured binding (GCC allows it, clang
     // does not).
     for (auto& entry : readNames(pool_.rootFd_.get(), pool_.root_)) {
       const std::string& name = entry.first;
       if (!isWorkspaceEntry(name, entry.second)) continue;
       guarded(name, "published", pool_.path(name), [&] {
-        UniqueFd fd(openat(pool_.rootFd_.get(), name.c_str(), kDirFlags));
-        if (!fd) {
-          // Gone meanwhile, or not a directory (then not a workspace).
-          if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;
-          throwErrno(errno, "open", pool_.path(name));
+        UniqueFd lease;
+        switch (probe(name, &lease)) {
+          case Lease::None:
+            foreign(pool_.path(name));
+            return;
+          case Lease::Held:
+            report_.live++;
+            return;
+          case Lease::Free:
+            break;
         }
-        bool leased = tryLease(fd.get(), probeDeadline);
-        if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
-          leased = false;
-          errno = fault;
-        }
-        if (!leased) {
-          if (errno != EWOULDBLOCK) throwErrno(errno, "flock", pool_.path(name));  // a probe that cannot decide
-          report_.live++;
+        handled_.insert(name);
+        if (dryRun_) {
+          report_.reclaimed.push_back({name, "published", 0, {}});
           return;
         }
-        reclaimPublished(name, fd.get());
+        if (!pool_.moveToTrash(name)) return;  // disposed or reclaimed by someone else meanwhile
+        reclaim(pool_.trashFd_.get(), trashDir_, name, "published", lease.get());
       });
     }
   }
 
-  // An entry of trash or staging that no one holds locked is removed, with the lock held while it is; true when
-  // it was (or, dry run, would be) reclaimed.
-  bool reclaimUnlocked(int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
-    UniqueFd fd(openat(dirFd, name.c_str(), kDirFlags));
-    if (!fd && errno == ENOENT) return false;  // finished meanwhile by a dispose, a publish or another sweep
-    // Any other open failure (a file, a symlink: no lease to respect) goes on to the removal, which reports it.
-    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-      if (errno == EWOULDBLOCK) return false;  // a dispose removing it, or a build holding its lease
-      throwErrno(errno, "flock", dirPath + "/" + name);
-    }
-    if (dryRun_) {
-      report_.reclaimed.push_back({name, from, 0, {}});
-      return true;
-    }
-    size_t before = report_.reclaimed.size();
-    removeEntry(dirFd, dirPath, name, from);
-    return report_.reclaimed.size() > before;
+  // A workspace entry of trash or a staging shard: removed when its lease is free, left while held (a dispose
+  // removing it, a build), reported as foreign without a lease file.
+  void leasedEntry(int dirFd, const std::string& dir, const std::string& name, const char* from) {
+    guarded(name, from, dir + "/" + name, [&] {
+      UniqueFd lease;
+      Lease l = probe(name, &lease);
+      if (l == Lease::None) foreign(dir + "/" + name);
+      if (l != Lease::Free) return;
+      handled_.insert(name);
+      reclaim(dirFd, dir, name, from, lease.get());
+    });
   }
 
-  // Trash: everything not locked by a dispose still removing it.
+  // Trash: workspaces whose dispose died, and templates (template-<id>) whose removal did; a template there is
+  // removed when no one holds its directory's lock.
   void trashPass() {
     for (auto& entry : readNames(pool_.trashFd_.get(), trashDir_)) {
       const std::string& name = entry.first;
       if (handled_.count(name)) continue;  // reported by the pass above, removed or failed
-      guarded(name, "trash", trashDir_ + "/" + name, [&] {
-        if (reclaimUnlocked(pool_.trashFd_.get(), trashDir_, name, "trash") && !dryRun_) dropMetaQuietly(name);
-      });
+      if (isWorkspaceName(name.c_str()))
+        leasedEntry(pool_.trashFd_.get(), trashDir_, name, "trash");
+      else if (name.compare(0, 9, "template-") == 0)
+        guarded(name, "trash", trashDir_ + "/" + name, [&] { reclaimTemplate(name); });
+      else
+        foreign(trashDir_ + "/" + name);
     }
+  }
+  void reclaimTemplate(const std::string& name) {
+    UniqueFd fd(openat(pool_.trashFd_.get(), name.c_str(), kDirFlags));
+    if (!fd && errno == ENOENT) return;  // finished meanwhile
+    if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) return;  // its removal is running
+      throwErrno(errno, "flock", trashDir_ + "/" + name);
+    }
+    SweepEntry e{name, "trash", 0, {}};
+    if (!dryRun_) pool_.removeWorkspace(pool_.trashFd_.get(), name, trashDir_ + "/" + name, &e.bytes);
+    report_.reclaimed.push_back(std::move(e));
   }
 
-  // Staging: the lease is taken when the entry is made, so a free one past the grace period is a build whose
-  // process died; a young free one may be a build that has not taken its lease yet.
-  // Format 3: staging/ holds the shards (never reclaimed) and each shard holds builds.
+  // Staging: builds whose process died. A build's lease file exists, locked, before its entry does, so no build
+  // in progress is ever taken, however young.
   void stagingPass() {
-    stagingPassIn(pool_.stagingFd_.get(), stagingDir_, pool_.format_ >= 3);
-    for (int i = 0; pool_.format_ >= 3 && i < kStagingShards; i++)
-      stagingPassIn(pool_.shardFds_[i].get(), stagingDir_ + "/" + shardName(i), false);
-  }
-  void stagingPassIn(int dirFd, const std::string& dir, bool skipShards) {
-    for (auto& entry : readNames(dirFd, dir)) {
-      const std::string& name = entry.first;
-      if (skipShards && isShardName(name)) continue;
-      guarded(name, "staging", dir + "/" + name, [&] {
-        // Age first: a young entry is never even probed, so a build between its mkdir and its lock is not
-        // disturbed.
-        if (ageMs(dirFd, name) < graceMs_) return;
-        reclaimUnlocked(dirFd, dir, name, "staging");
-      });
+    for (auto& entry : readNames(pool_.stagingFd_.get(), stagingDir_))
+      if (!isShardName(entry.first)) foreign(stagingDir_ + "/" + entry.first);
+    for (int i = 0; i < kStagingShards; i++) {
+      std::string dir = stagingDir_ + "/" + shardName(i);
+      for (auto& entry : readNames(pool_.shardFds_[i].get(), dir)) {
+        if (isWorkspaceName(entry.first.c_str()))
+          leasedEntry(pool_.shardFds_[i].get(), dir, entry.first, "staging");
+        else
+          foreign(dir + "/" + entry.first);
+      }
     }
   }
-  // s0 ... s<kStagingShards - 1>: no workspace name (<prefix>-<32 hex>) is one.
   static bool isShardName(const std::string& name) {
     for (int i = 0; i < kStagingShards; i++)
       if (name == shardName(i)) return true;
     return false;
   }
 
-  // Whether the pass looks at `file` of meta/ (any dot file; else "<name>.json" only), and in *name the workspace
-  // it belongs to: <name> of "<name>.json" or of a temp file ".<name>.json.tmp-<hex>" (writeFileNoReplace), ""
-  // for another dot file.
-  static bool metaOwner(const std::string& file, std::string* name) {
-    if (file[0] == '.') {
-      size_t end = file.rfind(".json.tmp-");
-      if (end != std::string::npos && end > 1) *name = file.substr(1, end - 1);
-      return true;
-    }
-    if (file.size() < 6 || file.compare(file.size() - 5, 5, ".json") != 0) return false;
-    *name = file.substr(0, file.size() - 5);
-    return true;
+  // Whether a directory of workspace `name` exists anywhere in the pool (root, a shard, trash).
+  bool hasEntry(const std::string& name) {
+    struct stat st;
+    return pool_.inStaging(name) || fstatat(pool_.rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+           fstatat(pool_.trashFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
   }
 
-  // Metadata without a workspace (published or being built), and temp files of writes that died: a temp file
-  // of a workspace still being built is a write in progress.
-  void metaPass() {
-    for (auto& [file, type] : readNames(pool_.metaFd_.get(), pool_.root_ + "/.vmspace/meta")) {
-      std::string name;
-      if (!metaOwner(file, &name)) continue;
-      if (!name.empty()) {
-        // Staging first: a publish moves the entry from staging to the root, so looking in that order never
-        // misses one being published between the two lookups.
-        struct stat st;
-        if (pool_.inStaging(name) || fstatat(pool_.rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
+  // Lease files whose workspace is gone (a build that died before its directory was made, a dispose that died
+  // after it was removed), and temp lease files (file systems without O_TMPFILE) of builds that died.
+  void leasePass() {
+    for (int i = 0; i < kLeaseShards; i++) {
+      int dirFd = pool_.leaseShardFds_[i].get();
+      std::string dir = pool_.root_ + "/.vmspace/leases/" + leaseShardName(i);
+      for (auto& [file, type] : readNames(dirFd, dir)) {
+        if (file.compare(0, 5, ".tmp-") == 0) {
+          UniqueFd fd(openLeaseFile(dirFd, file));
+          if (!fd || ageMs(dirFd, file) < graceMs_ || !takeFreeLease(fd.get())) continue;
+          if (!dryRun_) unlinkat(dirFd, file.c_str(), 0);
+          report_.leasesRemoved++;
           continue;
-      }
-      if (ageMs(pool_.metaFd_.get(), file) < graceMs_) continue;
-      if (!dryRun_) {
-        try {
-          removeTreeNoFollow(pool_.metaFd_.get(), file, pool_.root_ + "/.vmspace/meta/" + file);
-        } catch (...) {
-          continue;  // left for a later sweep, as any metadata file that cannot be removed
         }
+        if (!isWorkspaceName(file.c_str()) || handled_.count(file)) continue;
+        guarded(file, "lease", dir + "/" + file, [&] {
+          UniqueFd lease;
+          if (probe(file, &lease) != Lease::Free || hasEntry(file)) return;  // an entry left: the next sweep's
+          if (!dryRun_) pool_.dropLease(file, lease.get());
+          report_.leasesRemoved++;
+        });
       }
-      report_.metaRemoved++;
     }
   }
 
-  // Probe files of openPool's RENAME_NOREPLACE check (probeNoReplace) that a killed opener left in .vmspace/: a
-  // probe lives for microseconds, so one older than the grace period has no owner left.
-  void probePass() {
+  // What a killed opener left: RENAME_NOREPLACE probe files in .vmspace/ (probeNoReplace), half-built
+  // .vmspace/ directories in the root (makeState). Each lives for microseconds, so one older than the grace
+  // period has no owner left.
+  void leftoverPass() {
     if (dryRun_) return;
     for (auto& [file, type] : readNames(pool_.stateFd_.get(), pool_.root_ + "/.vmspace")) {
       if (file.compare(0, sizeof kNoReplaceProbe - 1, kNoReplaceProbe) != 0 || type == DT_DIR) continue;
       if (ageMs(pool_.stateFd_.get(), file) < graceMs_) continue;
       unlinkat(pool_.stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
+    }
+    for (auto& [file, type] : readNames(pool_.rootFd_.get(), pool_.root_)) {
+      if (file.compare(0, sizeof kInitPrefix - 1, kInitPrefix) != 0 || type != DT_DIR) continue;
+      if (ageMs(pool_.rootFd_.get(), file) < graceMs_) continue;
+      try {
+        removeTreeNoFollow(pool_.rootFd_.get(), file, pool_.root_ + "/" + file);
+      } catch (...) {
+        // left for a later sweep
+      }
     }
   }
 
@@ -1198,7 +1227,7 @@ class PoolSweep {
   const int64_t graceMs_;
   const std::string trashDir_, stagingDir_;
   SweepReport report_;
-  std::unordered_set<std::string> handled_;  // published entries this sweep moved to trash
+  std::unordered_set<std::string> handled_;  // workspaces this sweep reclaimed (or failed to)
 };
 
 SweepReport Pool::sweep(bool dryRun, int64_t graceMs) { return PoolSweep(*this, dryRun, graceMs).run(); }
@@ -1207,38 +1236,31 @@ std::vector<ListEntry> Pool::list() {
   std::vector<ListEntry> out;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
-    UniqueFd ws(openat(rootFd_.get(), name.c_str(), kDirFlags));
-    if (!ws && (errno == ENOENT || errno == ENOTDIR || errno == ELOOP)) continue;  // disposed meanwhile, not a dir
+    UniqueFd lease(openLeaseFile(leaseDirFd(name), name));
+    // No lease file: not vmspace's, or disposed meanwhile (the lease file goes last).
+    if (!lease && (errno == ENOENT || errno == ELOOP)) continue;
     ListEntry entry;
     entry.name = name;
-    if (!ws) {
+    if (!lease) {
       // Any other failure (EACCES, EMFILE, ...) is that entry's error, counted live (never reported reclaimable on
-      // its word): a workspace that cannot be opened is not hidden from the listing.
+      // its word): a workspace whose lease cannot be opened is not hidden from the listing.
       entry.probeErrno = errno;
       entry.probeSyscall = "open";
       entry.live = true;
       out.push_back(std::move(entry));
       continue;
     }
-    entry.metaErrno = readMeta(ws.get(), name, &entry.metaText, &entry.metaInXattr);
-    // A shared probe conflicts with the owner's exclusive lease and with nothing else. It is dropped at once
-    // (the close), so an adopt or sweep elsewhere waits out as short a window as possible (tryLease).
-    int probe = flock(ws.get(), LOCK_SH | LOCK_NB) == 0 ? 0 : errno;
-    if (int fault = takeSweepFault(name, true)) probe = fault;  // test seam (setSweepFaultsForTest), as in sweep
-    if (probe != 0) {
-      errno = probe;
-      // A probe that cannot decide (ENOLCK, ...) is reported in that entry, counted live (never reclaimable on
-      // its word), and the listing goes on: one entry does not hide the others.
-      if (errno != EWOULDBLOCK) entry.probeErrno = errno;
-      entry.live = true;
-    }
-    // Metadata missing: a dispose (or a sweep) may have taken the workspace between the open and the read (cold
-    // review: 38 such entries in ~148k list() calls racing this process's disposes, format 1; the lease may still be
-    // held, closed last). Gone from its name, it is no entry; still there, its missing metadata is reported, never
-    // read as empty.
-    struct stat own;
-    if (entry.metaErrno == ENOENT && fstat(ws.get(), &own) == 0 && !sameEntry(rootFd_.get(), name, own)) continue;
-    ws.reset();
+    entry.metaErrno = readRecord(lease.get(), &entry.metaText);
+    // The probe takes no lock: a listing never gets in the way of an adopt or a sweep.
+    int held = leaseHeldByOther(lease.get());
+    if (int fault = takeSweepFault(name, true)) held = -fault;  // test seam (setSweepFaultsForTest), as in sweep
+    // A probe that cannot decide (ENOLCK, ...) is reported in that entry, counted live (never reclaimable on its
+    // word), and the listing goes on: one entry does not hide the others.
+    if (held < 0) entry.probeErrno = -held;
+    entry.live = held != 0;
+    // Disposed between the readdir and the open: its directory is gone from its name.
+    struct stat st;
+    if (fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT) continue;
     out.push_back(std::move(entry));
   }
   return out;
@@ -1246,10 +1268,11 @@ std::vector<ListEntry> Pool::list() {
 
 void Pool::close() {
   templates_.reset();
-  metaFd_.reset();
+  for (auto& fd : leaseShardFds_) fd.reset();
+  leasesFd_.reset();
   trashFd_.reset();
-  stagingFd_.reset();
   for (auto& fd : shardFds_) fd.reset();
+  stagingFd_.reset();
   stateFd_.reset();
   rootFd_.reset();
 }

@@ -1,5 +1,7 @@
 // A pool of workspaces under one root directory (DESIGN.md, "The pool on disk"):
-//   <root>/.vmspace/{version, staging/, trash/, meta/<name>.json}, and <root>/<prefix>-<32 hex> per workspace.
+//   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/<name>}, and <root>/<prefix>-<32 hex> per
+//   workspace. A workspace is vmspace's own only while its lease file exists (lease.h): made before its directory,
+//   removed after it; anything else in the root is foreign and never touched.
 // Thread-safe: a Pool's fds are opened once and only read by concurrent operations; close() is called by the
 // owner once no operation is running.
 #pragma once
@@ -18,6 +20,7 @@
 #include "error.h"
 #include "fd.h"
 #include "json_members.h"
+#include "lease.h"
 #include "quota.h"
 #include "template.h"
 #include "tree.h"
@@ -26,17 +29,10 @@
 namespace vmspace {
 
 constexpr int kMaxNameTries = 16;  // DESIGN.md: EEXIST -> fresh name, at most 16 tries, then ERR_NAME_EXHAUSTED
-// On-disk formats this vmspace reads and makes (.vmspace/version). 1: metadata in .vmspace/meta/<name>.json.
-// 2: metadata in the xattr kMetaXattr of the workspace directory (one syscall, no directory changed, removed with
-// the directory), in the file where the file system refuses the xattr. Older vmspace refuses a format-2 pool
-// (ERR_POOL_FORMAT) rather than list its workspaces without metadata. 3: format 2, and workspaces are built in
-// kStagingShards subdirectories of staging/ (staging/s<i>/<name>, i chosen per thread) instead of staging/ itself, so
-// that parallel builds do not all wait on one directory's lock (issue 12); older vmspace refuses it, as its sweep
-// would take a shard for a dead build and remove the live builds inside.
-constexpr int kFormatDefault = 1;
-constexpr int kFormatLatest = 3;
+// The one on-disk layout (.vmspace/version holds kLayoutVersion): anything else is refused with ERR_POOL_FORMAT.
+constexpr const char* kLayoutVersion = "vmspace-pool 1";
+// Builds run in staging/s<i>/ (i fixed per thread) so that parallel builds do not all wait on one directory's lock.
 constexpr int kStagingShards = 8;
-constexpr const char* kMetaXattr = "user.vmspace.meta";
 
 struct TemplateEntry {
   std::string dest;    // workspace-relative, normalised (checked by the caller)
@@ -64,58 +60,52 @@ struct ClonedEntry {
 
 struct AllocateResult {
   std::string id, name;
-  int leaseFd = -1;  // O_RDONLY|O_DIRECTORY|O_CLOEXEC fd of the workspace, holding flock(LOCK_EX): the lease
-  int retries = 0;   // names drawn again: the one drawn existed, or a sweep reclaimed its entry before the lease
+  int leaseFd = -1;  // the owner's fd of the lease file (O_RDWR, close-on-exec), holding LeaseByte::Owner
+  int retries = 0;   // names drawn again: the one drawn existed
   std::vector<ClonedEntry> clones;
-  std::string templateId, templateMeta;  // issue 14: the template cloned (fromTemplate) and its template.json
-  bool metaInXattr = false;  // format 2: its metadata is the directory's xattr, and no file was made (dispose hint)
+  std::string templateId, templateMeta;  // the template cloned (fromTemplate) and its template.json
 };
 
-// What the caller knows of a workspace it disposes, from its allocation by this process (issue 12: each saves
-// a syscall on every dispose). metaFile false: its metadata is the directory's xattr
-// (AllocateResult::metaInXattr), so no meta/ file is looked for (an unlink failing with ENOENT still takes
-// meta/'s lock exclusively). claim false: it was made without a quota, so it holds no project id claim and
-// .vmspace/projects/ is not probed. Defaults: unknown (adopted workspaces). A file or claim there anyway (never
-// made by vmspace for such a workspace) would be an orphan for a sweep.
+// What the caller knows of a workspace it disposes, from its allocation by this process (each saves a syscall on
+// every dispose). claim false: it was made without a quota, so it holds no project id claim and
+// .vmspace/projects/ is not probed. Default: unknown (adopted workspaces). A claim there anyway (never made by
+// vmspace for such a workspace) would be an orphan for a sweep.
 struct DisposeHints {
-  bool metaFile = true;
   bool claim = true;
 };
 
-// A workspace built and leased in .vmspace/staging/<name>, not yet published (Pool::stage). To a sweep it is a build
-// in progress for as long as the lease is held, and a dead build once it is free.
+// A workspace built in .vmspace/staging/s<shard>/<name> under its lease, not yet published (Pool::stage). To a
+// sweep it is a build in progress for as long as the lease is held, and a dead build once it is free.
 struct StagedWorkspace {
-  std::string id, name;  // name: of the staging entry, and the one it is published under (unless that collides)
+  std::string id, name;  // name: of the staging entry and its lease, and the one it is published under
   UniqueFd lease;
   int retries = 0;
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
   std::string templateId, templateMeta;  // issue 14: as in AllocateResult
   QuotaRef quota;                        // quota.cc: its project id claim follows the name at publish
-  int shard = -1;                        // format 3: built in staging/s<shard>/; -1: in staging/
+  int shard = -1;                        // built in staging/s<shard>/; -1: made at its name in the root already
 };
 
 struct ListEntry {
   std::string name;
   bool live = false;
-  std::string metaText;  // its metadata (kMetaXattr or meta/<name>.json) when metaErrno == 0
+  std::string metaText;  // its record (the lease file's) when metaErrno == 0
   int metaErrno = 0;
-  bool metaInXattr = false;  // metaText, or metaErrno, is of the xattr (else of the file)
-  int probeErrno = 0;        // the lease probe failed with this (not EWOULDBLOCK): liveness undecided, `live` set
-  const char* probeSyscall = "flock";  // of probeErrno: "open" of the workspace directory, or its "flock"
+  int probeErrno = 0;  // the lease probe failed with this: liveness undecided, `live` set
+  const char* probeSyscall = "fcntl(F_OFD_GETLK)";  // of probeErrno: "open" of the lease file, or the probe
 };
 
 struct AdoptResult {
   int leaseFd = -1;
   std::string metaText;
   int metaErrno = 0;
-  bool metaInXattr = false;
 };
 
 struct SweepEntry {
   std::string name;
-  const char* from;    // "published", "staging" or "trash"
-  uint64_t bytes = 0;  // space freed (st_blocks * 512); 0 in a dry run
+  const char* from;    // "published", "staging", "trash" or "lease" (a lease file whose workspace is gone)
+  uint64_t bytes = 0;  // space the file system got back: allocated less shared extents; 0 in a dry run
   Error error;         // for failures
 };
 
@@ -126,8 +116,11 @@ struct SweepReport {
   // EWOULDBLOCK: syscall "flock"). An entry that vanished meanwhile (a concurrent dispose, allocate or sweep
   // finished it: ENOENT at its name) is not a failure and is in no list.
   std::vector<SweepEntry> failed;
-  uint64_t live = 0;         // published workspaces whose lease is held
-  uint64_t metaRemoved = 0;  // metadata files without a workspace
+  uint64_t live = 0;           // published workspaces whose lease is held
+  uint64_t leasesRemoved = 0;  // lease files whose workspace was gone (a build or dispose that died between steps)
+  // Entries of the root, staging or trash named like a workspace but without a lease file: not vmspace's, left
+  // as they are (paths).
+  std::vector<std::string> foreign;
 };
 
 class Pool {
@@ -136,13 +129,16 @@ class Pool {
   // pool is checked before it is used (checkTrusted in pool.cc): ERR_POOL_UNSAFE (path, uid, gid, mode set)
   // when another user could write it, nothing made. `sharedGid` >= 0 trusts that group: directories of that
   // group may be group-writable (and owned by any user); those made are given it, mode 02770. Directories made
-  // get exact modes whatever the umask: 0755 (root, .vmspace/, parents), 0700 (staging/, trash/, meta/).
-  // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version names another format; EXDEV
-  // when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network file
-  // systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
-  // `newFormat` (1, 2 or 3) is the format of a pool made by this call; an existing pool keeps its own.
+  // get exact modes whatever the umask: 0755 (root, .vmspace/, parents), 0700 (staging/, trash/, leases/).
+  // A new pool's .vmspace/ is built whole under a temp name and renamed into place (RENAME_NOREPLACE), so
+  // concurrent first opens make one pool and none ever sees it half made; made only in an empty (or missing)
+  // directory unless `nonEmpty` (ERR_POOL_NOT_EMPTY, nothing made).
+  // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version is not kLayoutVersion or one
+  // of the pool's own directories is missing (never made again: a pool that lost them is not re-initialised);
+  // EXDEV when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network
+  // file systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
   static std::shared_ptr<Pool> open(const std::string& root, bool create, long long sharedGid = -1,
-                                    int newFormat = kFormatDefault);
+                                    bool nonEmpty = false);
 
   // Builds a workspace in staging, takes its lease, clones the template, writes metadata, publishes it.
   // Any failure removes everything it made and throws. ERR_NAME_EXHAUSTED after kMaxNameTries collisions.
@@ -157,20 +153,33 @@ class Pool {
   AllocateResult publish(StagedWorkspace&& staged, const JsonMembers& info, const CloneOptions& options);
   void discard(StagedWorkspace&& staged);
 
-  // Moves workspace `name` into trash, removes it safely, drops its metadata, closes `leaseFd`. The lease fd is
-  // closed on every path, so that a sweep can finish what a failed removal left in trash.
-  void dispose(const std::string& name, int leaseFd, DisposeHints hints = {});
+  // Removes workspace `name` (rmdir at its name, or moved into trash and removed safely), then its lease file;
+  // closes `leaseFd` and `handoverFd` (-1: none). When another open file description holds the lease (a child
+  // given the handover fd), nothing is removed, the fds are closed and ERR_LEASE_HELD is thrown: the workspace is
+  // its holder's, and a sweep's once it is free. The fds are closed on every path, so that a sweep can finish
+  // what a failed removal left in trash.
+  void dispose(const std::string& name, int leaseFd, int handoverFd, DisposeHints hints = {});
 
-  // Takes over the published workspace `name` whose lease is free: ENOENT when there is none,
-  // ERR_LEASE_HELD while any process holds its lease.
+  // Takes over the published workspace `name` whose lease is free: ENOENT when there is none (or it is not
+  // vmspace's: no lease file), ERR_LEASE_HELD while any process holds its lease.
   AdoptResult adopt(const std::string& name);
 
-  // Reclaims what no live process holds: published workspaces whose lease is free, everything in trash not
-  // being removed right now, staging entries whose lease is free and that are older than `graceMs`, metadata
-  // without a workspace older than `graceMs`. A live lease is never taken from its owner (flock LOCK_NB).
+  // A new open file description of the lease of workspace `name` (owned through `leaseFd`), read-only and
+  // close-on-exec, holding LeaseByte::Handover: what a caller hands to the sandbox's process.
+  int openHandover(const std::string& name, int leaseFd);
+
+  // The published workspace `name`'s directory (O_DIRECTORY|O_NOFOLLOW), for clones into it.
+  UniqueFd openWorkspaceDir(const std::string& name);
+
+  // Reclaims what no live process holds: workspaces (published, in staging or in trash) whose lease is free, lease
+  // files whose workspace is gone, templates as TemplateStore::sweep. Only what has a lease file: an entry named
+  // like a workspace without one is reported in `foreign` and left. A lease is probed without taking it
+  // (F_OFD_GETLK), and a free one is taken (flock LOCK_EX|LOCK_NB) for as long as it is removed. `graceMs` applies
+  // to what has no lease (temp files, half-built templates and pools).
   SweepReport sweep(bool dryRun, int64_t graceMs);
 
-  // Published workspaces (every <prefix>-<32 hex> directory of the root) with liveness and metadata text.
+  // Published workspaces (every <prefix>-<32 hex> directory of the root with a lease file), with liveness and
+  // their record.
   std::vector<ListEntry> list();
 
   // ---- quotas and space (quota.h, usage.h; issue 13) ----
@@ -187,12 +196,13 @@ class Pool {
 
   void close();
   const std::string& root() const { return root_; }
-  int format() const { return format_; }
   // Issue 14: the pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
   // pool has none and `create` is false.
   TemplateStore* templates(bool create);
-  // The metadata file of workspace `name`, as errors show it.
-  std::string metaPath(const std::string& name) const { return root_ + "/.vmspace/meta/" + name + ".json"; }
+  // The lease file of workspace `name`, as errors show it (it holds the workspace's record).
+  std::string leasePath(const std::string& name) const {
+    return root_ + "/.vmspace/leases/" + leaseShardOf(name) + "/" + name;
+  }
 
  private:
   friend class PoolSweep;    // pool.cc: Pool::sweep's passes
@@ -200,34 +210,32 @@ class Pool {
   friend class PoolPublish;  // pool.cc: Pool::publish's phases
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
-  // Moves the published `name`, whose directory `fd` refers to, into trash; false when it is no longer in
-  // the root. Verifies that what moved is that directory, and puts anything else back.
-  bool moveToTrash(const std::string& name, int fd);
-  // Removes meta/<name>.json (ENOENT is fine; a directory in its place is removed safely).
-  void dropMeta(const std::string& name);
+  // Moves the published `name` into trash; false when it is no longer in the root. Verifies that what moved is
+  // the directory that was at the name, and puts anything else back.
+  bool moveToTrash(const std::string& name);
+  // The shard of leases/ that holds the lease file of `name`.
+  int leaseDirFd(const std::string& name) const;
+  // Unlinks the lease file of `name`, which `leaseFd` holds (another inode at the name is left alone).
+  void dropLease(const std::string& name, int leaseFd);
   // removeTreeNoFollow of a workspace, and then its quota released (a btrfs subvolume's qgroup, a project id).
   void removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
   // .vmspace/projects/ (project id claims), made on first use; -1 when it does not exist and !create.
   int projectsFd(bool create);
-  // Format 3: the staging shard of the calling thread (fixed per thread, spread over processes); -1 before format 3.
+  // The staging shard of the calling thread (fixed per thread, spread over processes).
   int stagingShard() const;
-  // The directory a workspace is built in (staging/ or staging/s<shard>/), and the path of `name` in it as errors
-  // show it.
-  int stagingDirFd(int shard) const { return shard < 0 ? stagingFd_.get() : shardFds_[shard].get(); }
+  // The directory a workspace is built in (staging/s<shard>/, or the root for shard -1), and the path of `name`
+  // in it as errors show it.
+  int stagingDirFd(int shard) const { return shard < 0 ? rootFd_.get() : shardFds_[shard].get(); }
   std::string stagingPath(int shard, const std::string& name) const;
-  // Whether `name` is being built: an entry of staging/ or of a shard.
+  // Whether `name` is being built: an entry of a shard.
   bool inStaging(const std::string& name) const;
   // Releases claims whose workspace is nowhere (staging, root, trash) and older than graceMs (sweep).
   void sweepProjectClaims(bool dryRun, int64_t graceMs);
-  // Writes meta/<name>.json atomically; false (nothing written) when it exists already.
-  bool publishMeta(const std::string& name, const std::string& json, bool durable);
-  // The metadata of workspace `name` whose directory is `wsFd`: the xattr (format 2), else the file. Returns the
-  // errno (0: read) and whether it is the xattr's.
-  int readMeta(int wsFd, const std::string& name, std::string* text, bool* inXattr);
 
   std::string root_;
-  UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, metaFd_;
-  std::array<UniqueFd, kStagingShards> shardFds_;  // format 3: staging/s0 ... (closed before format 3)
+  UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, leasesFd_;
+  std::array<UniqueFd, kStagingShards> shardFds_;     // staging/s0 ...
+  std::array<UniqueFd, kLeaseShards> leaseShardFds_;  // leases/0 ... leases/f
   dev_t rootDev_ = 0;  // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
@@ -244,7 +252,6 @@ class Pool {
   std::atomic<int> projectFs_{-1};
   // projectsFd(false) where this pool's file system can have claims; -1 otherwise, and where it cannot be opened.
   int claimsIfAny();
-  int format_ = kFormatDefault;
 };
 
 // Reads /proc/sys/kernel/random/boot_id once (empty where it cannot be read).

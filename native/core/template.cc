@@ -854,7 +854,6 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
       continue;  // being built (staging is looked at first: a publish moves it from there) or published
     if (ageMs(namesFd_.get(), name) < graceMs) continue;
     if (!dryRun && unlinkat(namesFd_.get(), name.c_str(), 0) != 0) continue;  // left for a later sweep
-    report.metaRemoved++;
   }
 }
 

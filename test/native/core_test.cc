@@ -119,7 +119,7 @@ static void poolNamesAreDistinctAndCollisionsRetry() {
   AllocateResult r = pool->allocate(req);
   CHECK(r.id == std::string(32, 'b') && r.retries == 1);
   CHECK(exists(d + "/pool/vm-" + taken));  // never adopted
-  pool->dispose(r.name, r.leaseFd);
+  pool->dispose(r.name, r.leaseFd, -1);
   CHECK(!exists(d + "/pool/" + r.name));
   std::vector<std::string> all(kMaxNameTries, taken);
   setTestIds(all);
@@ -545,35 +545,41 @@ static void sweepPassesOnAHandBuiltPool() {
   req.prefix = "vm";
   req.info = {};
   AllocateResult live = pool->allocate(req);  // its lease held: never reclaimed
-  std::string orphan = "vm-" + std::string(32, 'a'), ghost = "vm-" + std::string(32, 'c');
-  CHECK(mkdir((root + "/" + orphan).c_str(), 0700) == 0);            // published, no lease
-  CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);                // not a workspace name: not the pool's
-  CHECK(mkdir((root + "/.vmspace/trash/gone").c_str(), 0700) == 0);  // trash, no lock
-  CHECK(mkdir((root + "/.vmspace/staging/vm-" + std::string(32, 'b')).c_str(), 0700) == 0);  // a dead build
-  writeFile(root + "/.vmspace/meta/" + ghost + ".json", "{}");      // metadata without a workspace
-  writeFile(root + "/.vmspace/meta/README", "");                    // neither metadata nor a temp of it
+  AllocateResult dead = pool->allocate(req);  // its owner gone: reclaimed
+  close(dead.leaseFd);
+  std::string foreign = "vm-" + std::string(32, 'a'), build = "vm-" + std::string(32, 'b'),
+              ghost = "vm-" + std::string(32, 'c');
+  CHECK(mkdir((root + "/" + foreign).c_str(), 0700) == 0);  // named like a workspace, no lease file: not ours
+  CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);       // not a workspace name: not the pool's
+  // A dead build: its lease file (free) and its staging entry.
+  UniqueFd leases(open((root + "/.vmspace/leases/b").c_str(), O_RDONLY | O_DIRECTORY));
+  close(makeLeaseFile(leases.get(), build, "", -1));
+  CHECK(mkdir((root + "/.vmspace/staging/s3/" + build).c_str(), 0700) == 0);
+  UniqueFd leasesC(open((root + "/.vmspace/leases/c").c_str(), O_RDONLY | O_DIRECTORY));
+  close(makeLeaseFile(leasesC.get(), ghost, "", -1));                // a lease file without a workspace
   writeFile(root + "/.vmspace/.noreplace-probe-0123456789ab", "");  // a probe whose opener died
-  // A dry run reports and removes nothing (the probe pass does not run dry).
+  // A dry run reports and removes nothing (the leftover pass does not run dry).
   SweepReport dry = pool->sweep(true, 0);
   std::set<std::string> dryFrom;
   for (auto& e : dry.reclaimed) dryFrom.insert(std::string(e.from) + ":" + e.name);
-  CHECK(dryFrom == (std::set<std::string>{"published:" + orphan, "trash:gone", "staging:vm-" + std::string(32, 'b')}));
-  CHECK(dry.failed.empty() && dry.live == 1 && dry.metaRemoved == 1);
-  CHECK(exists(root + "/" + orphan) && exists(root + "/.vmspace/trash/gone") &&
-        exists(root + "/.vmspace/.noreplace-probe-0123456789ab"));
+  CHECK(dryFrom == (std::set<std::string>{"published:" + dead.name, "staging:" + build}));
+  CHECK(dry.failed.empty() && dry.live == 1 && dry.leasesRemoved == 1);
+  CHECK(dry.foreign == std::vector<std::string>{root + "/" + foreign});
+  CHECK(exists(root + "/" + dead.name) && exists(root + "/.vmspace/.noreplace-probe-0123456789ab"));
   SweepReport r = pool->sweep(false, 0);
   std::set<std::string> from;
   for (auto& e : r.reclaimed) from.insert(std::string(e.from) + ":" + e.name);
   CHECK(from == dryFrom);
-  CHECK(r.failed.empty() && r.live == 1 && r.metaRemoved == 1);
-  CHECK(namesIn(root) == (std::set<std::string>{".vmspace", live.name, "notes"}));
-  CHECK(namesIn(root + "/.vmspace/trash").empty() && namesIn(root + "/.vmspace/staging").empty());
-  CHECK(namesIn(root + "/.vmspace/meta") == (std::set<std::string>{"README", live.name + ".json"}));
+  CHECK(r.failed.empty() && r.live == 1 && r.leasesRemoved == 1 && r.foreign.size() == 1);
+  CHECK(namesIn(root) == (std::set<std::string>{".vmspace", live.name, foreign, "notes"}));
+  CHECK(namesIn(root + "/.vmspace/trash").empty() && namesIn(root + "/.vmspace/staging/s3").empty());
+  CHECK(namesIn(root + "/.vmspace/leases/b").count(build) == 0 && namesIn(root + "/.vmspace/leases/c").empty());
   CHECK(!exists(root + "/.vmspace/.noreplace-probe-0123456789ab"));
   // Nothing left to do: a second sweep reclaims nothing.
   SweepReport again = pool->sweep(false, 0);
-  CHECK(again.reclaimed.empty() && again.failed.empty() && again.live == 1 && again.metaRemoved == 0);
-  pool->dispose(live.name, live.leaseFd);
+  CHECK(again.reclaimed.empty() && again.failed.empty() && again.live == 1 && again.leasesRemoved == 0);
+  pool->dispose(live.name, live.leaseFd, -1);
+  CHECK(namesIn(root) == (std::set<std::string>{".vmspace", foreign, "notes"}));
   pool->close();
   removeTreeNoFollow(d);
 }

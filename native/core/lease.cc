@@ -1,0 +1,152 @@
+#include "lease.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+
+#include "io.h"
+#include "names.h"
+
+namespace vmspace {
+
+namespace {
+
+constexpr size_t kMaxRecordBytes = 16 << 20;
+
+// The xattr refused by the file system, not failing: none at all (ENOTSUP), or not this big (E2BIG, ENOSPC,
+// ERANGE: ext4 keeps a file's xattrs in one block). The record then goes to the file's contents.
+bool xattrRefused(int err) { return err == ENOTSUP || err == E2BIG || err == ENOSPC || err == ERANGE; }
+
+}  // namespace
+
+// AT_EMPTY_PATH where the caller may (CAP_DAC_READ_SEARCH, else ENOENT), else through /proc/self/fd (linkat(2)).
+int linkLeaseFile(int fd, int dirFd, const std::string& name) {
+  if (linkat(fd, "", dirFd, name.c_str(), AT_EMPTY_PATH) == 0) return 0;
+  if (errno != ENOENT) return errno;
+  char proc[40];
+  (void)snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+  return linkat(AT_FDCWD, proc, dirFd, name.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0 : errno;
+}
+
+std::string leaseShardOf(const std::string& name) {
+  // The id is the last kIdHexChars characters of the name; its first digit spreads names over the shards.
+  return std::string(1, name.size() >= kIdHexChars ? name[name.size() - kIdHexChars] : '0');
+}
+
+int holdLease(int fd, LeaseByte byte) {
+  struct flock fl = {};
+  fl.l_type = F_RDLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = static_cast<off_t>(byte);
+  fl.l_len = 1;
+  return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : errno;
+}
+
+int leaseHeldByOther(int fd) {
+  // A write lock over the whole file conflicts with any lock another description (or a process's POSIX lock)
+  // holds on any byte of it, and with none of this description's own.
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = 0;
+  fl.l_len = 0;
+  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -errno;
+  return fl.l_type == F_UNLCK ? 0 : 1;
+}
+
+int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid) {
+  const bool root = geteuid() == 0;
+  // Root's lease files belong to kLeaseUid and have no write bit; another user's keep the owner's write bit,
+  // which the record's xattr needs (setxattr(2) checks write permission), and a holder of that same uid could
+  // chmod the file anyway.
+  const mode_t mode = root ? (gid >= 0 ? 0440 : 0400) : (gid >= 0 ? 0640 : 0600);
+  // Unnamed until it is locked and carries its record: a sweep never sees it free, a listing never without its
+  // record. Where the file system has no O_TMPFILE, a hidden temp name that the sweep removes once free.
+  std::string tmp;
+  UniqueFd fd(openat(dirFd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+  if (!fd) {
+    if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) return -1;
+    tmp = ".tmp-" + randomHex(8) + "-" + name;
+    fd.reset(openat(dirFd, tmp.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600));
+    if (!fd) return -1;
+  }
+  int err = holdLease(fd.get(), LeaseByte::Owner);
+  // EINVAL: kLeaseUid is not mapped in this user namespace; the file then stays root's.
+  if (err == 0 && root && fchown(fd.get(), kLeaseUid, static_cast<gid_t>(-1)) != 0 && errno != EINVAL) err = errno;
+  if (err == 0 && fchmod(fd.get(), mode) != 0) err = errno;  // exact, whatever the umask
+  if (err == 0 && !record.empty()) err = writeRecord(fd.get(), record);
+  if (err == 0) {
+    if (tmp.empty())
+      err = linkLeaseFile(fd.get(), dirFd, name);
+    else if (renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0)
+      err = errno;
+  }
+  if (err != 0) {
+    if (!tmp.empty()) unlinkat(dirFd, tmp.c_str(), 0);
+    errno = err;
+    return -1;
+  }
+  return fd.release();
+}
+
+int openLeaseFile(int dirFd, const std::string& name) {
+  return openat(dirFd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+}
+
+int writeRecord(int fd, const std::string& record) {
+  if (fsetxattr(fd, kRecordXattr, record.data(), record.size(), 0) == 0) return 0;
+  if (!xattrRefused(errno)) return errno;
+  if (ftruncate(fd, 0) != 0) return errno;
+  if (int err = pwriteAll(fd, record.data(), record.size(), 0)) return err;
+  // A record that fit before must not shadow this one.
+  if (fremovexattr(fd, kRecordXattr) != 0 && errno != ENODATA && errno != ENOTSUP) return errno;
+  return 0;
+}
+
+int readRecord(int fd, std::string* out) {
+  out->resize(512);
+  for (;;) {
+    ssize_t n = fgetxattr(fd, kRecordXattr, out->data(), out->size());
+    if (n >= 0) {
+      out->resize(static_cast<size_t>(n));
+      return 0;
+    }
+    if (errno == ENODATA || errno == ENOTSUP) break;
+    if (errno != ERANGE) return errno;
+    // Bigger than the buffer: ask its size (it may change again before the next read: then loop).
+    ssize_t need = fgetxattr(fd, kRecordXattr, nullptr, 0);
+    if (need < 0) return errno;
+    out->resize(static_cast<size_t>(need) + 1);
+  }
+  // No xattr: the record is the file's contents (written there where the xattr was refused), or there is none.
+  out->clear();
+  char buf[4096];
+  for (off_t off = 0;;) {
+    ssize_t n = pread(fd, buf, sizeof buf, off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) break;
+    if (out->size() + static_cast<size_t>(n) > kMaxRecordBytes) return EFBIG;
+    out->append(buf, static_cast<size_t>(n));
+    off += n;
+  }
+  return out->empty() ? ENODATA : 0;
+}
+
+bool takeFreeLease(int fd) {
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) return false;
+  int held = leaseHeldByOther(fd);
+  if (held == 0) return true;
+  flock(fd, LOCK_UN);
+  errno = held > 0 ? EWOULDBLOCK : -held;
+  return false;
+}
+
+}  // namespace vmspace
