@@ -18,13 +18,13 @@ import {
   freshDir,
   killOnFinish,
   loopChild,
-  metaPath,
+  leasePath,
   openFdTargets,
   orphan,
   poolState,
   randomId,
   runCommand,
-  tryFlockPath,
+  tryLease,
   workspaceChild,
 } from './helpers.js'
 import { flocksOn } from './lock-helpers.js'
@@ -72,11 +72,11 @@ describe('a lease handed to a child process', () => {
     expect(await sidecar.exited).toEqual({ code: 0, signal: null })
 
     // The sidecar is gone; the VM process holds the lease as its fd 3.
-    expect(openFdTargets(handed.pid).get(3)).toBe(handed.path)
-    expect(tryFlockPath(handed.path)).toBe(99)
+    expect(openFdTargets(handed.pid).get(3)).toBe(leasePath(pool.root, handed.name))
+    expect(tryLease(pool.root, handed.name)).toBe(99)
     for (const options of [{}, { graceMs: 0 }]) {
       const report = await pool.sweep(options)
-      expect(report).toEqual({ reclaimed: [], live: 1, failed: [], metadataRemoved: 0 })
+      expect(report).toEqual({ reclaimed: [], live: 1, failed: [], leasesRemoved: 0, foreign: [] })
     }
     expect(await pool.list()).toEqual([
       expect.objectContaining({ id: handed.id, name: handed.name, live: true, pid: sidecar.pid, meta: { parent: sidecar.pid } }),
@@ -86,7 +86,7 @@ describe('a lease handed to a child process', () => {
 
     // The VM process exits by itself: the last holder of the lease is gone.
     await endReader(fifo)
-    await eventually(() => tryFlockPath(handed.path) === 0)
+    await eventually(() => tryLease(pool.root, handed.name) === 0)
     expect(await pool.list()).toEqual([expect.objectContaining({ id: handed.id, live: false })])
     const report = await pool.sweep()
     expect(report.failed).toEqual([])
@@ -107,14 +107,14 @@ describe('a lease handed to a child process', () => {
     await ws.release()
     expect(ws.status).toBe('released')
     // This process no longer has the lease open; the child does.
-    expect(openFdTargets(process.pid).get(ws.leaseFd)).not.toBe(ws.path)
-    expect(openFdTargets(child.pid!).get(3)).toBe(ws.path)
+    expect([...openFdTargets(process.pid).values()]).not.toContain(leasePath(pool.root, ws.name))
+    expect(openFdTargets(child.pid!).get(3)).toBe(leasePath(pool.root, ws.name))
     expect((await errorOf(ws.dispose())).code).toBe('ERR_DISPOSED')
     expect((await errorOf(ws.clone(fifo, 'x'))).code).toBe('ERR_DISPOSED')
     expect((await errorOf(ws.release())).code).toBe('ERR_DISPOSED')
 
     const report = await pool.sweep({ graceMs: 0 })
-    expect(report).toEqual({ reclaimed: [], live: 1, failed: [], metadataRemoved: 0 })
+    expect(report).toEqual({ reclaimed: [], live: 1, failed: [], leasesRemoved: 0, foreign: [] })
     expect(await pool.list()).toEqual([expect.objectContaining({ id: ws.id, live: true, meta: { vm: 'in-process' } })])
     expect(fs.readFileSync(path.join(ws.path, 'own.txt'), 'utf8')).toBe('mine')
 
@@ -129,7 +129,7 @@ describe('a lease handed to a child process', () => {
   test('release() without a handoff frees the lease at once: the workspace is an orphan that sweep reclaims', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const ws = await orphan(pool)
-    expect(tryFlockPath(ws.path)).toBe(0)
+    expect(tryLease(pool.root, ws.name)).toBe(0)
     expect(await pool.list()).toEqual([expect.objectContaining({ id: ws.id, live: false })])
     const report = await pool.sweep()
     expect(report.reclaimed.map((e) => e.id)).toEqual([ws.id])
@@ -168,13 +168,13 @@ describe('adopt', () => {
       expect(answers[w]).toMatchObject({ id: o.id, path: o.path, meta: o.meta })
       expect(answers[1 - w]).toMatchObject({ event: 'error', code: 'ERR_LEASE_HELD' })
       expect(fs.readFileSync(path.join(o.path, 'own.txt'), 'utf8')).toBe(o.content)
-      expect(tryFlockPath(o.path)).toBe(99)
+      expect(tryLease(pool.root, `vm-${o.id}`)).toBe(99)
       expect((await pool.list()).find((e) => e.id === o.id)).toMatchObject({ live: true })
 
       adopters[w].send('dispose')
       expect(await adopters[w].expect('disposed')).toMatchObject({ status: 'disposed' })
       expect(fs.existsSync(o.path)).toBe(false)
-      expect(fs.existsSync(metaPath(pool.root, `vm-${o.id}`))).toBe(false)
+      expect(fs.existsSync(leasePath(pool.root, `vm-${o.id}`))).toBe(false)
     }
     expect(poolState(pool.root)).toEqual(emptyPoolState)
     console.log(`adopt race: ${orphans.length} orphans, won ${wins[0]} / ${wins[1]} by the two processes`)
@@ -205,7 +205,7 @@ describe('adopt', () => {
       const err = await errorOf(pool.adopt(id))
       expect(err).toMatchObject({ code: 'ERR_LEASE_HELD', path: path.join(pool.root, `vm-${id}`) })
     }
-    // A second pool object in this process is refused too (flock: two opens exclude each other).
+    // A second pool object in this process is refused too (the lease is held by another open file description).
     const again = await openPool(pool.root)
     expect((await errorOf(again.adopt(mine.id))).code).toBe('ERR_LEASE_HELD')
 
@@ -227,17 +227,17 @@ describe('adopt', () => {
     expect(ws).toMatchObject({ id: theirs.id, name: theirs.name, path: theirs.path, status: 'ready' })
     expect(ws.info).toMatchObject({ id: theirs.id, live: true, meta: { owner: owner.pid }, pid: owner.pid })
     expect(fs.readFileSync(path.join(ws.path, 'own.txt'), 'utf8')).toBe(theirs.content)
-    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(ws.path)
-    expect(tryFlockPath(ws.path)).toBe(99)
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name))
+    expect(tryLease(pool.root, ws.name)).toBe(99)
     expect((await pool.sweep({ graceMs: 0 })).live).toBe(1)
 
     await ws.dispose()
     expect(ws.status).toBe('disposed')
-    expect(fs.existsSync(metaPath(pool.root, ws.name))).toBe(false)
+    expect(fs.existsSync(leasePath(pool.root, ws.name))).toBe(false)
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
-  test('a shared lock held on an orphan for a while (a lister preempted mid-probe) delays adopt and sweep; neither refuses it', async () => {
+  test('a flock put on a workspace directory by someone else changes nothing: adopt and sweep judge the lease file alone', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     for (const op of ['adopt', 'sweep'] as const) {
       const ws = await orphan(pool)
@@ -266,8 +266,7 @@ describe('adopt', () => {
     }
   })
 
-  // Found by this suite: list() probes liveness with flock(LOCK_SH|LOCK_NB) on the workspace directory; an adopt
-  // whose LOCK_EX|LOCK_NB meets that probe answers ERR_LEASE_HELD although no owner holds the lease.
+  // list() probes a lease without taking any lock (F_OFD_GETLK): an adopt never meets it.
   test('an orphan is never refused with ERR_LEASE_HELD because another process lists the pool', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const ws = await orphan(pool)

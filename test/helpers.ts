@@ -191,9 +191,11 @@ export function tempLeftovers(dir: string): string[] {
 export interface PoolState {
   /** Entries of the root other than `.vmspace`. */
   visible: string[]
+  /** Builds, as "s<i>/<name>". */
   staging: string[]
   trash: string[]
-  meta: string[]
+  /** Lease files, as "<shard>/<name>". */
+  leases: string[]
 }
 
 export function poolState(root: string): PoolState {
@@ -201,23 +203,31 @@ export function poolState(root: string): PoolState {
     visible: ls(root).filter((n) => n !== '.vmspace'),
     staging: stagingEntries(root),
     trash: ls(path.join(root, '.vmspace', 'trash')),
-    meta: ls(path.join(root, '.vmspace', 'meta')),
+    leases: shardEntries(path.join(root, '.vmspace', 'leases')),
   }
 }
 
-/** Builds in .vmspace/staging/: its entries, and a format-3 pool's shards' entries as "s<i>/<name>" (not the shards). */
-export function stagingEntries(root: string): string[] {
-  const staging = path.join(root, '.vmspace', 'staging')
-  const shards = fs.existsSync(path.join(root, '.vmspace', 'version')) && fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8') === '3\n'
-  return ls(staging).flatMap((n) =>
-    shards && /^s[0-7]$/.test(n) && fs.lstatSync(path.join(staging, n)).isDirectory() ? ls(path.join(staging, n)).map((e) => `${n}/${e}`) : [n],
-  )
+/** Entries of the shards of `dir` (staging/s0..s7, leases/0..f) as "<shard>/<name>" (not the shards). */
+function shardEntries(dir: string): string[] {
+  return ls(dir).flatMap((n) => (fs.lstatSync(path.join(dir, n)).isDirectory() ? ls(path.join(dir, n)).map((e) => `${n}/${e}`) : [n]))
 }
 
-export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], meta: [] }
+/** Builds in .vmspace/staging/: the shards' entries as "s<i>/<name>" (not the shards). */
+export function stagingEntries(root: string): string[] {
+  return shardEntries(path.join(root, '.vmspace', 'staging'))
+}
 
-export function metaPath(root: string, name: string): string {
-  return path.join(root, '.vmspace', 'meta', `${name}.json`)
+export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], leases: [] }
+
+/** The lease file of workspace `name`, which holds its record (xattr user.vmspace.record). */
+export function leasePath(root: string, name: string): string {
+  return path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
+}
+
+/** Replaces the record of workspace `name` (as root: its lease file has no write bit), e.g. with text that does not parse. */
+export function setRecord(root: string, name: string, text: string): void {
+  const r = spawnSync('setfattr', ['-n', 'user.vmspace.record', '-v', text, leasePath(root, name)], { encoding: 'utf8' })
+  if (r.status !== 0) throw new Error(`setfattr: ${r.stderr}`)
 }
 
 /** A workspace whose lease is free: allocated here with `meta`, own.txt written (its id), then released without a handoff. */
@@ -300,6 +310,23 @@ export function runCommand(cmd: string, args: string[], options: SpawnOptions = 
 /** `flock -n -E 99 <target> true` in another process: 99 when the lock is held elsewhere, 0 when it was free. */
 export function tryFlockPath(target: string): number | null {
   return runCommand('flock', ['-n', '-E', '99', target, 'true']).status
+}
+
+// F_OFD_GETLK of a write lock over the whole file: any lock another description holds on it (python3's fcntl, which
+// knows the OFD commands; Node has no fcntl).
+const LEASE_PROBE = `
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NOFOLLOW)
+lk = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 0, 0))
+sys.exit(0 if struct.unpack('hhqqi', lk)[0] == fcntl.F_UNLCK else 99)
+`
+
+/**
+ * Probes the lease of workspace `name` of the pool at `root` from another process: 99 when a process holds it, 0 when
+ * it is free, another status when the lease file cannot be opened (2: gone).
+ */
+export function tryLease(root: string, name: string): number | null {
+  return runCommand('python3', ['-c', LEASE_PROBE, leasePath(root, name)]).status
 }
 
 /** `flock -n -E 99 3` on an fd this process has open, given to the child as its fd 3. */

@@ -1,14 +1,15 @@
 /**
- * Leases (DESIGN.md, "lease handoff"): a workspace's directory fd holds flock(LOCK_EX) for as long as its owner
- * lives. Another process cannot take it; dispose releases it; the fd is O_CLOEXEC, so a plain child does not
- * inherit it, while a child given `leaseFd` in its stdio holds it, even after the owner is gone.
+ * Leases (DESIGN.md, "Leases"): a workspace's lease file in .vmspace/leases/ holds an OFD lock for as long as its
+ * owner lives. The fd handed over (`leaseFd`) is a read-only regular file, never the workspace directory; it is
+ * O_CLOEXEC, so a plain child does not inherit it, while a child given `leaseFd` in its stdio holds the lease, even
+ * after the owner is gone.
  */
 import { spawn, type ChildProcess } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { allocateIn, eventually, freshDir, killOnFinish, openFdTargets, tryFlockFd, tryFlockPath, workspaceChild } from './helpers.js'
+import { allocateIn, eventually, freshDir, killOnFinish, leasePath, openFdTargets, tryLease, workspaceChild } from './helpers.js'
 
 async function setup() {
   const pool = await openPool(path.join(freshDir(), 'pool'))
@@ -28,31 +29,32 @@ function sleeper(stdio: (number | 'ignore')[]): ChildProcess {
   return child
 }
 
-function holds(pid: number, dir: string): boolean {
-  return [...openFdTargets(pid).values()].includes(dir)
+function holds(pid: number, file: string): boolean {
+  return [...openFdTargets(pid).values()].includes(file)
 }
 
 describe('the lease', () => {
-  test('another process cannot take a live workspace’s lease (flock -n fails)', async () => {
-    const { ws } = await setup()
-    expect(tryFlockPath(ws.path)).toBe(99)
+  test('another process sees a live workspace’s lease held', async () => {
+    const { pool, ws } = await setup()
+    expect(tryLease(pool.root, ws.name)).toBe(99)
   })
 
-  test('dispose releases it: flock on the (removed) directory succeeds from another process afterwards', async () => {
-    const { ws } = await setup()
-    const fd = fs.openSync(ws.path, 'r')
-    try {
-      expect(tryFlockFd(fd)).toBe(99)
-      await ws.dispose()
-      expect(tryFlockFd(fd)).toBe(0)
-    } finally {
-      fs.closeSync(fd)
-    }
+  test('dispose releases it and removes the lease file after the workspace', async () => {
+    const { pool, ws } = await setup()
+    const file = leasePath(pool.root, ws.name)
+    expect(fs.statSync(file).isFile()).toBe(true)
+    await ws.dispose()
+    expect(fs.existsSync(ws.path)).toBe(false)
+    expect(fs.existsSync(file)).toBe(false)
   })
 
-  test('the lease fd is open on the workspace directory in this process', async () => {
-    const { ws } = await setup()
-    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(ws.path)
+  test('leaseFd is a read-only fd of the lease file, not of the workspace directory', async () => {
+    const { pool, ws } = await setup()
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name))
+    expect(fs.fstatSync(ws.leaseFd).isFile()).toBe(true)
+    const flags = parseInt(/^flags:\s+([0-7]+)$/m.exec(fs.readFileSync(`/proc/self/fdinfo/${ws.leaseFd}`, 'utf8'))![1], 8)
+    expect(flags & 3).toBe(0) // O_RDONLY
+    expect(() => fs.opendirSync(`/proc/self/fd/${ws.leaseFd}/..`)).toThrow(expect.objectContaining({ code: 'ENOTDIR' }))
   })
 
   test('leaseFd is -1 after dispose() and after release() (its number may be reused by the next fd opened)', async () => {
@@ -70,36 +72,37 @@ describe('the lease', () => {
 })
 
 describe('children', () => {
-  test('a child spawned without handoff does not inherit the lease fd (O_CLOEXEC)', async () => {
-    const { ws } = await setup()
+  test('a child spawned without handoff does not inherit the lease (O_CLOEXEC)', async () => {
+    const { pool, ws } = await setup()
+    expect(ws.leaseFd).toBeGreaterThanOrEqual(0)
     const child = sleeper(['ignore', 'ignore', 'ignore'])
     await new Promise((r) => child.once('spawn', r))
-    expect(holds(child.pid!, ws.path)).toBe(false)
+    expect(holds(child.pid!, leasePath(pool.root, ws.name))).toBe(false)
   })
 
-  test('a child spawned with leaseFd in its stdio holds the workspace directory open', async () => {
-    const { ws } = await setup()
+  test('a child spawned with leaseFd in its stdio holds the lease file open', async () => {
+    const { pool, ws } = await setup()
     const child = sleeper(['ignore', 'ignore', 'ignore', ws.leaseFd])
     await new Promise((r) => child.once('spawn', r))
-    expect(openFdTargets(child.pid!).get(3)).toBe(ws.path)
+    expect(openFdTargets(child.pid!).get(3)).toBe(leasePath(pool.root, ws.name))
   })
 
   test('a handed-off child keeps the workspace live after its owner exits without dispose; its death frees it', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const owner = workspaceChild(pool.root)
-    const [{ id, path: wsPath }] = await allocateIn([owner])
+    const [{ id, name }] = await allocateIn([owner])
     owner.send('handoff')
     const { pid } = (await owner.expect('handed')) as unknown as { pid: number }
     killOnFinish(pid)
     owner.send('exit')
     expect((await owner.exited).code).toBe(0)
 
-    expect(openFdTargets(pid).get(3)).toBe(wsPath)
+    expect(openFdTargets(pid).get(3)).toBe(leasePath(pool.root, name))
     expect(await pool.list()).toEqual([expect.objectContaining({ id, live: true })])
-    expect(tryFlockPath(wsPath)).toBe(99)
+    expect(tryLease(pool.root, name)).toBe(99)
 
     process.kill(pid, 'SIGKILL')
     await eventually(async () => !(await pool.list())[0].live)
-    expect(tryFlockPath(wsPath)).toBe(0)
+    expect(tryLease(pool.root, name)).toBe(0)
   })
 })

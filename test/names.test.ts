@@ -1,5 +1,5 @@
 /**
- * Workspace names (DESIGN.md, first rule): a drawn name that exists anywhere — the root, staging, or metadata — is
+ * Workspace names (DESIGN.md, first rule): a drawn name that exists anywhere — the root, staging, or a lease file — is
  * never adopted; a fresh name is drawn instead, at most 16 tries, then ERR_NAME_EXHAUSTED.
  * Collisions are forced with the native test seam setTestIds (the next ids randomId() returns, process-wide).
  */
@@ -9,7 +9,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
 import { openPool, VmspaceError } from '../lib/index.js'
-import { freshDir, metaPath, poolState, randomId, snapshotTree } from './helpers.js'
+import { freshDir, leasePath, poolState, randomId, snapshotTree } from './helpers.js'
 
 afterEach(() => native.setTestIds([]))
 
@@ -44,51 +44,59 @@ describe('a drawn name that exists is never adopted', () => {
 
   test('an existing <root>/vm-<id> is skipped: the next id is used, the existing entry and its file are untouched', async () => {
     const { pool, taken, planted, before, ws } = await allocatePastPlanted((root, id) => path.join(root, `vm-${id}`))
-    expect(poolState(pool.root)).toEqual({ visible: [`vm-${taken}`, ws.name].sort(), staging: [], trash: [], meta: [`${ws.name}.json`] })
+    expect(poolState(pool.root)).toEqual({ visible: [`vm-${taken}`, ws.name].sort(), staging: [], trash: [], leases: [`${ws.id[0]}/${ws.name}`] })
     await ws.dispose()
     expect(snapshotTree(planted)).toEqual(before)
   })
 
-  test('an existing .vmspace/staging/vm-<id> is skipped and left untouched', async () => {
-    const { pool, taken, ws } = await allocatePastPlanted((root, id) => path.join(root, '.vmspace', 'staging', `vm-${id}`))
-    expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [`vm-${taken}`], trash: [], meta: [`${ws.name}.json`] })
+  test('an existing .vmspace/staging/s<i>/vm-<id> is skipped and left untouched (a build from a template)', async () => {
+    const pool = await freshPool()
+    const [taken, next] = [randomId(), randomId()]
+    const template = freshDir()
+    fs.writeFileSync(path.join(template, 'a.txt'), 'a')
+    // In every shard: a build uses the shard of its thread.
+    for (let i = 0; i < 8; i++) plantDir(path.join(pool.root, '.vmspace', 'staging', `s${i}`, `vm-${taken}`))
+    const before = snapshotTree(path.join(pool.root, '.vmspace', 'staging'))
+    native.setTestIds([taken, next])
+    const ws = await pool.allocate({ template })
+    expect(ws.id).toBe(next)
+    expect(pool.stats().nameRetries).toBe(1)
+    expect(snapshotTree(path.join(pool.root, '.vmspace', 'staging'))).toEqual(before)
+    expect(poolState(pool.root).leases).toEqual([`${ws.id[0]}/${ws.name}`])
     await ws.dispose()
   })
 
-  test('an existing .vmspace/meta/vm-<id>.json is skipped and left byte-identical', async () => {
+  test('an existing lease file .vmspace/leases/<x>/vm-<id> is skipped and left byte-identical', async () => {
     const pool = await freshPool()
     const [taken, next] = [randomId(), randomId()]
-    const planted = metaPath(pool.root, `vm-${taken}`)
+    const planted = leasePath(pool.root, `vm-${taken}`)
     fs.writeFileSync(planted, '{"someone":"else"}\n')
     const before = snapshotTree(path.dirname(planted))
     native.setTestIds([taken, next])
     const ws = await pool.allocate()
     expect(ws.id).toBe(next)
     expect(pool.stats().nameRetries).toBe(1)
-    expect(poolState(pool.root)).toEqual({
-      visible: [ws.name],
-      staging: [],
-      trash: [],
-      meta: [`vm-${taken}.json`, `${ws.name}.json`].sort(),
-    })
+    expect(poolState(pool.root)).toMatchObject({ visible: [ws.name], staging: [], trash: [] })
     await ws.dispose()
     expect(snapshotTree(path.dirname(planted))).toEqual(before)
   })
 
-  test('a name drawn again after a collision at publish is skipped when it exists in staging', async () => {
-    // The first name collides in the root only when publishing; the name drawn next exists in staging (another
-    // allocate is building it). Claiming it there would make two entries of one name.
+  test('a name drawn again after a collision at publish is skipped when its lease file exists', async () => {
+    // The first name collides in the root only when publishing (a build from a template); the name drawn next has a
+    // lease file (another allocate is building it). Claiming it would make two workspaces of one name.
     const pool = await freshPool()
-    const [inRoot, inStaging, next] = [randomId(), randomId(), randomId()]
+    const template = freshDir()
+    fs.writeFileSync(path.join(template, 'a.txt'), 'a')
+    const [inRoot, leased, next] = [randomId(), randomId(), randomId()]
     plantDir(path.join(pool.root, `vm-${inRoot}`))
-    const planted = path.join(pool.root, '.vmspace', 'staging', `vm-${inStaging}`)
-    plantDir(planted)
-    const before = snapshotTree(planted)
-    native.setTestIds([inRoot, inStaging, next])
-    const ws = await pool.allocate()
+    const planted = leasePath(pool.root, `vm-${leased}`)
+    fs.writeFileSync(planted, 'another build')
+    const before = snapshotTree(path.dirname(planted))
+    native.setTestIds([inRoot, leased, next])
+    const ws = await pool.allocate({ template })
     expect(ws.id).toBe(next)
     expect(pool.stats().nameRetries).toBe(2)
-    expect(snapshotTree(planted)).toEqual(before)
+    expect(snapshotTree(path.dirname(planted))).toEqual(before)
     await ws.dispose()
   })
 
@@ -105,12 +113,11 @@ describe('a drawn name that exists is never adopted', () => {
 })
 
 describe('ERR_NAME_EXHAUSTED', () => {
-  test('16 colliding names in a row (staging, root and metadata) reject, leaving nothing new anywhere', async () => {
+  test('16 colliding names in a row (root and lease files) reject, leaving nothing new anywhere', async () => {
     const pool = await freshPool()
     const ids = Array.from({ length: 16 }, randomId)
-    ids.slice(0, 5).forEach((id) => plantDir(path.join(pool.root, '.vmspace', 'staging', `vm-${id}`)))
-    ids.slice(5, 11).forEach((id) => plantDir(path.join(pool.root, `vm-${id}`)))
-    ids.slice(11).forEach((id) => fs.writeFileSync(metaPath(pool.root, `vm-${id}`), `{"id":"${id}"}`))
+    ids.slice(0, 10).forEach((id) => plantDir(path.join(pool.root, `vm-${id}`)))
+    ids.slice(10).forEach((id) => fs.writeFileSync(leasePath(pool.root, `vm-${id}`), `{"id":"${id}"}`))
     const before = snapshotTree(pool.root)
     native.setTestIds(ids)
     const err = await pool.allocate().catch((e: unknown) => e)

@@ -9,7 +9,8 @@ import {
   allocateIn,
   emptyPoolState,
   freshDir,
-  metaPath,
+  leasePath,
+  setRecord,
   MiB,
   mounts,
   needs,
@@ -209,29 +210,29 @@ describe('list', () => {
     expect(list).toEqual([expect.objectContaining({ id, live: false, meta: { owner: child.pid } })])
   })
 
-  test('a corrupt metadata file is reported as ERR_CORRUPT_METADATA on its entry and left byte-identical', async () => {
+  test('a corrupt record is reported as ERR_CORRUPT_METADATA on its entry, naming the lease file, and left as it is', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const ws = await pool.allocate({ meta: { a: 1 } })
-    const file = metaPath(pool.root, ws.name)
-    const garbage = Buffer.from('{"format":1,"createdAt":17\u0000\xff not json')
-    fs.writeFileSync(file, garbage)
+    const file = leasePath(pool.root, ws.name)
+    setRecord(pool.root, ws.name, '{"format":1,"createdAt":17 not json')
     const [info] = await pool.list()
     expect(info).toMatchObject({ id: ws.id, name: ws.name, live: true })
     expect(info.meta).toBeUndefined()
     expect(info.error).toBeInstanceOf(VmspaceError)
     expect(info.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA', path: file })
-    expect(fs.readFileSync(file).equals(garbage)).toBe(true)
     await ws.dispose()
+    expect(fs.existsSync(file)).toBe(false)
   })
 
-  test('a missing metadata file is reported as ENOENT on its entry, never read as empty', async () => {
+  test('a missing record is reported as ENODATA on its entry, never read as empty', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const ws = await pool.allocate({ meta: { a: 1 } })
-    fs.unlinkSync(metaPath(pool.root, ws.name))
+    fs.rmSync(leasePath(pool.root, ws.name))
+    fs.writeFileSync(leasePath(pool.root, ws.name), '')
     const [info] = await pool.list()
-    expect(info).toMatchObject({ id: ws.id, live: true })
+    expect(info).toMatchObject({ id: ws.id })
     expect(info.meta).toBeUndefined()
-    expect(info.error).toMatchObject({ code: 'ENOENT' })
-    await ws.dispose()
+    expect(info.error).toMatchObject({ code: 'ENODATA', syscall: 'fgetxattr', path: leasePath(pool.root, ws.name) })
+    await ws.release()
   })
 })

@@ -12,7 +12,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
 import { openPool, type Pool, type Template, type Workspace } from '../lib/index.js'
 import { pruneCandidates } from '../lib/template.js'
-import { Child, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
+import { Child, emptyPoolState, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
 
 /** Every entry below `dir`: kind, mode, size, content hash or link target (no inode numbers: clones differ). */
 function contentTree(dir: string): Record<string, string> {
@@ -461,7 +461,7 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
       expect(subvolumesBelow(mnt, root)).toEqual([parent.name, ...kids.map((k) => k.name)].sort())
       for (const w of [ws, parent, ...kids]) await w.dispose()
       expect(subvolumesBelow(mnt, root)).toEqual([])
-      expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+      expect(poolState(root)).toEqual(emptyPoolState)
       noLeftovers(root)
     })
   })
@@ -548,7 +548,7 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
     expect(r.stderr).toBe('')
     expect(JSON.parse(r.stdout)).toEqual({ commit: 'reflink', allocate: 'snapshot', commitSnap: 'snapshot', fork: ['snapshot', 'snapshot'], removed: [true, true] })
     expect(subvolumesBelow(mnt, root)).toEqual([])
-    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+    expect(poolState(root)).toEqual(emptyPoolState)
     noLeftovers(root)
   })
 
@@ -703,7 +703,7 @@ describe('the demo with --fork', () => {
     const r = runCommand(process.execPath, [path.join(__dirname, '..', 'dist', 'cli', 'vmspace.js'), 'demo', '--fork', '4', '--root', root, '--base', base])
     expect(r.status, r.stderr).toBe(0)
     expect(r.stdout).toMatch(/^fork: 4 children of one parent in [\d.]+ ms: [\d.]+ ms per child .*; isolation ok$/m)
-    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], meta: [] })
+    expect(poolState(root)).toEqual(emptyPoolState)
     expect(publishedIds(root)).toEqual([])
     const bad = runCommand(process.execPath, [path.join(__dirname, '..', 'dist', 'cli', 'vmspace.js'), 'demo', '--fork', '0'])
     expect(bad.status).toBe(2)

@@ -36,7 +36,7 @@ describe('warm reserve', () => {
     const pool = await openPool(root, { warm: { template: { 'rootfs.img': image }, count: 2 } })
     await ready(pool, 2)
     // Entries wait in staging, leased, and nothing of them is visible.
-    expect(poolState(root)).toMatchObject({ visible: [], meta: [], trash: [] })
+    expect(poolState(root)).toMatchObject({ visible: [], trash: [] })
     expect(poolState(root).staging).toHaveLength(2)
     const staged = new Set(poolState(root).staging)
     const ws = await pool.allocate({ template: { 'rootfs.img': image }, meta: { vm: 1 } })

@@ -893,7 +893,7 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
     throwCode("ERR_LEASE_HELD",
               "another process holds the lease of workspace " + name +
                   " (it was handed over): nothing was removed; it is left to its holder and a sweep once free",
-              EWOULDBLOCK, "fcntl(F_OFD_GETLK)", leasePath(name));
+              EWOULDBLOCK, "fcntl(F_OFD_GETLK)", path(name));
   // From here the owner's lock stays held: no sweep or adopt can take the workspace while it is removed.
   // An empty workspace (the common case) is removed at its name: one rmdir(2) changes one directory, where the
   // move into trash and the rmdir there change two, twice (under many workers these directory locks are the
@@ -901,7 +901,10 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
   // atomically as with the rename. Not for a workspace with a quota of its own: a btrfs subvolume (its own st_dev)
   // or a pool that has project-id claims goes through removeWorkspace, which releases them.
   struct stat st;
-  bool atName = fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+  bool atName = fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+  // Something else at its name (a symlink, a file): not the workspace, never followed or removed. The lease file
+  // stays: the name is still claimed.
+  if (atName && !S_ISDIR(st.st_mode)) throwErrno(ESTALE, "rmdir", path(name));
   bool plain = atName && st.st_dev == rootDev_ && (!hints.claim || claimsIfAny() < 0);
   if (!(plain && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0)) {
     // Anything else (not empty, gone, a mount) takes the general path, which reports it.
@@ -941,7 +944,7 @@ AdoptResult Pool::adopt(const std::string& name) {
   if (!takeFreeLease(fd.get())) {
     if (errno == EWOULDBLOCK)
       throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK,
-                "fcntl(F_OFD_GETLK)", leasePath(name));
+                "fcntl(F_OFD_GETLK)", path(name));
     throwErrno(errno, "fcntl(F_OFD_GETLK)", leasePath(name));
   }
   // A sweep may have removed it between our open and our take: its lease file is then unlinked, and its
