@@ -226,7 +226,9 @@ export function leasePath(root: string, name: string): string {
 
 /** Replaces the record of workspace `name` (as root: its lease file has no write bit), e.g. with text that does not parse. */
 export function setRecord(root: string, name: string, text: string): void {
-  const r = spawnSync('setfattr', ['-n', 'user.vmspace.record', '-v', text, leasePath(root, name)], { encoding: 'utf8' })
+  // Hex: setfattr(1) would read a value in double quotes as a quoted string.
+  const value = text === '' ? '' : '0x' + Buffer.from(text).toString('hex')
+  const r = spawnSync('setfattr', ['-n', 'user.vmspace.record', '-v', value, leasePath(root, name)], { encoding: 'utf8' })
   if (r.status !== 0) throw new Error(`setfattr: ${r.stderr}`)
 }
 
@@ -327,6 +329,33 @@ sys.exit(0 if struct.unpack('hhqqi', lk)[0] == fcntl.F_UNLCK else 99)
  */
 export function tryLease(root: string, name: string): number | null {
   return runCommand('python3', ['-c', LEASE_PROBE, leasePath(root, name)]).status
+}
+
+/** The record of workspace `name` (its lease file's xattr user.vmspace.record) as bytes, or null without one. */
+export function getRecord(root: string, name: string): Buffer | null {
+  const r = spawnSync('getfattr', ['--only-values', '-n', 'user.vmspace.record', leasePath(root, name)])
+  return r.status === 0 ? (r.stdout as Buffer) : null
+}
+
+/**
+ * A process holding the lease of workspace `name` as a build does (an OFD read lock on byte 0 of its lease file,
+ * made here when missing) until its stdin ends; resolves once the lock is held.
+ */
+export async function leaseHolder(root: string, name: string): Promise<ChildProcess> {
+  const script = `
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o400)
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 1, 0))
+print('held', flush=True)
+sys.stdin.read()
+`
+  const child = spawn('python3', ['-c', script, leasePath(root, name)], { stdio: ['pipe', 'pipe', 'inherit'] })
+  onTestFinished(() => void child.kill('SIGKILL'))
+  await new Promise<void>((resolve, reject) => {
+    child.stdout!.once('data', () => resolve())
+    child.once('exit', (code) => reject(new Error(`lease holder exited with ${code}`)))
+  })
+  return child
 }
 
 /** `flock -n -E 99 3` on an fd this process has open, given to the child as its fd 3. */

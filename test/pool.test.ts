@@ -26,7 +26,8 @@ describe('openPool', () => {
     const root = path.join(freshDir(), 'a', 'pool')
     const pool = await openPool(root)
     expect(pool.root).toBe(root)
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['meta', 'staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
+    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('vmspace-pool 1\n')
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
@@ -61,7 +62,7 @@ describe('openPool', () => {
 })
 
 describe('allocate', () => {
-  test('publishes a directory <root>/<prefix>-<32 hex> holding its lease, with its metadata, nothing left in staging', async () => {
+  test('publishes a directory <root>/<prefix>-<32 hex> with its lease file holding its record, nothing left in staging', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'), { prefix: 'sbx' })
     const ws = await pool.allocate()
     expect(ws.id).toMatch(/^[0-9a-f]{32}$/)
@@ -69,9 +70,9 @@ describe('allocate', () => {
     expect(ws.path).toBe(path.join(pool.root, ws.name))
     expect(ws.status).toBe('ready')
     expect(Number.isInteger(ws.leaseFd) && ws.leaseFd > 2).toBe(true)
-    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(ws.path)
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name))
     expect(fs.statSync(ws.path).isDirectory()).toBe(true)
-    expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [], trash: [], meta: [`${ws.name}.json`] })
+    expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [], trash: [], leases: [`${ws.id[0]}/${ws.name}`] })
     await ws.dispose()
   })
 

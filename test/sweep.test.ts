@@ -17,7 +17,9 @@ import {
   eventually,
   freshDir,
   loopChild,
-  metaPath,
+  getRecord,
+  leaseHolder,
+  leasePath,
   mounts,
   mountsBeneath,
   needs,
@@ -25,7 +27,7 @@ import {
   poolState,
   runCommand,
   snapshotTree,
-  tryFlockPath,
+  setRecord,
   workspaceChild,
 } from './helpers.js'
 
@@ -60,7 +62,7 @@ describe('a live owner’s workspace is never swept', () => {
       visible: allocated.map((a) => a.name).sort(),
       staging: [],
       trash: [],
-      meta: allocated.map((a) => `${a.name}.json`).sort(),
+      leases: allocated.map((a) => `${a.id[0]}/${a.name}`).sort(),
     })
     const listed = await pool.list()
     expect(listed.map((e) => [e.id, e.live]).sort()).toEqual(allocated.map((a) => [a.id, true]).sort())
@@ -72,7 +74,7 @@ describe('a live owner’s workspace is never swept', () => {
     expect(report.live).toBe(0)
     expect(report.reclaimed.map((e) => e.id).sort()).toEqual(allocated.map((a) => a.id).sort())
     expect(report.reclaimed.every((e) => e.from === 'published' && e.name === `vm-${e.id}`)).toBe(true)
-    expect(report.metadataRemoved).toBe(0) // each went with its workspace
+    expect(report.leasesRemoved).toBe(0) // each went with its workspace
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
@@ -87,35 +89,37 @@ describe('a live owner’s workspace is never swept', () => {
     await live.dispose()
   })
 
-  // Found by a cold review: a graceMs 0 sweep removed the metadata temp file of a build still in staging, and that
-  // build's allocate failed with ENOENT (renameat2) as it published its metadata.
-  test('graceMs 0 leaves the metadata temp file of a build in progress (leased staging entry); once the build is dead, one sweep reclaims both', async () => {
+  test('graceMs 0 never takes a build in progress (its lease file held, its staging entry made); once the build is dead, one sweep reclaims both', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const name = `vm-${'ab'.repeat(16)}`
-    const staging = path.join(pool.root, '.vmspace', 'staging', name)
-    const temp = path.join(pool.root, '.vmspace', 'meta', `.${name}.json.tmp-0123456789ab`)
+    const builder = await leaseHolder(pool.root, name)
+    const staging = path.join(pool.root, '.vmspace', 'staging', 's2', name)
     fs.mkdirSync(staging)
-    fs.writeFileSync(temp, '{"building":true}')
-    // flock(1) holds the staging entry's lease (as a build does) until its `cat` reads end of input.
-    const builder = spawn('flock', ['-o', staging, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
-    onTestFinished(() => void builder.kill('SIGKILL'))
-    await eventually(() => tryFlockPath(staging) === 99)
+    fs.writeFileSync(path.join(staging, 'half.txt'), 'building')
 
-    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], metadataRemoved: 0 })
-    expect(fs.readFileSync(temp, 'utf8')).toBe('{"building":true}')
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [] })
+    expect(fs.readFileSync(path.join(staging, 'half.txt'), 'utf8')).toBe('building')
 
     builder.stdin!.end()
     await new Promise((r) => builder.once('exit', r))
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.reclaimed).toEqual([expect.objectContaining({ name, from: 'staging' })])
-    expect(report.metadataRemoved).toBe(1)
+    expect(report.leasesRemoved).toBe(0)
     expect(poolState(pool.root)).toEqual(emptyPoolState)
-    expect(fs.readdirSync(path.join(pool.root, '.vmspace', 'meta'))).toEqual([])
   })
 
-  // Found by this suite: sweep probes every free staging entry with flock(LOCK_EX|LOCK_NB) before it looks at its
-  // age; a build between its mkdir and its own flock then gets EWOULDBLOCK and allocate rejects with EAGAIN
-  // (native/core/pool.cc, Pool::allocate, `flock(lease.get(), LOCK_EX | LOCK_NB)`), even with the default grace.
+  test('a lease file whose build died before its directory was made is removed by a sweep, and counted', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const name = `vm-${'cd'.repeat(16)}`
+    const builder = await leaseHolder(pool.root, name)
+    expect((await pool.sweep({ graceMs: 0 })).leasesRemoved).toBe(0)
+    builder.stdin!.end()
+    await new Promise((r) => builder.once('exit', r))
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 1, foreign: [] })
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  // A build's lease is held before its entry exists, and a sweep's take of a free lease never blocks a build.
   test('an allocate racing sweeps of other processes (default grace) never fails', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const sweepers = [loopChild(pool.root, 'sweep'), loopChild(pool.root, 'sweep')]
@@ -143,8 +147,7 @@ describe('a live owner’s workspace is never swept', () => {
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
-  // Found by this suite: list() probes liveness with flock(LOCK_SH|LOCK_NB); while it holds that probe, a sweep's
-  // LOCK_EX|LOCK_NB on an orphan fails with EWOULDBLOCK and the orphan is counted live (and left).
+  // list() probes a lease without taking a lock, so a sweep's take never meets it.
   test('a sweep reclaims every orphan although another process lists the pool meanwhile', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const lister = loopChild(pool.root, 'list')
@@ -164,85 +167,67 @@ describe('a live owner’s workspace is never swept', () => {
   })
 })
 
-describe('corrupt metadata is reported and never rewritten', () => {
+describe('a corrupt record is reported and never rewritten', () => {
   const corrupt: [string, string][] = [
-    ['null', 'null\n'],
-    ['[]', '[]\n'],
+    ['null', 'null'],
+    ['[]', '[]'],
     ['truncated JSON', '{"format":1,"createdAt":1700000000000,"pid":12,"meta":{"a":'],
-    ['a JSON string', '"vm"\n'],
-    ['an empty file', ''],
+    ['a JSON string', '"vm"'],
+    ['an empty value', ''],
   ]
   test.each(corrupt)('%s: list() reports ERR_CORRUPT_METADATA; list, sweep and adopt leave the bytes identical', async (_, text) => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const live = await pool.allocate({ meta: { a: 1 } })
     const dead = await orphan(pool, { orphan: true })
-    for (const ws of [live, dead]) fs.writeFileSync(metaPath(pool.root, ws.name), text)
+    for (const ws of [live, dead]) setRecord(pool.root, ws.name, text)
     const bytes = Buffer.from(text)
 
     const listed = await pool.list()
     expect(listed).toHaveLength(2)
     for (const info of listed) {
       expect(info.error).toBeInstanceOf(VmspaceError)
-      expect(info.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA', path: metaPath(pool.root, info.name) })
+      expect(info.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA', path: leasePath(pool.root, info.name) })
       expect(info.meta).toBeUndefined()
       expect(info.createdAt).toBeUndefined()
     }
     expect(listed.find((i) => i.id === live.id)?.live).toBe(true)
     expect(listed.find((i) => i.id === dead.id)?.live).toBe(false)
-    for (const ws of [live, dead]) expect(fs.readFileSync(metaPath(pool.root, ws.name)).equals(bytes)).toBe(true)
+    for (const ws of [live, dead]) expect(getRecord(pool.root, ws.name)!.equals(bytes)).toBe(true)
 
-    // adopt hands the error over in info and leaves the file as it is.
+    // adopt hands the error over in info and leaves the record as it is.
     const adopted = await pool.adopt(dead.id)
     expect(adopted.info?.error).toMatchObject({ code: 'ERR_CORRUPT_METADATA' })
-    expect(fs.readFileSync(metaPath(pool.root, dead.name)).equals(bytes)).toBe(true)
+    expect(getRecord(pool.root, dead.name)!.equals(bytes)).toBe(true)
 
-    // Both workspaces exist (and are leased): a sweep keeps their metadata, byte for byte.
+    // Both workspaces exist (and are leased): a sweep keeps their records, byte for byte.
     const report = await pool.sweep({ graceMs: 0 })
-    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 2, metadataRemoved: 0 })
-    for (const ws of [live, dead]) expect(fs.readFileSync(metaPath(pool.root, ws.name)).equals(bytes)).toBe(true)
+    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 2, leasesRemoved: 0 })
+    for (const ws of [live, dead]) expect(getRecord(pool.root, ws.name)!.equals(bytes)).toBe(true)
 
     await live.dispose()
     await adopted.dispose()
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
-  test('a directory in place of the metadata file: list() reports EISDIR on the entry; sweep leaves it and the workspace', async () => {
+  test('a directory in place of the lease file: list() reports EISDIR on the entry; sweep leaves both as foreign, adopt is ENOENT', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
-    const ws = await pool.allocate({ meta: { a: 1 } })
-    const file = metaPath(pool.root, ws.name)
+    const ws = await orphan(pool, { a: 1 })
+    const file = leasePath(pool.root, ws.name)
     fs.unlinkSync(file)
     fs.mkdirSync(file)
     fs.writeFileSync(path.join(file, 'inside'), 'x')
-    const before = snapshotTree(file)
+    const before = snapshotTree(path.join(pool.root))
 
     const [info] = await pool.list()
-    expect(info).toMatchObject({ id: ws.id, live: true })
+    expect(info).toMatchObject({ id: ws.id })
     expect(info.error).toBeInstanceOf(VmspaceError)
-    expect(info.error).toMatchObject({ code: 'EISDIR' })
+    expect(info.error).toMatchObject({ code: 'EISDIR', path: file })
     expect(info.meta).toBeUndefined()
-    expect(snapshotTree(file)).toEqual(before)
 
     const report = await pool.sweep({ graceMs: 0 })
-    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 1, metadataRemoved: 0 })
-    expect(snapshotTree(file)).toEqual(before)
-    expect(fs.existsSync(ws.path)).toBe(true)
-    await ws.release()
-  })
-})
-
-describe('unreadable metadata names its file', () => {
-  // Found by this suite: native/binding.cc (List, Adopt) builds the error of an unreadable metadata file from the
-  // errno and syscall only, so `error.path` is missing (DESIGN.md: corrupt input is "an error naming the file").
-  test('list() and adopt() set error.path for a metadata file that cannot be read (a directory in its place)', async () => {
-    const pool = await openPool(path.join(freshDir(), 'pool'))
-    const ws = await orphan(pool, { orphan: true })
-    const file = metaPath(pool.root, ws.name)
-    fs.unlinkSync(file)
-    fs.mkdirSync(file)
-    const [info] = await pool.list()
-    expect(info.error).toMatchObject({ code: 'EISDIR', path: file })
-    const adopted = await pool.adopt(ws.id)
-    expect(adopted.info?.error).toMatchObject({ code: 'EISDIR', path: file })
+    expect(report).toMatchObject({ reclaimed: [], failed: [], live: 0, leasesRemoved: 0, foreign: [ws.path] })
+    expect((await pool.adopt(ws.id).catch((e: unknown) => e)) as VmspaceError).toMatchObject({ code: 'ENOENT' })
+    expect(snapshotTree(pool.root)).toEqual(before)
   })
 })
 
@@ -363,12 +348,12 @@ describe('what a killed openPool leaves', () => {
     fs.writeFileSync(path.join(state, 'unrelated'), 'keep')
     await pool.sweep()  // default grace: an opener may still be probing
     expect(fs.readdirSync(state).sort()).toEqual(
-      ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b', 'meta', 'staging', 'trash', 'unrelated', 'version'].sort(),
+      ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b', 'leases', 'staging', 'trash', 'unrelated', 'version'].sort(),
     )
     await pool.sweep({ dryRun: true, graceMs: 0 })
     expect(fs.readdirSync(state)).toContain('.noreplace-probe-0123456789ab')
     await pool.sweep({ graceMs: 0 })
-    expect(fs.readdirSync(state).sort()).toEqual(['meta', 'staging', 'trash', 'unrelated', 'version'])
+    expect(fs.readdirSync(state).sort()).toEqual(['leases', 'staging', 'trash', 'unrelated', 'version'])
     await pool.close()
   })
 })
