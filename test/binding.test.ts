@@ -14,7 +14,7 @@ describe('native options objects', () => {
   test('a wrong type is a TypeError naming the call and the key', () => {
     const root = path.join(freshDir(), 'pool')
     const call = () =>
-      native.openPool({ root: 7 as unknown as string, create: true, format: 1, projectIdFirst: 0, projectIdLast: 0 })
+      native.openPool({ root: 7 as unknown as string, create: true, nonEmpty: false, projectIdFirst: 0, projectIdLast: 0 })
     expect(call).toThrow(TypeError)
     expect(call).toThrow("vmspace binding: openPool: option 'root' must be a string")
     expect(fs.existsSync(root)).toBe(false)
@@ -43,23 +43,26 @@ describe('native options objects', () => {
 describe('positional native calls', () => {
   test('allocatePlain, dispose and clonePathBeneath refuse a wrong argument with a TypeError; nothing is made', async () => {
     const root = path.join(freshDir(), 'pool')
-    const { handle } = await native.openPool({ root, create: true, format: 3, projectIdFirst: 0, projectIdLast: 0 })
+    const { handle } = await native.openPool({ root, create: true, nonEmpty: false, projectIdFirst: 0, projectIdLast: 0 })
     const any = (f: unknown) => f as (...a: unknown[]) => unknown
     expect(() => any(native.allocatePlain)(handle, 'vm', 0o700, '"format":1', 'yes')).toThrow('vmspace binding: argument 4 must be a boolean')
     for (const mode of [0o17777, -1, NaN, Infinity, 448.5, '448'])
       expect(() => any(native.allocatePlain)(handle, 'vm', mode, '"format":1', false)).toThrow('vmspace binding: allocatePlain: argument 2 must be an integer from 0 to 4095')
     expect(() => any(native.allocatePlain)(handle, 'vm', 0o700, { format: 1 }, false)).toThrow(TypeError)
     for (const fd of [-1, 2 ** 40, NaN, 3.5])
-      expect(() => any(native.dispose)(handle, 'vm-x', fd, true, true)).toThrow('vmspace binding: dispose: argument 2 must be an integer from 0 to 2147483647')
+      expect(() => any(native.dispose)(handle, 'vm-x', fd, -1, true)).toThrow('vmspace binding: dispose: argument 2 must be an integer from 0 to 2147483647')
+    for (const fd of [-2, 2 ** 40, NaN, 3.5])
+      expect(() => any(native.dispose)(handle, 'vm-x', 0, fd, true)).toThrow('vmspace binding: dispose: argument 3 must be an integer from -1 to 2147483647')
     // fd 0 (or any fd that is not a lease of this thread) is never closed by a dispose.
-    expect(() => any(native.dispose)(handle, 'vm-x', 0, true, true)).toThrow('vmspace binding: dispose: not a lease of this thread')
+    expect(() => any(native.dispose)(handle, 'vm-x', 0, -1, true)).toThrow('vmspace binding: dispose: not a lease of this thread')
+    expect(() => any(native.openHandover)(handle, 'vm-x', 0)).toThrow('vmspace binding: openHandover: not a lease of this thread')
     expect(fs.readlinkSync('/proc/self/fd/0')).toBeTruthy()
     const src = path.join(freshDir(), 'src')
     fs.writeFileSync(src, 'x')
-    const clone = (reflink: unknown, writeback: unknown) => () => any(native.clonePathBeneath)(0, root, src, 'f', reflink, false, false, writeback, undefined)
+    const clone = (reflink: unknown, writeback: unknown) => () => any(native.clonePathBeneath)(handle, 'vm-x', root, src, 'f', reflink, false, false, writeback, undefined)
     for (const bad of [3, -1, NaN, -0.5, 1.9, 'auto'])
-      expect(clone(bad, 0)).toThrow('vmspace binding: clonePathBeneath: argument 4 must be an integer from 0 to 2')
-    expect(clone(1, 3)).toThrow('vmspace binding: clonePathBeneath: argument 7 must be an integer from 0 to 2')
+      expect(clone(bad, 0)).toThrow('vmspace binding: clonePathBeneath: argument 5 must be an integer from 0 to 2')
+    expect(clone(1, 3)).toThrow('vmspace binding: clonePathBeneath: argument 8 must be an integer from 0 to 2')
     expect(poolState(root)).toEqual(emptyPoolState)
     expect(fs.existsSync(path.join(root, 'f'))).toBe(false)
     await native.closePool(handle)

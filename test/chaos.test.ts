@@ -21,7 +21,7 @@ import * as path from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
 import { openPool, type SweepReport } from '../lib/index.js'
-import { Child, emptyPoolState, fixtures, freshDir, metaPath, MiB, mounts, needs, poolState, writeRandomFile } from './helpers.js'
+import { Child, emptyPoolState, fixtures, freshDir, leasePath, MiB, mounts, needs, poolState, writeRandomFile } from './helpers.js'
 
 const ROUNDS = Number(process.env.VMSPACE_CHAOS_ROUNDS ?? 500)
 const PARALLEL = Number(process.env.VMSPACE_CHAOS_PARALLEL ?? 4)
@@ -50,10 +50,10 @@ async function readIfThere(file: string): Promise<Buffer | undefined> {
   }
 }
 
-/** A format-2/3 workspace's metadata: the xattr user.vmspace.meta of its directory (getfattr), or undefined. */
-function readXattrIfThere(dir: string): Promise<Buffer | undefined> {
+/** A workspace's record: the xattr user.vmspace.record of its lease file (getfattr), or undefined. */
+function readRecordIfThere(file: string): Promise<Buffer | undefined> {
   return new Promise((resolve) => {
-    execFile('getfattr', ['--only-values', '-n', 'user.vmspace.meta', dir], { encoding: 'buffer' }, (err, out) => resolve(err ? undefined : out))
+    execFile('getfattr', ['--only-values', '-n', 'user.vmspace.record', file], { encoding: 'buffer' }, (err, out) => resolve(err ? undefined : out))
   })
 }
 
@@ -79,7 +79,6 @@ async function observe(
   extra: Buffer,
   obs: Observation,
   known: Map<string, { identity: string; extra: boolean }>,
-  format: 1 | 3,
 ): Promise<Set<string>> {
   obs.scans++
   const seen = new Set<string>()
@@ -96,7 +95,7 @@ async function observe(
       continue
     }
     const done = known.get(name)?.identity === before ? known.get(name)! : undefined
-    const meta = done ? undefined : format === 1 ? await readIfThere(metaPath(root, name)) : await readXattrIfThere(dir)
+    const meta = done ? undefined : await readRecordIfThere(leasePath(root, name))
     const rootfs = done ? undefined : await readIfThere(path.join(dir, 'rootfs.img'))
     const extraImg = done?.extra ? undefined : await readIfThere(path.join(dir, 'extra.img'))
     const stillThere = (await identity(dir)) === before
@@ -134,9 +133,9 @@ async function observe(
 }
 
 /** Runs ROUNDS kill rounds in a fresh pool below `dir` and checks everything after each batch. */
-async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
+async function chaos(dir: string, rounds: number) {
   const root = path.join(dir, 'pool')
-  const pool = await openPool(root, { format })
+  const pool = await openPool(root)
   const basePath = path.join(dir, 'base.img')
   const extraPath = path.join(dir, 'extra.img')
   const base = writeRandomFile(basePath, 3 * MiB + 12345, 0o444)
@@ -144,7 +143,7 @@ async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
   const baseStat = fs.statSync(basePath)
 
   const obs: Observation = { scans: 0, verified: 0, extras: 0, vanished: 0, violations: [] }
-  const totals = { kills: 0, batches: 0, published: 0, staging: 0, trash: 0, metadataRemoved: 0 }
+  const totals = { kills: 0, batches: 0, published: 0, staging: 0, trash: 0, leasesRemoved: 0 }
   const spawnBatch = async (n: number) => {
     // Half start the clock at once (the kill lands in the first allocate), half after 1-4 steps (in later ones).
     const warmUp = () => String(Math.random() < 0.5 ? 0 : 1 + Math.floor(Math.random() * 4))
@@ -172,7 +171,7 @@ async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
     const known = new Map<string, { identity: string; extra: boolean }>()
     const observer = (async () => {
       while (running) {
-        await observe(root, base, extra, obs, known, format)
+        await observe(root, base, extra, obs, known)
         await sleep(1)
       }
     })()
@@ -196,7 +195,7 @@ async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
     totals.batches++
 
     // Every owner is dead: whatever is published now is an orphan, complete all the same.
-    const orphans = await observe(root, base, extra, obs, known, format)
+    const orphans = await observe(root, base, extra, obs, known)
     expect(obs.violations).toEqual([])
     const report: SweepReport = await pool.sweep({ graceMs: 0 })
     expect(report.failed).toEqual([])
@@ -206,20 +205,21 @@ async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
     totals.published += reclaimed('published').length
     totals.staging += reclaimed('staging').length
     totals.trash += reclaimed('trash').length
-    totals.metadataRemoved += report.metadataRemoved
-    // Nothing is left but live ones, and none is live: the root holds only .vmspace, staging/trash/meta are empty
-    // (metadata temp files of killed writes included).
+    totals.leasesRemoved += report.leasesRemoved
+    expect(report.foreign).toEqual([])
+    // Nothing is left but live ones, and none is live: the root holds only .vmspace, staging/trash/leases are empty
+    // (lease files of builds killed before their directory included).
     expect(poolState(root)).toEqual(emptyPoolState)
     expect(fs.readdirSync(root)).toEqual(['.vmspace'])
     // The next batch may be inside openPool right now: its RENAME_NOREPLACE probe file is a live opener's. Those
     // are checked once no process opens the pool any more (below).
     const isProbe = (n: string) => n.startsWith('.noreplace-probe-')
-    expect(fs.readdirSync(path.join(root, '.vmspace')).filter((n) => !isProbe(n)).sort()).toEqual(['meta', 'staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).filter((n) => !isProbe(n)).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
     expect(fs.readFileSync(basePath).equals(base)).toBe(true)
   }
   // No opener is left: one sweep removes the probe files killed openers left, and .vmspace holds only the pool.
   expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
-  expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['meta', 'staging', 'trash', 'version'])
+  expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
 
   const after = fs.statSync(basePath)
   expect({ ino: after.ino, size: after.size, mtimeMs: after.mtimeMs, mode: after.mode }).toEqual({
@@ -235,30 +235,25 @@ async function chaos(dir: string, rounds: number, format: 1 | 3 = 1) {
   expect(totals.published + totals.staging + totals.trash).toBeGreaterThan(0)
   console.log(
     `chaos ${path.basename(dir)}: ${totals.kills} workers killed in ${totals.batches} batches; sweeps reclaimed ` +
-      `${totals.published} published, ${totals.staging} staging, ${totals.trash} trash, ${totals.metadataRemoved} ` +
-      `metadata files; observer: ${obs.scans} scans, ${obs.verified} published workspaces verified complete ` +
+      `${totals.published} published, ${totals.staging} staging, ${totals.trash} trash, ${totals.leasesRemoved} ` +
+      `lease files; observer: ${obs.scans} scans, ${obs.verified} published workspaces verified complete ` +
       `(${obs.extras} with extra.img), ${obs.vanished} gone before verified`,
   )
   await pool.close()
 }
 
-// Reflink makes the clone of the template a different code path (FICLONE) with a different crash window. Format 3
-// builds in staging shards: its sweep must find the killed builds there and leave the shards.
-const xfsShare = mounts.xfs ? Math.floor(ROUNDS * 0.4) : 0
-const shardShare = mounts.xfs ? Math.floor(ROUNDS * 0.2) : 0
+// Reflink makes the clone of the template a different code path (FICLONE) with a different crash window.
+const xfsShare = mounts.xfs ? Math.floor(ROUNDS * 0.5) : 0
 
 describe('SIGKILL at random points of allocate, clone and dispose', () => {
-  test(`ext4 (${ROUNDS - xfsShare - shardShare} kill rounds, ${PARALLEL} workers at a time): after each batch one sweep leaves only live entries; no partial workspace is ever published; the base is unchanged`, async () => {
-    await chaos(freshDir(mounts.scratch, 'chaos-ext4'), ROUNDS - xfsShare - shardShare)
+  test(`ext4 (${ROUNDS - xfsShare} kill rounds, ${PARALLEL} workers at a time): after each batch one sweep leaves only live entries; no partial workspace is ever published; the base is unchanged`, async () => {
+    await chaos(freshDir(mounts.scratch, 'chaos-ext4'), ROUNDS - xfsShare)
   }, 600_000)
 
   describe.skipIf(!mounts.xfs)(`on XFS ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
-    test(`XFS, reflink clones (${xfsShare} kill rounds): the same`, async () => {
-      await chaos(freshDir(mounts.xfs!, 'chaos-xfs'), xfsShare)
-    }, 600_000)
-    test(`XFS, format 3 (staging shards), reflink clones (${shardShare} kill rounds): the same, and the shards stay`, async () => {
-      const dir = freshDir(mounts.xfs!, 'chaos-xfs3')
-      await chaos(dir, shardShare, 3)
+    test(`XFS, reflink clones (${xfsShare} kill rounds): the same, and the staging shards stay`, async () => {
+      const dir = freshDir(mounts.xfs!, 'chaos-xfs')
+      await chaos(dir, xfsShare)
       expect(fs.readdirSync(path.join(dir, 'pool', '.vmspace', 'staging')).sort()).toEqual(['s0', 's1', 's2', 's3', 's4', 's5', 's6', 's7'])
     }, 600_000)
   })

@@ -15,7 +15,8 @@ import {
   freshDir,
   killOnFinish,
   ls,
-  metaPath,
+  leasePath,
+  setRecord,
   mounts,
   needs,
   orphan,
@@ -23,7 +24,7 @@ import {
   repoRoot,
   snapshotTree,
   tempLeftovers,
-  tryFlockPath,
+  tryLease,
   writeRandomFile,
 } from './helpers.js'
 
@@ -93,7 +94,6 @@ describe('vmspace ls', () => {
 
     const out = json(['ls', pool.root])
     expect(out.root).toBe(pool.root)
-    expect(out.format).toBe(1)
     const byId = new Map<string, any>(out.workspaces.map((w: any) => [w.id, w]))
     expect([...byId.keys()].sort()).toEqual([held.id, free.id].sort())
     const h = byId.get(held.id)
@@ -130,7 +130,7 @@ describe('vmspace ls', () => {
     const pool = await newPool()
     const good = await orphan(pool, { ok: true })
     const bad = await orphan(pool)
-    fs.writeFileSync(metaPath(pool.root, bad.name), '{ not json')
+    setRecord(pool.root, bad.name, '{ not json')
     const out = json(['ls', pool.root], 1)
     const byId = new Map<string, any>(out.workspaces.map((w: any) => [w.id, w]))
     expect(byId.get(good.id).error).toBeNull()
@@ -160,8 +160,8 @@ describe('vmspace inspect', () => {
       pid: process.pid,
       sameBoot: true,
       ownerRunning: true,
-      metadataPath: metaPath(pool.root, ws.name),
-      metadataXattr: null,
+      metadataPath: leasePath(pool.root, ws.name),
+      metadataXattr: 'user.vmspace.record',
       directory: { mode: '0700', uid: process.getuid!(), gid: process.getgid!() },
       usage: { files: 1, logicalBytes: ws.id.length, dirs: 1, others: 0, skipped: 0, allocatedBytes: allocatedOf(ws.path) },
       error: null,
@@ -172,16 +172,11 @@ describe('vmspace inspect', () => {
     expect(text.stdout).toMatch(/^state\s+free \(no process holds the lease/m)
   })
 
-  test('inspect of a workspace in a format-3 pool names the directory and its xattr as where the metadata is', async () => {
-    const pool = await openPool(path.join(freshDir(), 'pool'), { format: 3 })
+  test('inspect names the lease file and its xattr as where the record is', async () => {
+    const pool = await newPool()
     const ws = await orphan(pool, { tenant: 'acme' })
-    const out = json(['inspect', pool.root, ws.id])
-    expect(out).toMatchObject({ id: ws.id, meta: { tenant: 'acme' }, metadataPath: ws.path, metadataXattr: 'user.vmspace.meta', error: null })
-    expect(json(['ls', pool.root]).format).toBe(3)
     const lines = vmspace(['inspect', pool.root, ws.id]).stdout.split('\n')
-    expect(lines).toContainEqual(expect.stringMatching(/^metadata\s+/))
-    expect(lines.find((l) => l.startsWith('metadata'))!.replace(/^metadata\s+/, '')).toBe(`${ws.path} (xattr user.vmspace.meta)`)
-    await pool.close()
+    expect(lines.find((l) => l.startsWith('metadata'))!.replace(/^metadata\s+/, '')).toBe(`${leasePath(pool.root, ws.name)} (xattr user.vmspace.record)`)
   })
 
   test('an unknown id exits 1 with one line; a malformed one is a usage error', async () => {
@@ -212,7 +207,8 @@ describe('vmspace sweep', () => {
       bytesFreed: null,
       live: 1,
       failed: [],
-      metadataRemoved: 0,
+      leasesRemoved: 0,
+      foreign: [],
     })
     expect(dry.reclaimed.sort((a: any, b: any) => a.id.localeCompare(b.id))).toEqual(
       orphans.map((o) => ({ id: o.id, name: o.name, from: 'published', bytes: null })).sort((a, b) => a.id.localeCompare(b.id)),
@@ -295,7 +291,7 @@ describe('vmspace run', () => {
     expect(path.dirname(cwd)).toBe(root)
     expect(path.basename(cwd)).toBe(`vm-${id}`)
     // While CMD runs, its workspace is live (the lease is held) and listed with the metadata given.
-    expect(tryFlockPath(cwd)).toBe(99)
+    expect(tryLease(root, path.basename(cwd))).toBe(99)
     expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true, meta: { job: 42 }, method: expect.any(String) })])
 
     child.proc.stdin!.end('go\n')
@@ -304,16 +300,13 @@ describe('vmspace run', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
-  test('--format 3 makes a format-3 pool (an existing pool keeps its own); CMD runs in it and it is left empty', async () => {
-    const root = path.join(freshDir(), 'pool')
-    const child = runChild(['--pool', root, '--format', '3', '--', 'sh', '-c', 'echo "$VMSPACE_ID"'])
-    expect(await child.exited).toEqual({ code: 0, signal: null })
-    expect(child.lines[0]).toMatch(/^[0-9a-f]{32}$/)
-    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
-    expect(poolState(root)).toEqual(emptyPoolState)
-    const again = runChild(['--pool', root, '--format', '1', '--', 'true'])
-    expect(await again.exited).toEqual({ code: 0, signal: null })
-    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
+  test('--pool of a directory holding other entries is refused, as ls and sweep refuse it: nothing made', async () => {
+    const dir = freshDir()
+    fs.writeFileSync(path.join(dir, 'notes.txt'), 'mine')
+    const child = runChild(['--pool', dir, '--', 'true'])
+    expect((await child.exited).code).toBe(2)
+    expect(child.stderr()).toMatch(/ERR_POOL_NOT_EMPTY|is not a pool and holds other entries/)
+    expect(ls(dir)).toEqual(['notes.txt'])
   })
 
   test('forwards SIGTERM to CMD, waits for it, disposes, and exits with the status CMD chose', async () => {
@@ -375,7 +368,7 @@ describe('vmspace run', () => {
       [['--pool', root, '--template', path.join(dir, 'missing'), '--', 'true'], /no such file or directory$/],
       [['--pool', root, '--template', `../up=${dir}`, '--', 'true'], /DEST must be a relative path beneath the workspace$/],
       [['--pool', root, '--reflink', 'maybe', '--', 'true'], /argument 'maybe' is invalid/],
-      [['--pool', root, '--format', '4', '--', 'true'], /argument '4' is invalid/],
+      [['--pool', root, '--format', '4', '--', 'true'], /unknown option '--format'/],
       [['--pool', path.join(dir, 'no', 'pool'), '--', 'true'], /its parent directory does not exist$/],
       [['--pool', root], /missing required argument 'cmd'/],
       [['--', 'true'], /required option '--pool <root>' not specified/],
@@ -509,17 +502,16 @@ describe('vmspace demo', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
-  test('--format 3 --chaos 1: what the killed worker left, in the staging shards too, is exactly what one sweep reclaims', () => {
+  test('--chaos 1: what the killed worker left, in the staging shards too, is exactly what one sweep reclaims', () => {
     const dir = freshDir()
     const base = path.join(dir, 'base.img')
     writeRandomFile(base, 64 * 1024)
     const root = path.join(dir, 'pool')
-    const r = vmspace(['demo', '--vms', '24', '--workers', '2', '--live', '2', '--base', base, '--root', root, '--format', '3', '--chaos', '1'])
+    const r = vmspace(['demo', '--vms', '24', '--workers', '2', '--live', '2', '--base', base, '--root', root, '--chaos', '1'])
     expect(r.status, r.stderr + r.stdout).toBe(0)
     expect(r.stdout).toMatch(/\| result\s+\| all checks passed\s+\|/)
-    expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('3\n')
     expect(poolState(root)).toEqual(emptyPoolState)
-    expect(vmspace(['demo', '--format', '4']).stderr).toMatch(/^vmspace demo: --format must be 1, 2 or 3, got "4"\n/)
+    expect(vmspace(['demo', '--format', '3']).stderr).toMatch(/^vmspace demo: .*format/)
   })
 
   test('bad demo options exit 2; --help prints the demo usage', () => {

@@ -4,17 +4,15 @@
  * never rewritten; a removal that fails (a mount inside) is reported and finished by a later sweep; a pool of
  * another format is refused untouched.
  */
-import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { describe, expect, onTestFinished, test } from 'vitest'
+import { describe, expect, test } from 'vitest'
 import { openPool, VmspaceError, type Pool, type Workspace } from '../lib/index.js'
 import {
   allocateIn,
   bindInto,
   type Child,
   emptyPoolState,
-  eventually,
   freshDir,
   loopChild,
   getRecord,
