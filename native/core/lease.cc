@@ -67,11 +67,12 @@ int makeLeaseFile(int dirFd, const std::string& name, const std::string& record,
   const mode_t mode = root ? (gid >= 0 ? 0440 : 0400) : (gid >= 0 ? 0640 : 0600);
   // Unnamed until it is locked and carries its record: a sweep never sees it free, a listing never without its
   // record. Where the file system has no O_TMPFILE, a hidden temp name that the sweep removes once free.
-  std::string tmp;
-  UniqueFd fd(openat(dirFd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+  size_t slash = name.rfind('/');
+  std::string dir = slash == std::string::npos ? "." : name.substr(0, slash), tmp;
+  UniqueFd fd(openat(dirFd, dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
   if (!fd) {
     if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) return -1;
-    tmp = ".tmp-" + randomHex(8) + "-" + name;
+    tmp = (slash == std::string::npos ? "" : dir + "/") + ".tmp-" + randomHex(8) + "-" + name.substr(slash + 1);
     fd.reset(openat(dirFd, tmp.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600));
     if (!fd) return -1;
   }

@@ -37,15 +37,16 @@ int holdLease(int fd, LeaseByte byte);
 // file): 0 free, 1 held, or -errno when the kernel cannot tell.
 int leaseHeldByOther(int fd);
 
-// Makes the lease file `name` in `dirFd` (a shard of leases/), holding the owner's lock and carrying `record`
-// (may be empty: set later with writeRecord) from the moment its name exists. Returns its fd (O_RDWR, close-on-exec)
-// or -1 with errno (EEXIST: the name is taken). `gid` >= 0: the pool's shared group (mode 0440 / 0660 then).
+// Makes the lease file `name` below `dirFd` (a path relative to it: "<shard>/<name>"), holding the owner's lock and
+// carrying `record` (may be empty: set later with writeRecord) from the moment its name exists. Returns its fd (O_RDWR,
+// close-on-exec) or -1 with errno (EEXIST: the name is taken). `gid` >= 0: the pool's shared group (mode 0440 / 0660
+// then).
 int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid);
 
 // Links the lease `fd` (unnamed or not) as `name` in `dirFd`, never replacing: 0 or the errno (EEXIST: taken).
 int linkLeaseFile(int fd, int dirFd, const std::string& name);
 
-// Opens the lease file `name` in `dirFd` read-only (O_NOFOLLOW, close-on-exec, non-blocking); -1 with errno.
+// Opens the lease file `name` below `dirFd` read-only (O_NOFOLLOW, close-on-exec, non-blocking); -1 with errno.
 int openLeaseFile(int dirFd, const std::string& name);
 
 // Replaces the record of lease `fd` (the xattr; where the file system refuses one this big, the file's contents).

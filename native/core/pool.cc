@@ -419,7 +419,8 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   if (err == ENOENT) throwFormat("'" + state + "' has no version file", versionPath);
   if (err) throwErrno(err, "open", versionPath);
   while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
-  if (version != kLayoutVersion) throwFormat("pool layout '" + version.substr(0, 32) + "' is not this one", versionPath);
+  if (version != kLayoutVersion)
+    throwFormat("pool layout '" + version.substr(0, 32) + "' is not this one", versionPath);
   auto own = [&](int at, const std::string& name, const std::string& shown) {
     UniqueFd fd = openPoolDir(at, name.c_str(), shown, false, 0, trust);
     if (!fd) throwFormat("'" + shown + "' is missing", shown);
@@ -430,8 +431,9 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   pool->leasesFd_ = own(pool->stateFd_.get(), "leases", state + "/leases");
   for (int i = 0; i < kStagingShards; i++)
     pool->shardFds_[i] = own(pool->stagingFd_.get(), shardName(i), state + "/staging/" + shardName(i));
+  // The lease shards are checked here and then named relative to leases/ ("<x>/<name>"): no fd kept for each.
   for (int i = 0; i < kLeaseShards; i++)
-    pool->leaseShardFds_[i] = own(pool->leasesFd_.get(), leaseShardName(i), state + "/leases/" + leaseShardName(i));
+    own(pool->leasesFd_.get(), leaseShardName(i), state + "/leases/" + leaseShardName(i));
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   pool->sharedGid_ = sharedGid;
   return pool;
@@ -463,9 +465,11 @@ bool Pool::inStaging(const std::string& name) const {
   return false;
 }
 
-int Pool::leaseDirFd(const std::string& name) const {
-  char c = leaseShardOf(name)[0];
-  return leaseShardFds_[c >= 'a' ? c - 'a' + 10 : c - '0'].get();
+void Pool::syncLeaseDir(const std::string& name) {
+  std::string shard = leaseShardOf(name);
+  UniqueFd dir(openat(leasesFd_.get(), shard.c_str(), kDirFlags));
+  if (!dir) throwErrno(errno, "open", root_ + "/.vmspace/leases/" + shard);
+  if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/leases/" + shard);
 }
 
 void Pool::dropLease(const std::string& name, int leaseFd) {
@@ -473,8 +477,9 @@ void Pool::dropLease(const std::string& name, int leaseFd) {
   // what is unlinked must be what was removed with.
   struct stat own;
   if (fstat(leaseFd, &own) != 0) throwErrno(errno, "fstat", leasePath(name));
-  if (!sameEntry(leaseDirFd(name), name, own)) return;
-  if (unlinkat(leaseDirFd(name), name.c_str(), 0) != 0 && errno != ENOENT) throwErrno(errno, "unlink", leasePath(name));
+  if (!sameEntry(leasesFd_.get(), leaseRel(name), own)) return;
+  if (unlinkat(leasesFd_.get(), leaseRel(name).c_str(), 0) != 0 && errno != ENOENT)
+    throwErrno(errno, "unlink", leasePath(name));
 }
 
 namespace {
@@ -614,7 +619,7 @@ class PoolStage {
     for (;; res_.retries++) {
       drawName(&tries_, req_.prefix + "-", pool_.root_, &res_.id, &res_.name);
       std::string record = direct_ ? recordJson(req_.info, res_.name, "", {}, req_.clone.reflink) : std::string();
-      UniqueFd lease(makeLeaseFile(pool_.leaseDirFd(res_.name), res_.name, record, pool_.sharedGid_));
+      UniqueFd lease(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_));
       if (!lease) {
         if (errno == EEXIST) continue;
         throwErrno(errno, "open", pool_.leasePath(res_.name));
@@ -721,7 +726,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
   if (req.clone.durable) {
     // The lease file (record and name) and the workspace's name, on disk before the call returns.
     if (fsync(made.lease.get()) != 0) throwErrno(errno, "fsync", leasePath(made.name));
-    if (fsync(leaseDirFd(made.name)) != 0) throwErrno(errno, "fsync", leasePath(made.name));
+    syncLeaseDir(made.name);
     if (fsync(rootFd_.get()) != 0) throwErrno(errno, "fsync", root_);
   }
   res.id = std::move(made.id);
@@ -761,7 +766,7 @@ class PoolPublish {
       while (!claimName()) redraw();
       if (clone_.durable) {
         if (fsync(lease_.get()) != 0) throwErrno(errno, "fsync", pool_.leasePath(res_.name));
-        if (fsync(pool_.leaseDirFd(res_.name)) != 0) throwErrno(errno, "fsync", pool_.leasePath(res_.name));
+        pool_.syncLeaseDir(res_.name);
         if (fsync(pool_.rootFd_.get()) != 0) throwErrno(errno, "fsync", pool_.root_);
       }
     } catch (...) {
@@ -796,15 +801,16 @@ class PoolPublish {
     for (;;) {
       res_.retries++;
       drawName(&tries_, oldName.substr(0, oldName.size() - res_.id.size()), pool_.root_, &res_.id, &res_.name);
-      int err = linkLeaseFile(lease_.get(), pool_.leaseDirFd(res_.name), res_.name);
+      int err = linkLeaseFile(lease_.get(), pool_.leasesFd_.get(), pool_.leaseRel(res_.name));
       if (err == EEXIST) continue;
       if (err) throwErrno(err, "linkat", pool_.leasePath(res_.name));
       if (renameat2(dirFd_, oldName.c_str(), dirFd_, res_.name.c_str(), RENAME_NOREPLACE) == 0) break;
       err = errno;
-      unlinkat(pool_.leaseDirFd(res_.name), res_.name.c_str(), 0);  // ours: just linked
-      if (err != EEXIST) throwErrno(err, "renameat2", pool_.stagingPath(shard_, oldName), pool_.stagingPath(shard_, res_.name));
+      unlinkat(pool_.leasesFd_.get(), pool_.leaseRel(res_.name).c_str(), 0);  // ours: just linked
+      if (err != EEXIST)
+        throwErrno(err, "renameat2", pool_.stagingPath(shard_, oldName), pool_.stagingPath(shard_, res_.name));
     }
-    unlinkat(pool_.leaseDirFd(oldName), oldName.c_str(), 0);
+    unlinkat(pool_.leasesFd_.get(), pool_.leaseRel(oldName).c_str(), 0);
     if (projectId_) renameProjectClaim(pool_.projectsFd(false), projectId_, res_.name);  // quota
     writeRecordOrThrow();
   }
@@ -917,7 +923,7 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
 }
 
 int Pool::openHandover(const std::string& name, int leaseFd) {
-  UniqueFd fd(openLeaseFile(leaseDirFd(name), name));
+  UniqueFd fd(openLeaseFile(leasesFd_.get(), leaseRel(name)));
   if (!fd) throwErrno(errno, "open", leasePath(name));
   struct stat own, got;
   if (fstat(leaseFd, &own) != 0) throwErrno(errno, "fstat", leasePath(name));
@@ -935,7 +941,7 @@ UniqueFd Pool::openWorkspaceDir(const std::string& name) {
 
 AdoptResult Pool::adopt(const std::string& name) {
   AdoptResult r;
-  UniqueFd fd(openLeaseFile(leaseDirFd(name), name));
+  UniqueFd fd(openLeaseFile(leasesFd_.get(), leaseRel(name)));
   // No lease file: no workspace of vmspace's by that name (an entry there is foreign).
   if (!fd) throwErrno(errno == ELOOP || errno == ENOTDIR ? ENOENT : errno, "open", path(name));
   struct stat st;
@@ -949,7 +955,7 @@ AdoptResult Pool::adopt(const std::string& name) {
   }
   // A sweep may have removed it between our open and our take: its lease file is then unlinked, and its
   // directory gone from the root.
-  if (!sameEntry(leaseDirFd(name), name, st) ||
+  if (!sameEntry(leasesFd_.get(), leaseRel(name), st) ||
       !(fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)))
     throwErrno(ENOENT, "open", path(name));
   if (int err = holdLease(fd.get(), LeaseByte::Owner)) throwErrno(err, "fcntl(F_OFD_SETLK)", leasePath(name));
@@ -1046,7 +1052,7 @@ class PoolSweep {
   // The lease of workspace `name`: Free (taken into *out: no other sweep or adopt acts on it until *out closes),
   // Held (its owner or a holder lives, or another sweep is taking it), or None (no lease file: not vmspace's).
   Lease probe(const std::string& name, UniqueFd* out) {
-    UniqueFd fd(openLeaseFile(pool_.leaseDirFd(name), name));
+    UniqueFd fd(openLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(name)));
     if (!fd) {
       if (errno == ENOENT || errno == ELOOP) return Lease::None;
       throwErrno(errno, "open", pool_.leasePath(name));
@@ -1183,8 +1189,10 @@ class PoolSweep {
   // after it was removed), and temp lease files (file systems without O_TMPFILE) of builds that died.
   void leasePass() {
     for (int i = 0; i < kLeaseShards; i++) {
-      int dirFd = pool_.leaseShardFds_[i].get();
       std::string dir = pool_.root_ + "/.vmspace/leases/" + leaseShardName(i);
+      UniqueFd shard(openat(pool_.leasesFd_.get(), leaseShardName(i).c_str(), kDirFlags));
+      if (!shard) throwErrno(errno, "open", dir);
+      int dirFd = shard.get();
       for (auto& [file, type] : readNames(dirFd, dir)) {
         if (file.compare(0, 5, ".tmp-") == 0) {
           UniqueFd fd(openLeaseFile(dirFd, file));
@@ -1239,7 +1247,7 @@ std::vector<ListEntry> Pool::list() {
   std::vector<ListEntry> out;
   for (auto& [name, type] : readNames(rootFd_.get(), root_)) {
     if (!isWorkspaceEntry(name, type)) continue;
-    UniqueFd lease(openLeaseFile(leaseDirFd(name), name));
+    UniqueFd lease(openLeaseFile(leasesFd_.get(), leaseRel(name)));
     // No lease file: not vmspace's, or disposed meanwhile (the lease file goes last).
     if (!lease && (errno == ENOENT || errno == ELOOP)) continue;
     ListEntry entry;
@@ -1271,7 +1279,6 @@ std::vector<ListEntry> Pool::list() {
 
 void Pool::close() {
   templates_.reset();
-  for (auto& fd : leaseShardFds_) fd.reset();
   leasesFd_.reset();
   trashFd_.reset();
   for (auto& fd : shardFds_) fd.reset();

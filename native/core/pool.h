@@ -92,7 +92,7 @@ struct ListEntry {
   bool live = false;
   std::string metaText;  // its record (the lease file's) when metaErrno == 0
   int metaErrno = 0;
-  int probeErrno = 0;  // the lease probe failed with this: liveness undecided, `live` set
+  int probeErrno = 0;                               // the lease probe failed with this: liveness undecided, `live` set
   const char* probeSyscall = "fcntl(F_OFD_GETLK)";  // of probeErrno: "open" of the lease file, or the probe
 };
 
@@ -213,8 +213,10 @@ class Pool {
   // Moves the published `name` into trash; false when it is no longer in the root. Verifies that what moved is
   // the directory that was at the name, and puts anything else back.
   bool moveToTrash(const std::string& name);
-  // The shard of leases/ that holds the lease file of `name`.
-  int leaseDirFd(const std::string& name) const;
+  // The lease file of `name` relative to leases/ ("<x>/<name>").
+  std::string leaseRel(const std::string& name) const { return leaseShardOf(name) + "/" + name; }
+  // fsync of the shard of leases/ that holds the lease file of `name` (durable pools).
+  void syncLeaseDir(const std::string& name);
   // Unlinks the lease file of `name`, which `leaseFd` holds (another inode at the name is left alone).
   void dropLease(const std::string& name, int leaseFd);
   // removeTreeNoFollow of a workspace, and then its quota released (a btrfs subvolume's qgroup, a project id).
@@ -234,8 +236,7 @@ class Pool {
 
   std::string root_;
   UniqueFd rootFd_, stateFd_, stagingFd_, trashFd_, leasesFd_;
-  std::array<UniqueFd, kStagingShards> shardFds_;     // staging/s0 ...
-  std::array<UniqueFd, kLeaseShards> leaseShardFds_;  // leases/0 ... leases/f
+  std::array<UniqueFd, kStagingShards> shardFds_;  // staging/s0 ...
   dev_t rootDev_ = 0;  // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
