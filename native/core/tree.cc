@@ -778,12 +778,16 @@ class TreeCloner {
     return src;
   }
 
-  // The data of the regular file `src` (stat `st`) into the new empty `dst` (cloneData).
+  // The data of the regular file `src` into the new empty `dst` (cloneData), checked to be of the version the walk
+  // saw at its name (`st`, from fstatat): an entry replaced after that stat (another inode), or written while it was
+  // cloned, is ERR_SOURCE_CHANGED (checkSourceUnchanged).
   CloneFileResult fileData(int src, int dst, const struct stat& st, const Rel& rel) {
     try {
       // The paths are set by the catch below, so none are built per file here.
-      return cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(), std::string(),
-                       progress_ ? &progress_->cancel : nullptr);
+      CloneFileResult r = cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
+                                    std::string(), progress_);
+      checkSourceUnchanged(src, st, std::string(), std::string());
+      return r;
     } catch (Error& e) {
       // Name the entry the way every other failure of the walk does: the source entry and its destination.
       e.path = srcPath(rel);
@@ -820,10 +824,7 @@ class TreeCloner {
     (data.method == CloneMethod::Reflink ? local.reflinked : local.copied)++;
     local.files++;
     local.bytes += data.bytes;
-    if (progress_) {
-      progress_->files.fetch_add(1, std::memory_order_relaxed);
-      progress_->bytes.fetch_add(data.bytes, std::memory_order_relaxed);
-    }
+    if (progress_) progress_->files.fetch_add(1, std::memory_order_relaxed);  // its bytes came with its data
   }
 
   const CloneOptions& opts_;
