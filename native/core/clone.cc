@@ -320,7 +320,8 @@ int linkTmpfile(int fd, int dirFd, const char* name) {
 }
 
 // Fills the new file `dst` from `src` (stat `st`): data, checked to be of the version `st` names (else
-// ERR_SOURCE_CHANGED), mode, writeback, fsync for `durable`. Fills `identity` (when given) from the stat after the data.
+// ERR_SOURCE_CHANGED), mode, writeback, fsync for `durable`. Fills `identity` (when given) from the stat after the
+// data.
 CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOptions& options,
                           const std::string& srcPath, const std::string& dstPath, CloneProgress* progress,
                           SourceIdentity* identity) {
@@ -366,8 +367,8 @@ const char* fileKind(mode_t mode) {
 // of a kind a clone does not take (a fifo's or a device's data is a stream, not a file to share extents of).
 [[noreturn]] void throwSourceType(mode_t mode, const std::string& srcPath, const std::string& dstPath) {
   throwCode("ERR_SOURCE_TYPE",
-            std::string("the source is ") + fileKind(mode) + ": a clone source is a regular file or a directory", 0,
-            "", srcPath, dstPath);
+            std::string("the source is ") + fileKind(mode) + ": a clone source is a regular file or a directory", 0, "",
+            srcPath, dstPath);
 }
 
 // Opens a clone source, file or directory, once: the caller chooses from its fstat, with no stat(2) of the path

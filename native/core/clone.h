@@ -81,11 +81,12 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
 // an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
 // O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
 // errors. A source that changed while it was cloned (checkSourceUnchanged) is ERR_SOURCE_CHANGED, nothing published.
-// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller: set-user-ID is kept only where that is the
-// source's owner, set-group-ID only where the clone's group is the source's (as cp(1) drops them when it does not keep
-// the owner). The named temp file is published with publishFileNoReplace (rename.h), or rename(2) with `overwrite`.
-// Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
-// ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
+// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller:
+// set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group is the source's
+// (as cp(1) drops them when it does not keep the owner). The named temp file is published with publishFileNoReplace
+// (rename.h), or rename(2) with `overwrite`. Errors: the errno of the failing syscall; EISDIR for a directory;
+// ERR_SOURCE_TYPE (no errno) for a fifo, socket or device node; ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink
+// is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity = nullptr,
                             CloneProgress* progress = nullptr);
@@ -107,11 +108,11 @@ struct ParentDir {
 ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
                             bool createParents);
 
-// Shared between the thread that walks and the JS thread that polls it (every 100 ms at most) or cancels it.
+// Shared between the thread that clones and the JS thread that polls it (every 100 ms at most) or cancels it.
 struct CloneProgress {
-  std::atomic<uint64_t> files{0};
-  std::atomic<uint64_t> bytes{0};
-  std::atomic<bool> cancel{false};  // checked between entries: the clone stops with ECANCELED and rolls back
+  std::atomic<uint64_t> files{0};   // regular files done
+  std::atomic<uint64_t> bytes{0};   // bytes cloned, a copy's added per chunk (cloneData): one big file reports too
+  std::atomic<bool> cancel{false};  // checked between entries and between a copy's chunks: ECANCELED, rolled back
 };
 
 struct CloneSummary {
@@ -140,6 +141,11 @@ const char* methodName(const CloneSummary& s, Reflink reflink);
 // destination fails (ERR_REFLINK_UNSUPPORTED, cause EXDEV) before anything is written.
 // Kept: mode incl. setuid/setgid/sticky, owner and group (where permitted), atime/mtime in ns, xattrs
 // (incl. security.capability, set after chown, which clears it); directory metadata is set after its contents.
+// A tree never enters another mount (mount id, statx.h's mountOf): a mount point becomes an empty directory with the
+// metadata seen at it, as cp -x makes it. A regular file that changed while it was cloned is ERR_SOURCE_CHANGED (a
+// file source: its fstat before and after the data; a tree entry: the walk's fstatat of its name and the open fd's
+// fstat after the data); a source neither regular nor a directory is ERR_SOURCE_TYPE. `identity`: a file source's
+// stat after its data was cloned, a tree's root directory as opened.
 CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                          const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
                          SourceIdentity* identity = nullptr);
