@@ -167,6 +167,32 @@ describe.skipIf(!ext4)(`a file truncated while it is copied, on ext4 ${needs('os
     await pool.close()
   })
 
+  test("clone() ('never') racing a writer that shrinks and regrows the file: each clone is one size it reports, or ERR_SOURCE_CHANGED (never EIO)", async () => {
+    const d = freshDir(ext4!)
+    const base = path.join(d, 'base.img')
+    writeRandomFile(base, 4 * MiB)
+    const out = path.join(d, 'out')
+    fs.mkdirSync(out)
+    let changed = 0
+    await whileResized(
+      base,
+      async () => {
+        const dst = path.join(out, 'clone.img')
+        try {
+          const r = await clone(base, dst, { reflink: 'never' })
+          expect(fs.statSync(dst).size).toBe(r.bytes)
+          fs.rmSync(dst)
+        } catch (err) {
+          expectSourceChanged(err, base)
+          changed++
+        }
+        expect(ls(out)).toEqual([])
+      },
+      () => changed > 0,
+    )
+    expect(changed).toBeGreaterThan(0)
+  })
+
   test('a tree clone rejects with ERR_SOURCE_CHANGED naming the entry (path and dest); no temp tree, no destination', async () => {
     const d = freshDir(ext4!)
     const src = path.join(d, 'src')

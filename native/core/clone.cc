@@ -153,14 +153,16 @@ bool sizeUnknown(int fd) {
   }
 }
 
-// read(2) found end of file at `at`, before the size the copy started from. Believed where the file now reports
-// no more (it shrank while copied: the caller's checkSourceUnchanged then refuses the clone) or where its size
-// means nothing (sizeUnknown); anywhere else a read that stops short of the size the file still reports is an error
-// (EIO), never a short clone.
-void checkEndOfFile(int src, off_t at, const std::string& srcPath) {
+// read(2) found end of file at `at`, before `size`, the size the copy started from. Believed where the file now
+// reports another size than `size` (it was truncated, or truncated and written again, while copied: the caller's
+// checkSourceUnchanged then refuses the clone with ERR_SOURCE_CHANGED, which is what went wrong, not a short read), or
+// no more than `at`, or where its size means nothing (sizeUnknown); a read that stops short of the size the file
+// still reports is an error (EIO), never a short clone.
+void checkEndOfFile(int src, off_t at, uint64_t size, const std::string& srcPath) {
   struct stat now;
   if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
-  if (now.st_size > at && !sizeUnknown(src)) throwErrno(EIO, "read", srcPath);
+  if (now.st_size > at && static_cast<uint64_t>(now.st_size) == size && !sizeUnknown(src))
+    throwErrno(EIO, "read", srcPath);
 }
 
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
@@ -185,7 +187,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, progress);
     if (got < want) {
       end = data + static_cast<off_t>(got);
-      checkEndOfFile(src, end, srcPath);
+      checkEndOfFile(src, end, size, srcPath);
       ended = true;
       break;
     }
