@@ -17,7 +17,10 @@ export type Writeback = 'none' | 'start' | 'wait'
 export interface CloneProgressEvent {
   /** Regular files done so far. */
   files: number
-  /** Their logical bytes. */
+  /**
+   * Bytes cloned so far: of the files done (logical size, holes included), and of a file being copied the bytes
+   * written so far (a reflink's all at once), so that one big file reports too.
+   */
   bytes: number
 }
 
@@ -47,13 +50,17 @@ export interface CloneOptions {
    */
   writeback?: Writeback
   /**
-   * Called with running totals at most every 100 ms while a clone runs. An exception it throws (or, for an async
-   * callback, a rejection that comes while the clone runs) cancels the clone like an abort: the call rejects with
-   * that exception and what was built is removed (unless the clone had already completed, then the destination
-   * stays complete). A rejection after the call has settled is ignored.
+   * Called with running totals at most every 100 ms while a clone runs, a single file's as a tree's (a copy reports
+   * its bytes per chunk of at most 64 MiB; none is made while the totals are unchanged). An exception it throws (or,
+   * for an async callback, a rejection that comes while the clone runs) cancels the clone like an abort: the call
+   * rejects with that exception and what was built is removed, a temp file included (unless the clone had already
+   * completed, then the destination stays complete). A rejection after the call has settled is ignored.
    */
   onProgress?: (p: CloneProgressEvent) => void
-  /** Cancels between entries; what was built is removed and the call rejects with an AbortError. */
+  /**
+   * Cancels between entries of a tree and between chunks of a file's copy (1 MiB read/write, at most 64 MiB
+   * copy_file_range); what was built is removed and the call rejects with an AbortError.
+   */
   signal?: AbortSignal
 }
 
@@ -62,7 +69,9 @@ export interface CloneResult {
   /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
   /** How the data arrived: shared extents, a copy, (trees) both, or (templates on btrfs, issue 14) a subvolume
-   * snapshot, which walks nothing: its counts are 0. */
+   * snapshot, which walks nothing: its counts are 0. A tree without regular files is `'copy'`, on any file system
+   * and whatever `reflink` asked for: it says what happened, and no extent was shared (its entries were made anew,
+   * as a copy makes them). */
   method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
   /** Absolute path of the destination. */
   path: string
@@ -210,8 +219,13 @@ async function withProgressHandle<T>(
  * file link + unlink where the file system lacks that flag); the source is only read. Files keep their mode, less
  * set-user-ID (set-group-ID) unless the caller is the source's owner (its group is the clone's); trees keep mode,
  * owner (where permitted), times and xattrs, set-id bits and security.capability only where the owner is kept, and
- * recreate symlinks, hard links, fifos and device nodes (where permitted) without following any symlink. A copy
- * reads to end of file (procfs, sysfs files) and its `bytes` are exactly those read.
+ * recreate symlinks, hard links, fifos and device nodes (where permitted) without following any symlink, and never
+ * enter another mount: a mount point in the source becomes an empty directory (as `cp -x` makes it). A copy reads to
+ * end of file (procfs, sysfs files) and its `bytes` are exactly those read.
+ * Throws `ERR_SOURCE_CHANGED` (no errno; `path`: the source file, `dest`: its destination) when a file changed while
+ * it was cloned: its size, mtime, ctime or inode after the data arrived (a copy, or a reflink) differ from before
+ * (for a tree, from the walk's stat of its name); nothing is published. `ERR_SOURCE_TYPE` (no errno) when `source`
+ * is neither a regular file nor a directory (a fifo, socket or device node; the message names which).
  * Throws `EEXIST` when `dest` exists (unless `overwrite`), `ENOENT` when its directory does not,
  * `ERR_REFLINK_UNSUPPORTED` under `reflink: 'always'` where extents cannot be shared (cause `EAGAIN` when the file
  * system kept answering "not now"), `ERR_RENAME_NOREPLACE_UNSUPPORTED` for a tree on a file system without

@@ -26,6 +26,8 @@ export type VmspaceErrorCode =
   | 'ERR_QUOTA_UNSUPPORTED' // allocate({ quota }) where the kernel cannot enforce it (cause: the errno; see probeQuota); nothing made
   | 'ERR_PROJECT_IDS_EXHAUSTED' // no free project id in 64 draws from the pool's projectIds range; nothing made
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
+  | 'ERR_SOURCE_CHANGED' // a clone's source (size, mtime, ctime or inode) changed while it was cloned; nothing published (path: the source)
+  | 'ERR_SOURCE_TYPE' // a clone's source is neither a regular file nor a directory (a fifo, socket, device); nothing made
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

@@ -22,7 +22,7 @@ export interface WarmStats {
   stale: number
   /** Entries built since the pool was opened. */
   built: number
-  /** Builds that failed (e.g. the template was removed, `ENOENT`; changed while it was cloned, `ESTALE`). */
+  /** Builds that failed (e.g. the template was removed, `ENOENT`; changed while it was cloned, `ERR_SOURCE_CHANGED`). */
   buildFailures: number
   /** Wall-clock ms the successful builds took, together: `built / buildMs * 1000` is the refill rate per second. */
   buildMs: number

@@ -77,6 +77,30 @@ describe('removeTree', () => {
     expect(snapshotTree(outside)).toEqual(before)
   })
 
+  test("refuses the working directory and what is above it ('.', '..', '../..', '/', process.cwd()) with ERR_INVALID_ARG_VALUE, removing nothing", async () => {
+    const dir = freshDir()
+    const cwd = path.join(dir, 'a', 'b')
+    fs.mkdirSync(cwd, { recursive: true })
+    fs.writeFileSync(path.join(cwd, 'keep.txt'), 'keep')
+    const before = snapshotTree(dir)
+    const was = process.cwd()
+    process.chdir(cwd)
+    try {
+      for (const p of ['.', './', '..', '../..', 'x/..', '/', cwd, path.join(dir, 'a'), `${cwd}/../b`]) {
+        const err = await removeTree(p).catch((e: unknown) => e)
+        expect(err, p).toBeInstanceOf(TypeError)
+        expect(err, p).toMatchObject({ code: 'ERR_INVALID_ARG_VALUE' })
+      }
+      expect(snapshotTree(dir)).toEqual(before)
+      // Below the working directory is fine.
+      fs.mkdirSync('sub')
+      await removeTree('sub')
+      expect(fs.existsSync(path.join(cwd, 'sub'))).toBe(false)
+    } finally {
+      process.chdir(was)
+    }
+  })
+
   test('of a missing path rejects with ENOENT', async () => {
     const missing = path.join(freshDir(), 'missing')
     await expect(removeTree(missing)).rejects.toMatchObject({ code: 'ENOENT', errno: -2 })

@@ -46,10 +46,10 @@ describe('removal does not depend on depth', () => {
 })
 
 describe('fifos never park a thread', () => {
-  test('a fifo as clone source is refused with EINVAL at once, and leaves nothing', async () => {
+  test('a fifo as clone source is refused with ERR_SOURCE_TYPE at once, and leaves nothing', async () => {
     const fifo = path.join(dir, 'fifo')
     execFileSync('mkfifo', [fifo])
-    await expect(clone(fifo, path.join(dir, 'out'))).rejects.toMatchObject({ code: 'EINVAL' })
+    await expect(clone(fifo, path.join(dir, 'out'))).rejects.toMatchObject({ code: 'ERR_SOURCE_TYPE' })
     expect(fs.readdirSync(dir).sort()).toEqual(['fifo'])
   })
 

@@ -739,6 +739,69 @@ describe.skipIf(!mounts.xfs)(`reflink: 'never' on XFS ${needs('a loop-mounted XF
   })
 })
 
+describe.skipIf(!mounts.root)(`a mount inside the source ${needs('root, to mount a tmpfs', !mounts.root && 'not root')}`, () => {
+  /** `<d>/src` with a file, and a directory `mnt` on which a tmpfs holding `secret` is mounted (unmounted by `done`). */
+  function srcWithMount(d: string): { src: string; mnt: string } {
+    const src = path.join(d, 'src')
+    fs.mkdirSync(path.join(src, 'mnt'), { recursive: true })
+    fs.writeFileSync(path.join(src, 'f'), 'f')
+    const mnt = path.join(src, 'mnt')
+    expect(runCommand('mount', ['-t', 'tmpfs', '-o', 'size=1m,mode=0750', 'vmspace-test', mnt]).status).toBe(0)
+    fs.writeFileSync(path.join(mnt, 'secret'), 'secret')
+    fs.mkdirSync(path.join(mnt, 'deeper'))
+    return { src, mnt }
+  }
+
+  test('clone() never enters it: the mount point becomes an empty directory with the mode seen at it', async () => {
+    const d = freshTreeDir(mounts.scratch)
+    const { src, mnt } = srcWithMount(d)
+    try {
+      const dst = path.join(d, 'dst')
+      const r = await clone(src, dst)
+      expect(r).toMatchObject({ kind: 'tree', files: 1, dirs: 1 })
+      expect(allPaths(dst)).toEqual(['f', 'mnt'])
+      expect(fs.statSync(path.join(dst, 'mnt')).mode & 0o7777).toBe(0o750)
+      expect(tempLeftovers(d)).toEqual([])
+    } finally {
+      runCommand('umount', [mnt])
+    }
+  })
+
+  test('allocate({ template: dir }) never copies what is mounted inside the template', async () => {
+    const d = freshTreeDir(mounts.scratch)
+    const { src, mnt } = srcWithMount(d)
+    try {
+      const pool = await openPool(path.join(d, 'pool'))
+      const ws = await pool.allocate({ template: src })
+      expect(allPaths(ws.path)).toEqual(['f', 'mnt'])
+      await ws.dispose()
+      await pool.close()
+    } finally {
+      runCommand('umount', [mnt])
+    }
+  })
+})
+
+describe('a tree without regular files', () => {
+  const where = [
+    { label: 'ext4', dir: ext4, why: ext4Missing },
+    { label: 'XFS', dir: mounts.xfs, why: mounts.missing.xfs },
+  ]
+  for (const { label, dir, why } of where) {
+    test.skipIf(!dir)(`reports method 'copy' on ${label}, whatever reflink asked for: no extent was shared ${needs(label, !dir && why)}`, async () => {
+      const d = freshTreeDir(dir!)
+      const src = path.join(d, 'src')
+      fs.mkdirSync(path.join(src, 'a', 'b'), { recursive: true })
+      fs.symlinkSync('a/b', path.join(src, 'link'))
+      for (const reflink of ['auto', 'always', 'never'] as const) {
+        const dst = path.join(d, `dst-${reflink}`)
+        const r = await clone(src, dst, { reflink })
+        expect(r).toMatchObject({ kind: 'tree', method: 'copy', files: 0, reflinked: 0, copied: 0, dirs: 2, symlinks: 1 })
+      }
+    })
+  }
+})
+
 describe('clones into awkward destinations', () => {
   /** `<d>/src`: a file f and a directory sub with a file g. */
   function smallSrc(d: string): string {

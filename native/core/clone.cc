@@ -54,21 +54,45 @@ size_t readSome(int fd, char* buf, size_t len, off_t off, const std::string& src
   }
 }
 
+// What a copy tells its CloneProgress (when there is one): the cancel flag, read between chunks, and the bytes
+// written so far, added as each chunk lands so that one big file shows progress (the walk counts a file only once
+// it is done).
+class CopyProgress {
+ public:
+  explicit CopyProgress(CloneProgress* p) : p_(p) {}
+  // ECANCELED once the clone was cancelled.
+  void check(const std::string& srcPath, const std::string& dstPath) const {
+    if (p_ && p_->cancel.load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
+  }
+  void add(uint64_t n) {
+    if (!p_) return;
+    p_->bytes.fetch_add(n, std::memory_order_relaxed);
+    added_ += n;
+  }
+  // The file is done with `total` bytes: what was not added as chunks (holes, a reflink) is added now.
+  void done(uint64_t total) { add(total > added_ ? total - added_ : 0); }
+
+ private:
+  CloneProgress* p_;
+  uint64_t added_ = 0;
+};
+
 // Copies [off, off+len) by read/write; returns the bytes copied, fewer than `len` only where read(2) reported end
 // of file first. `len` may exceed what is left (UINT64_MAX: to end of file).
 uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std::string& srcPath,
-                            const std::string& dstPath, const std::atomic<bool>* cancel) {
+                            const std::string& dstPath, CopyProgress& progress) {
   // Up to 1 MiB, no more than the range needs (a tree of small files copies one range per file).
   const size_t bufSize = static_cast<size_t>(std::min<uint64_t>(1 << 20, std::max<uint64_t>(len, 1)));
   std::unique_ptr<char[]> buf(new char[bufSize]);
   uint64_t done = 0;
   while (done < len) {
-    if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
+    progress.check(srcPath, dstPath);
     size_t want = static_cast<size_t>(std::min<uint64_t>(bufSize, len - done));
     size_t n = readSome(src, buf.get(), want, off + static_cast<off_t>(done), srcPath);
     if (n == 0) break;
     pwriteAllOrThrow(dst, buf.get(), n, off + static_cast<off_t>(done), dstPath);
     done += n;
+    progress.add(n);
   }
   return done;
 }
@@ -80,16 +104,17 @@ uint64_t copyRangeReadWrite(int src, int dst, off_t off, uint64_t len, const std
 // `offload` is false for reflink 'never' (on XFS and btrfs copy_file_range may share extents, which 'never'
 // promises not to do), and is cleared for the rest of the file once copy_file_range is refused.
 uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, const std::string& srcPath,
-                   const std::string& dstPath, const std::atomic<bool>* cancel) {
+                   const std::string& dstPath, CopyProgress& progress) {
   constexpr uint64_t kChunk = 64 << 20;  // copy_file_range in chunks, so that a cancel is seen
   uint64_t done = 0;
   int attempt = 0;
   while (*offload && done < len) {
-    if (cancel && cancel->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "clone", srcPath, dstPath);
+    progress.check(srcPath, dstPath);
     loff_t in = off + static_cast<off_t>(done), out = in;
     ssize_t n = copy_file_range(src, &in, dst, &out, static_cast<size_t>(std::min(kChunk, len - done)), 0);
     if (n > 0) {
       done += static_cast<uint64_t>(n);
+      progress.add(static_cast<uint64_t>(n));
       attempt = 0;
       continue;
     }
@@ -105,7 +130,7 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
     throwErrno(err, "copy_file_range", srcPath, dstPath);
   }
   if (done < len)
-    done += copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, cancel);
+    done += copyRangeReadWrite(src, dst, off + static_cast<off_t>(done), len - done, srcPath, dstPath, progress);
   return done;
 }
 
@@ -128,22 +153,24 @@ bool sizeUnknown(int fd) {
   }
 }
 
-// read(2) found end of file at `at`, before the size the copy started from. Believed where the file now reports
-// no more (it shrank while copied) or where its size means nothing (sizeUnknown); anywhere else a read that stops
-// short of the size the file still reports is an error (EIO), never a short clone.
-void checkEndOfFile(int src, off_t at, const std::string& srcPath) {
+// read(2) found end of file at `at`, before `size`, the size the copy started from. Believed where the file now
+// reports another size than `size` (it was truncated, or truncated and written again, while copied: the caller's
+// checkSourceUnchanged then refuses the clone with ERR_SOURCE_CHANGED, which is what went wrong, not a short read), or
+// no more than `at`, or where its size means nothing (sizeUnknown); a read that stops short of the size the file
+// still reports is an error (EIO), never a short clone.
+void checkEndOfFile(int src, off_t at, uint64_t size, const std::string& srcPath) {
   struct stat now;
   if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
-  if (now.st_size > at && !sizeUnknown(src)) throwErrno(EIO, "read", srcPath);
+  if (now.st_size > at && static_cast<uint64_t>(now.st_size) == size && !sizeUnknown(src))
+    throwErrno(EIO, "read", srcPath);
 }
 
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
-// ends earlier (it shrank while copied; a sysfs attribute reports 4096) is published with the bytes read
-// (checkEndOfFile), and one that goes on (procfs reports 0; it grew) is copied on to its end. The size is then
-// checked on `dst`.
+// ends earlier (a sysfs attribute reports 4096) is published with the bytes read (checkEndOfFile), and one that
+// goes on (procfs reports 0) is copied on to its end. The size is then checked on `dst`.
 uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
-                    const std::string& dstPath, const std::atomic<bool>* cancel) {
+                    const std::string& dstPath, CopyProgress& progress) {
   off_t pos = 0, end = static_cast<off_t>(size);
   bool ended = false;  // read(2) reported end of file before `size`
   while (pos < end) {
@@ -157,10 +184,10 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     off_t hole = lseek(src, data, SEEK_HOLE);
     if (hole < 0 || hole > end) hole = end;  // no hole known: data to the end, which read(2) then finds
     uint64_t want = static_cast<uint64_t>(hole - data);
-    uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, cancel);
+    uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, progress);
     if (got < want) {
       end = data + static_cast<off_t>(got);
-      checkEndOfFile(src, end, srcPath);
+      checkEndOfFile(src, end, size, srcPath);
       ended = true;
       break;
     }
@@ -173,8 +200,9 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     if (n > 0) {
       pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
+      progress.add(n);
       end += static_cast<off_t>(
-          copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath, dstPath, cancel));
+          copyRangeReadWrite(src, dst, end, UINT64_MAX - static_cast<uint64_t>(end), srcPath, dstPath, progress));
     }
   }
   // Trailing hole (and the size itself): extending by ftruncate allocates nothing.
@@ -189,11 +217,16 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
 }  // namespace
 
 CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                          const std::string& dstPath, const std::atomic<bool>* cancel) {
+                          const std::string& dstPath, CloneProgress* p) {
+  CopyProgress progress(p);
+  progress.check(srcPath, dstPath);
   if (reflink != Reflink::Never) {
     int err = 0;
     for (int attempt = 0;; attempt++) {
-      if (ioctl(dst, FICLONE, src) == 0) return {CloneMethod::Reflink, size};
+      if (ioctl(dst, FICLONE, src) == 0) {
+        progress.done(size);
+        return {CloneMethod::Reflink, size};
+      }
       err = errno;
       if (!transient(err) || attempt + 1 == kTransientTries) break;
     }
@@ -206,7 +239,9 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
     // A FICLONE that failed part way (EAGAIN, EINTR) may have left some of the range behind: copy into empty.
     if (ftruncate(dst, 0) != 0) throwErrno(errno, "ftruncate", dstPath);
   }
-  return {CloneMethod::Copy, copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, cancel)};
+  uint64_t bytes = copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, progress);
+  progress.done(bytes);
+  return {CloneMethod::Copy, bytes};
 }
 
 void writeBack(int fd, Writeback writeback, const std::string& path) {
@@ -228,6 +263,26 @@ void fillIdentity(SourceIdentity* identity, const struct stat& st) {
   if (identity)
     *identity = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
                  st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+}
+
+bool sameSourceVersion(const struct stat& a, const struct stat& b) {
+  return a.st_dev == b.st_dev && a.st_ino == b.st_ino && a.st_size == b.st_size &&
+         a.st_mtim.tv_sec == b.st_mtim.tv_sec && a.st_mtim.tv_nsec == b.st_mtim.tv_nsec &&
+         a.st_ctim.tv_sec == b.st_ctim.tv_sec && a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
+}
+
+void throwSourceChanged(const std::string& srcPath, const std::string& dstPath) {
+  throwCode("ERR_SOURCE_CHANGED",
+            "the source changed while it was cloned (size, mtime, ctime or inode); nothing was published", 0, "",
+            srcPath, dstPath);
+}
+
+void checkSourceUnchanged(int src, const struct stat& before, const std::string& srcPath, const std::string& dstPath,
+                          struct stat* after) {
+  struct stat now;
+  if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
+  if (!sameSourceVersion(before, now)) throwSourceChanged(srcPath, dstPath);
+  if (after) *after = now;
 }
 
 namespace {
@@ -266,11 +321,17 @@ int linkTmpfile(int fd, int dirFd, const char* name) {
   return 0;
 }
 
-// Fills the new file `dst` from `src` (stat `st`): data, mode, writeback, fsync for `durable`.
+// Fills the new file `dst` from `src` (stat `st`): data, checked to be of the version `st` names (else
+// ERR_SOURCE_CHANGED), mode, writeback, fsync for `durable`. Fills `identity` (when given) from the stat after the
+// data.
 CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOptions& options,
-                          const std::string& srcPath, const std::string& dstPath, const std::atomic<bool>* cancel) {
+                          const std::string& srcPath, const std::string& dstPath, CloneProgress* progress,
+                          SourceIdentity* identity) {
   CloneFileResult result =
-      cloneData(src, dst, static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, cancel);
+      cloneData(src, dst, static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, progress);
+  struct stat after;
+  checkSourceUnchanged(src, st, srcPath, dstPath, &after);
+  fillIdentity(identity, after);
   // The clone is ours, not the source owner's: set-id bits are kept only where owner (group) are the same, so
   // root cloning a user's 4755 file never mints a root-owned set-uid binary. (No set-id bit: no fstat needed.)
   mode_t mode = st.st_mode & 07777;
@@ -286,25 +347,55 @@ CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOp
   return result;
 }
 
+// What kind of file `mode` is, in words for an error.
+const char* fileKind(mode_t mode) {
+  switch (mode & S_IFMT) {
+    case S_IFIFO:
+      return "a fifo";
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    case S_IFLNK:
+      return "a symlink";
+    default:
+      return "not a regular file";
+  }
+}
+
+// ERR_SOURCE_TYPE: the source is neither a regular file nor a directory. No errno: nothing failed, the source is
+// of a kind a clone does not take (a fifo's or a device's data is a stream, not a file to share extents of).
+[[noreturn]] void throwSourceType(mode_t mode, const std::string& srcPath, const std::string& dstPath) {
+  throwCode("ERR_SOURCE_TYPE",
+            std::string("the source is ") + fileKind(mode) + ": a clone source is a regular file or a directory", 0, "",
+            srcPath, dstPath);
+}
+
 // Opens a clone source, file or directory, once: the caller chooses from its fstat, with no stat(2) of the path
 // before (a syscall fewer, and no window between that stat and the open). O_RDONLY opens a directory as well as
-// a file (open(2)); O_NONBLOCK keeps a fifo from parking this thread in open(2) waiting for a writer (it is refused
-// as not regular after the fstat), and has no effect on regular files or directories. A symlink given as the
-// source itself is followed, as cp does.
+// a file (open(2)); O_NONBLOCK keeps a fifo from parking this thread in open(2) waiting for a writer, and has no
+// effect on regular files or directories. A symlink given as the source itself is followed, as cp does. A source
+// of another kind is ERR_SOURCE_TYPE, from the fstat, or where open(2) refuses it (a socket: ENXIO) from a stat.
 UniqueFd openSource(const std::string& srcPath, const std::string& dstPath, struct stat* st) {
   UniqueFd src(open(srcPath.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!src) throwErrno(errno, "open", srcPath, dstPath);
+  if (!src) {
+    int err = errno;
+    if (err == ENXIO && stat(srcPath.c_str(), st) == 0 && !S_ISREG(st->st_mode) && !S_ISDIR(st->st_mode))
+      throwSourceType(st->st_mode, srcPath, dstPath);
+    throwErrno(err, "open", srcPath, dstPath);
+  }
   if (fstat(src.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
+  if (!S_ISREG(st->st_mode) && !S_ISDIR(st->st_mode)) throwSourceType(st->st_mode, srcPath, dstPath);
   return src;
 }
 
-// cloneFileAt for the source `src` already open (stat `st`).
+// cloneFileAt for the source `src` already open (stat `st`, a regular file: openSource).
 CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
                               const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
-                              SourceIdentity* identity, const std::atomic<bool>* cancel) {
-  if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "clone", srcPath, dstPath);
-  if (!S_ISREG(st.st_mode)) throwErrno(EINVAL, "clone", srcPath, dstPath);
-  fillIdentity(identity, st);
+                              SourceIdentity* identity, CloneProgress* progress) {
+  if (S_ISDIR(st.st_mode)) throwErrno(EISDIR, "open", srcPath, dstPath);
 
   // Without overwrite: an unnamed file (O_TMPFILE), named only once complete by linkat(2), which never replaces
   // (EEXIST). No temp name to draw, rename, or remove on failure (closing the fd frees it): 2 syscalls fewer than
@@ -313,7 +404,7 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
   if (!options.overwrite && !tmpfileLinkRefused.load(std::memory_order_relaxed)) {
     UniqueFd dst(openat(dstDirFd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC | O_NOCTTY, 0600));
     if (dst) {
-      CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, cancel);
+      CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, progress, identity);
       int err = linkTmpfile(dst.get(), dstDirFd, dstName.c_str());
       if (err == 0) {
         if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
@@ -321,8 +412,9 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
       }
       if (!tmpfileLinkRefusedErr(err)) throwErrno(err, "linkat", srcPath, dstPath);
       linkRefused = true;
-      // A copy is read again below, from the start: the file may have changed, and `src`'s offset is unused
-      // (pread, copy_file_range with offsets).
+      // A copy is read again below, from the start (`src`'s offset is unused: pread, copy_file_range with offsets),
+      // and counts its bytes again: the first copy's are taken back (once per process: linkRefused is remembered).
+      if (progress) progress->bytes.fetch_sub(result.bytes, std::memory_order_relaxed);
     } else if (!tmpfileRefused(errno)) {
       throwErrno(errno, "open", dstPath);
     }
@@ -333,7 +425,7 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
   UniqueFd dst(openat(dstDirFd, tmpName.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
-    CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, cancel);
+    CloneFileResult result = fillClone(src, st, dst.get(), options, srcPath, dstPath, progress, identity);
     if (options.overwrite) {
       // rename(2) replaces the destination atomically; it refuses (EISDIR) to replace a directory with a file.
       if (renameat(dstDirFd, tmpName.c_str(), dstDirFd, dstName.c_str()) != 0)
@@ -357,10 +449,10 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
 
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
-                            const std::atomic<bool>* cancel) {
+                            CloneProgress* progress) {
   struct stat st;
   UniqueFd src = openSource(srcPath, dstPath, &st);
-  return cloneOpenFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, identity, cancel);
+  return cloneOpenFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, identity, progress);
 }
 
 ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
@@ -386,12 +478,13 @@ ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* lea
   }
 }
 
-const char* methodName(const CloneSummary& s, Reflink reflink) {
+const char* methodName(const CloneSummary& s, Reflink) {
   if (s.snapshot) return "snapshot";
   if (s.reflinked && s.copied) return "mixed";
   if (s.reflinked) return "reflink";
-  if (s.copied) return "copy";
-  return reflink == Reflink::Never ? "copy" : "reflink";
+  // Copied files, or none: a tree without regular files shared no extent, whatever `reflink` asked for (on ext4 none
+  // could be); its entries were all made anew, as a copy makes them.
+  return "copy";
 }
 
 namespace {
@@ -400,16 +493,12 @@ namespace {
 CloneSummary cloneOneFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
                           const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
                           CloneProgress* progress, SourceIdentity* identity) {
-  CloneFileResult r = cloneOpenFile(src, st, srcPath, dstDirFd, dstName, dstPath, options, identity,
-                                    progress ? &progress->cancel : nullptr);
+  CloneFileResult r = cloneOpenFile(src, st, srcPath, dstDirFd, dstName, dstPath, options, identity, progress);
   CloneSummary s;
   s.files = 1;
   s.bytes = r.bytes;
   (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
-  if (progress) {
-    progress->files.fetch_add(1, std::memory_order_relaxed);
-    progress->bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-  }
+  if (progress) progress->files.fetch_add(1, std::memory_order_relaxed);  // its bytes came with its data (cloneData)
   return s;
 }
 

@@ -47,28 +47,49 @@ struct SourceIdentity {
 // Sets *identity (when given) from the source's stat.
 void fillIdentity(SourceIdentity* identity, const struct stat& st);
 
+// Whether `a` and `b`, two stats of one source, describe the same version of it: the same device, inode, size,
+// mtime and ctime (ctime catches a rewrite touched back to its old mtime, and a chmod, chown or link). Reading
+// changes none of these (atime is not compared); neither does FICLONE of the file as a source (XFS, btrfs).
+bool sameSourceVersion(const struct stat& a, const struct stat& b);
+
+// Throws ERR_SOURCE_CHANGED (no errno; path: the source, dest: the destination): the source changed while it was
+// cloned, so what was built may be neither version.
+[[noreturn]] void throwSourceChanged(const std::string& srcPath, const std::string& dstPath);
+
+// fstat of the open source `src` after its data was cloned: ERR_SOURCE_CHANGED unless it is the version `before`
+// (sameSourceVersion). A reflink is atomic, but a change between `before` and the ioctl is a clone of a version
+// other than the one `before` names, so it is checked as a copy is. Fills *after (when given) on success.
+void checkSourceUnchanged(int src, const struct stat& before, const std::string& srcPath, const std::string& dstPath,
+                          struct stat* after = nullptr);
+
+struct CloneProgress;
+
 // Fills the empty regular file `dst` with the data of `src` (`size` bytes by its stat): ioctl(FICLONE) unless
 // `reflink` is Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
 // ERR_REFLINK_UNSUPPORTED. EAGAIN/EINTR (OpenZFS, signals) are tried again a few times, then taken as a refusal
 // (cause EAGAIN for Always). Other errors are thrown as they are. Returns how the data arrived and the bytes
-// published: a copy reads to the source's end of file (procfs reports size 0, sysfs 4096, a source may change
-// while it is copied) and publishes exactly what it read; every short or zero copy_file_range/read/write is
-// checked (DESIGN.md, "Clone engine"). A copy checks `cancel` (when given) between chunks and stops with ECANCELED.
+// published: a copy reads to the source's end of file (procfs reports size 0, sysfs 4096) and publishes exactly
+// what it read; every short or zero copy_file_range/read/write is checked (DESIGN.md, "Clone engine"). Whether the
+// source changed meanwhile is the caller's check (checkSourceUnchanged). With `progress`, a copy adds its bytes to
+// progress->bytes as each chunk is written (a reflink all at once), so that a single big file reports progress, and
+// checks progress->cancel between chunks (ECANCELED).
 CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
-                          const std::string& dstPath, const std::atomic<bool>* cancel = nullptr);
+                          const std::string& dstPath, CloneProgress* progress = nullptr);
 
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
 // cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete: without `overwrite` it is
 // an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
 // O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
-// errors. Fills `identity` when given. The clone is owned by the caller: set-user-ID is kept only where that is the
-// source's owner, set-group-ID only where the clone's group is the source's (as cp(1) drops them when it does not keep
-// the owner). The named temp file is published with publishFileNoReplace (rename.h), or rename(2) with `overwrite`.
-// Errors: the errno of the failing syscall; EISDIR/EINVAL for a source that is not a regular file;
-// ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink is Always and the file systems refuse it.
+// errors. A source that changed while it was cloned (checkSourceUnchanged) is ERR_SOURCE_CHANGED, nothing published.
+// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller:
+// set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group is the source's
+// (as cp(1) drops them when it does not keep the owner). The named temp file is published with publishFileNoReplace
+// (rename.h), or rename(2) with `overwrite`. Errors: the errno of the failing syscall; EISDIR for a directory;
+// ERR_SOURCE_TYPE (no errno) for a fifo, socket or device node; ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink
+// is Always and the file systems refuse it.
 CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                             const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity = nullptr,
-                            const std::atomic<bool>* cancel = nullptr);
+                            CloneProgress* progress = nullptr);
 
 // The directory a path beneath a base fd ends in: the base itself (borrowed; `owned` empty) or a directory opened
 // beneath it (owned, closed with this).
@@ -87,11 +108,11 @@ struct ParentDir {
 ParentDir openParentBeneath(int baseFd, const std::string& rel, std::string* leaf, const std::string& basePath,
                             bool createParents);
 
-// Shared between the thread that walks and the JS thread that polls it (every 100 ms at most) or cancels it.
+// Shared between the thread that clones and the JS thread that polls it (every 100 ms at most) or cancels it.
 struct CloneProgress {
-  std::atomic<uint64_t> files{0};
-  std::atomic<uint64_t> bytes{0};
-  std::atomic<bool> cancel{false};  // checked between entries: the clone stops with ECANCELED and rolls back
+  std::atomic<uint64_t> files{0};   // regular files done
+  std::atomic<uint64_t> bytes{0};   // bytes cloned, a copy's added per chunk (cloneData): one big file reports too
+  std::atomic<bool> cancel{false};  // checked between entries and between a copy's chunks: ECANCELED, rolled back
 };
 
 struct CloneSummary {
@@ -106,8 +127,9 @@ struct CloneSummary {
   bool snapshot = false;        // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
 };
 
-// "snapshot" (a btrfs subvolume snapshot), "reflink", "copy" or "mixed" (both happened); a clone without regular
-// files says what `reflink` asked for.
+// What happened: "snapshot" (a btrfs subvolume snapshot), "reflink" (every regular file shares its extents), "copy"
+// (every regular file was copied, or there were none: no extent was shared, every entry was made anew) or "mixed"
+// (both). The Reflink asked for does not change the answer (kept in the signature for its callers).
 const char* methodName(const CloneSummary& s, Reflink reflink);
 
 // Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
@@ -119,6 +141,11 @@ const char* methodName(const CloneSummary& s, Reflink reflink);
 // destination fails (ERR_REFLINK_UNSUPPORTED, cause EXDEV) before anything is written.
 // Kept: mode incl. setuid/setgid/sticky, owner and group (where permitted), atime/mtime in ns, xattrs
 // (incl. security.capability, set after chown, which clears it); directory metadata is set after its contents.
+// A tree never enters another mount (mount id, statx.h's mountOf): a mount point becomes an empty directory with the
+// metadata seen at it, as cp -x makes it. A regular file that changed while it was cloned is ERR_SOURCE_CHANGED (a
+// file source: its fstat before and after the data; a tree entry: the walk's fstatat of its name and the open fd's
+// fstat after the data); a source neither regular nor a directory is ERR_SOURCE_TYPE. `identity`: a file source's
+// stat after its data was cloned, a tree's root directory as opened.
 CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
                          const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
                          SourceIdentity* identity = nullptr);

@@ -509,6 +509,9 @@ class TreeCloner {
     if (fstat(srcRootFd_, &s) != 0) throwErrno(errno, "fstat", srcPath(Rel{}));
     if (fstat(dstRootFd_, &d) != 0) throwErrno(errno, "fstat", dstPath(Rel{}));
     skip_ = {d.st_dev, d.st_ino};  // never walk into the tree being built
+    struct statx sx;
+    if (statxFd(srcRootFd_, kStatxMntId, &sx) != 0) throwErrno(errno, "statx", srcPath(Rel{}));
+    srcMount_ = mountOf(srcRootFd_, sx);
     root->src.reset(fcntl(srcRootFd_, F_DUPFD_CLOEXEC, 0));
     if (!root->src) throwErrno(errno, "fcntl", srcPath(Rel{}));
     root->dst.reset(fcntl(dstRootFd_, F_DUPFD_CLOEXEC, 0));
@@ -745,10 +748,24 @@ class TreeCloner {
     if (meta_.copyOwnerXattrs(task->src.get(), task->dst.get(), st, rel, {dst.st_uid, dst.st_gid}) &&
         fstat(task->dst.get(), &dst) != 0)
       throwErrno(errno, "fstat", dstPath(rel));
+    if (onOtherMount(task->src.get(), rel)) {
+      // A mount point (another file system, or a bind mount): an empty directory with the metadata seen at it, as
+      // cp -x and rsync -x make it. What is mounted there is not the source's to copy (removal and usage stop
+      // there too).
+      meta_.setModeTimes(task->dst.get(), metaOf(st), rel);
+      return;
+    }
     task->dir =
         Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst), true};
     if (threads_.handOff(task)) return;
     push(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
+  }
+
+  // Whether the directory `fd` is on another mount than the source root (statx.h's mountOf, as removal compares).
+  bool onOtherMount(int fd, const Rel& rel) const {
+    struct statx sx;
+    if (statxFd(fd, kStatxMntId, &sx) != 0) throwErrno(errno, "statx", srcPath(rel));
+    return mountOf(fd, sx) != srcMount_;
   }
 
   // Links `name` in `ddir` to the clone `target` made earlier (paths relative to the destination root).
@@ -778,12 +795,16 @@ class TreeCloner {
     return src;
   }
 
-  // The data of the regular file `src` (stat `st`) into the new empty `dst` (cloneData).
+  // The data of the regular file `src` into the new empty `dst` (cloneData), checked to be of the version the walk
+  // saw at its name (`st`, from fstatat): an entry replaced after that stat (another inode), or written while it was
+  // cloned, is ERR_SOURCE_CHANGED (checkSourceUnchanged).
   CloneFileResult fileData(int src, int dst, const struct stat& st, const Rel& rel) {
     try {
       // The paths are set by the catch below, so none are built per file here.
-      return cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(), std::string(),
-                       progress_ ? &progress_->cancel : nullptr);
+      CloneFileResult r = cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
+                                    std::string(), progress_);
+      checkSourceUnchanged(src, st, std::string(), std::string());
+      return r;
     } catch (Error& e) {
       // Name the entry the way every other failure of the walk does: the source entry and its destination.
       e.path = srcPath(rel);
@@ -820,10 +841,7 @@ class TreeCloner {
     (data.method == CloneMethod::Reflink ? local.reflinked : local.copied)++;
     local.files++;
     local.bytes += data.bytes;
-    if (progress_) {
-      progress_->files.fetch_add(1, std::memory_order_relaxed);
-      progress_->bytes.fetch_add(data.bytes, std::memory_order_relaxed);
-    }
+    if (progress_) progress_->files.fetch_add(1, std::memory_order_relaxed);  // its bytes came with its data
   }
 
   const CloneOptions& opts_;
@@ -834,6 +852,7 @@ class TreeCloner {
   gid_t egid_;
   mode_t umask_;
   InodeKey skip_{0, 0};
+  uint64_t srcMount_ = 0;  // the mount of the source root: the walk never enters another
 
   std::mutex linkMu_;
   std::unordered_map<InodeKey, NameRef, InodeHash> links_;  // source inode -> its clone's name below dstRoot

@@ -1,5 +1,6 @@
 // Tree clones: a directory tree recreated entry by entry over directory fds, regular files by reflink (or the
-// hole-keeping copy), never following a symlink in the source (O_NOFOLLOW, AT_SYMLINK_NOFOLLOW). The entry points
+// hole-keeping copy), never following a symlink in the source (O_NOFOLLOW, AT_SYMLINK_NOFOLLOW) nor entering another
+// mount (a mount point becomes an empty directory), each file checked unchanged by its copy. The entry points
 // that clone a path (a file or a tree) are clone.h's.
 #pragma once
 

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "clone.h"
 #include "error.h"
 
 namespace vmspace {
@@ -48,8 +49,10 @@ void addSource(Fnv* h, const std::string& dest, const std::string& source) {
   if (stat(source.c_str(), &st) != 0) throwErrno(errno, "stat", source);
   h->add(st);
   if (!S_ISDIR(st.st_mode)) return;
-  // FTW_PHYS: symlinks below the source are recorded as symlinks, never followed (as the tree clone does);
-  // FTW_MOUNT is not set: the clone does not stop at mounts either. At most 16 directory fds at once.
+  // FTW_PHYS: symlinks below the source are recorded as symlinks, never followed (as the tree clone does).
+  // FTW_MOUNT is not set: it compares st_dev, and would leave out a btrfs subvolume, which the clone enters (it
+  // compares mount ids); what is mounted below the source, which the clone leaves out, is in the digest, so a
+  // change there only makes entries stale. At most 16 directory fds at once.
   walkHash = h;
   walkBase = source.size();
   int r = nftw(source.c_str(), walkEntry, 16, FTW_PHYS);
@@ -79,9 +82,11 @@ void buildWarm(Pool& pool, AllocateRequest r, WarmEntry* entry) {
     throw;
   }
   if (after != before) {
-    // Changed while it was cloned: what the entry holds may be a mix of old and new.
+    // Changed while it was built, outside the copy of any one file (which the clone engine checks itself: a file
+    // written while it was copied fails pool.stage with this same error): before its copy began or after it
+    // ended. The entry would be of a newer version than `before` says, or a mix across files.
     pool.discard(std::move(staged));
-    throwErrno(ESTALE, "clone", r.templateDir.empty() && !r.entries.empty() ? r.entries[0].source : r.templateDir);
+    throwSourceChanged(r.templateDir.empty() && !r.entries.empty() ? r.entries[0].source : r.templateDir, "");
   }
   r.progress = nullptr;
   entry->request = std::move(r);

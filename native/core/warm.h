@@ -29,7 +29,8 @@ struct WarmEntry {
 // Builds a reserve entry from `request` (its progress, when set, can cancel the build: ECANCELED): the digest, then
 // Pool::stage with every copied file written back (Writeback::Wait: an entry is ready only once its data is on disk, so
 // the VM's first fsync has nothing of it to write), then the digest again; sources that changed during the build make
-// the entry stale at once: it is removed and ESTALE thrown. Errors as Pool::stage.
+// the entry stale at once: it is removed and ERR_SOURCE_CHANGED thrown (the clone engine's error for a file written
+// while it was copied, which pool.stage throws itself). Errors as Pool::stage.
 void buildWarm(Pool& pool, AllocateRequest request, WarmEntry* entry);
 
 // Publishes the entry with `infoJson` as its metadata (Pool::publish) if the template's sources are still as they
