@@ -472,12 +472,9 @@ void Pool::syncLeaseDir(const std::string& name) {
   if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/leases/" + shard);
 }
 
-void Pool::dropLease(const std::string& name, int leaseFd) {
-  // Only the inode held: a lease file at the name is never another's (the name is ours while we hold it), but
-  // what is unlinked must be what was removed with.
-  struct stat own;
-  if (fstat(leaseFd, &own) != 0) throwErrno(errno, "fstat", leasePath(name));
-  if (!sameEntry(leasesFd_.get(), leaseRel(name), own)) return;
+void Pool::dropLease(const std::string& name) {
+  // The name is the caller's: it holds the lease (or a sweep's take of it), and a lease file is only ever linked
+  // under a name no other exists at (makeLeaseFile, linkLeaseFile: EEXIST).
   if (unlinkat(leasesFd_.get(), leaseRel(name).c_str(), 0) != 0 && errno != ENOENT)
     throwErrno(errno, "unlink", leasePath(name));
 }
@@ -555,6 +552,7 @@ class PoolStage {
     UniqueFd lease = claimName();
     std::string stagingPath = pool_.stagingPath(shard_, res_.name);
     try {
+      if (direct_) return finish(std::move(lease));  // nothing to put in it
       UniqueFd ws(openat(dirFd_, res_.name.c_str(), kDirFlags));
       if (!ws) throwErrno(errno, "open", stagingPath);
       // The quota is on the empty workspace before anything is cloned in (a project id is inherited from here on).
@@ -564,16 +562,20 @@ class PoolStage {
                                 pool_.projectIds_, res_.name);
       cloneSources(ws.get(), stagingPath);
     } catch (...) {
-      abandon(lease.get(), stagingPath);
+      abandon(stagingPath);
       throw;
     }
+    return finish(std::move(lease));
+  }
+
+ private:
+  StagedWorkspace finish(UniqueFd lease) {
     res_.lease = std::move(lease);
     res_.draws = tries_;
     res_.shard = shard_;
     return std::move(res_);
   }
 
- private:
   // Refusals before anything is made.
   void checkCanBuild() {
     // A workspace is a directory: without RENAME_NOREPLACE nothing publishes or moves it without the risk of
@@ -628,11 +630,11 @@ class PoolStage {
       try {
         err = makeEntry();
       } catch (...) {
-        dropLeaseQuietly(lease.get());
+        dropLeaseQuietly();
         throw;
       }
       if (err == 0) return lease;
-      dropLeaseQuietly(lease.get());  // EEXIST: draw again
+      dropLeaseQuietly();  // EEXIST: draw again
     }
   }
 
@@ -652,9 +654,9 @@ class PoolStage {
     return err;
   }
 
-  void dropLeaseQuietly(int lease) {
+  void dropLeaseQuietly() {
     try {
-      pool_.dropLease(res_.name, lease);
+      pool_.dropLease(res_.name);
     } catch (...) {
       // Left free (closed by the caller): a sweep removes a lease file whose workspace is gone.
     }
@@ -662,10 +664,10 @@ class PoolStage {
 
   // A failed build: its entry removed, then its lease file. What cannot be removed stays under a free lease (closed
   // by the caller), which a sweep finishes; the original error is the one to report, whatever the cleanup met.
-  void abandon(int lease, const std::string& stagingPath) {
+  void abandon(const std::string& stagingPath) {
     try {
       pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
-      pool_.dropLease(res_.name, lease);
+      pool_.dropLease(res_.name);
     } catch (...) {
     }
   }
@@ -739,7 +741,7 @@ AllocateResult Pool::allocate(const AllocateRequest& req) {
 void Pool::discard(StagedWorkspace&& staged) {
   UniqueFd lease = std::move(staged.lease);  // dropped last: the entry stays ours while it is removed
   removeWorkspace(stagingDirFd(staged.shard), staged.name, stagingPath(staged.shard, staged.name));
-  dropLease(staged.name, lease.get());
+  dropLease(staged.name);
 }
 
 // One publish of a staged workspace (Pool::publish): its record written to its lease file, then its name claimed
@@ -821,7 +823,7 @@ class PoolPublish {
         pool_.removeWorkspace(pool_.rootFd_.get(), res_.name, pool_.path(res_.name));
       else
         pool_.removeWorkspace(dirFd_, res_.name, pool_.stagingPath(shard_, res_.name));
-      pool_.dropLease(res_.name, lease_.get());
+      pool_.dropLease(res_.name);
     } catch (...) {
       // Left with its lease free (closed below): a sweep reclaims it. The original error is the one to report,
       // whatever the cleanup met (an Error, or bad_alloc).
@@ -906,6 +908,9 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
   // bottleneck). rmdir removes only an empty directory and refuses a mount point (EBUSY), and the name vanishes
   // atomically as with the rename. Not for a workspace with a quota of its own: a btrfs subvolume (its own st_dev)
   // or a pool that has project-id claims goes through removeWorkspace, which releases them.
+  // Made by this process without a quota (hints.claim false): no claim to release and no subvolume of its own,
+  // so rmdir(2) first, the checks below only for what it refuses (not empty, not a directory, a mount).
+  if (!hints.claim && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) return dropLease(name);
   struct stat st;
   bool atName = fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
   // Something else at its name (a symlink, a file): not the workspace, never followed or removed. The lease file
@@ -919,7 +924,7 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
     if (!inTrash) inTrash = fstatat(trashFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
     if (inTrash) removeWorkspace(trashFd_.get(), name, root_ + "/.vmspace/trash/" + name);
   }
-  dropLease(name, lease.get());
+  dropLease(name);
 }
 
 int Pool::openHandover(const std::string& name, int leaseFd) {
@@ -1073,14 +1078,14 @@ class PoolSweep {
     return Lease::Free;
   }
 
-  // Removes dirFd/name (shown below dirPath), then its lease file (taken through `lease`), and reports it.
-  void reclaim(int dirFd, const std::string& dirPath, const std::string& name, const char* from, int lease) {
+  // Removes dirFd/name (shown below dirPath), then its lease file (the caller holds its take), and reports it.
+  void reclaim(int dirFd, const std::string& dirPath, const std::string& name, const char* from) {
     SweepEntry e{name, from, 0, {}};
     if (!dryRun_) {
       std::string shown = dirPath + "/" + name;
       bool told = freedBytes(dirFd, name, shown, &e.bytes);
       pool_.removeWorkspace(dirFd, name, shown, told ? nullptr : &e.bytes);
-      pool_.dropLease(name, lease);
+      pool_.dropLease(name);
     }
     report_.reclaimed.push_back(std::move(e));
   }
@@ -1113,7 +1118,7 @@ class PoolSweep {
           return;
         }
         if (!pool_.moveToTrash(name)) return;  // disposed or reclaimed by someone else meanwhile
-        reclaim(pool_.trashFd_.get(), trashDir_, name, "published", lease.get());
+        reclaim(pool_.trashFd_.get(), trashDir_, name, "published");
       });
     }
   }
@@ -1127,7 +1132,7 @@ class PoolSweep {
       if (l == Lease::None) foreign(dir + "/" + name);
       if (l != Lease::Free) return;
       handled_.insert(name);
-      reclaim(dirFd, dir, name, from, lease.get());
+      reclaim(dirFd, dir, name, from);
     });
   }
 
@@ -1205,7 +1210,7 @@ class PoolSweep {
         guarded(file, "lease", dir + "/" + file, [&] {
           UniqueFd lease;
           if (probe(file, &lease) != Lease::Free || hasEntry(file)) return;  // an entry left: the next sweep's
-          if (!dryRun_) pool_.dropLease(file, lease.get());
+          if (!dryRun_) pool_.dropLease(file);
           report_.leasesRemoved++;
         });
       }
