@@ -5,7 +5,9 @@
  * boot guests (the message names the packages to install).
  */
 import * as os from 'node:os'
+import * as path from 'node:path'
 import { parseArgs } from 'node:util'
+import { statOrUndefined } from '../util.js'
 import { runBootDemo, type BootDemoOptions } from './run.js'
 import { BootUnavailableError } from './tools.js'
 
@@ -20,7 +22,8 @@ checks every clone after its guest powers off, and lets sweep() reclaim the work
 
   --boot N         number of VMs (default 4)
   --parallel P     at most P VMs at once (default min(N, ${os.availableParallelism()} CPUs))
-  --root DIR       make the run's pool under DIR, e.g. an XFS mount to see reflink (default ${os.tmpdir()})
+  --root DIR       make the run's pool under DIR, e.g. an XFS mount to see reflink (default ${os.tmpdir()});
+                   a missing DIR is made when its parent exists
   --chaos          SIGKILL a share of the QEMU processes mid-boot
   --accel A        auto (default: KVM if a short probe boots a guest, else TCG), kvm or tcg
   --timeout S      per-VM limit in seconds from QEMU's start to the guest's power-off (default 300)
@@ -34,6 +37,19 @@ function positiveInt(name: string, value: string | undefined, fallback: number |
   const n = Number(value)
   if (!/^[0-9]+$/.test(value) || !Number.isSafeInteger(n) || n < 1) throw new RangeError(`--${name} takes a positive integer, got ${JSON.stringify(value)}`)
   return n
+}
+
+/**
+ * `--root DIR` as the other demo takes it (demo/options.ts): resolved against the current directory; an existing
+ * non-directory, or a missing DIR whose parent is missing too, is refused here (exit 2) rather than by mkdtemp later.
+ */
+function checkRoot(value: string): string {
+  if (value.trim() === '') throw new RangeError('--root must name a directory')
+  const root = path.resolve(value)
+  const st = statOrUndefined(root)
+  if (st && !st.isDirectory()) throw new RangeError(`--root ${root} exists and is not a directory`)
+  if (!st && !statOrUndefined(path.dirname(root))?.isDirectory()) throw new RangeError(`--root ${root}: its parent directory does not exist`)
+  return root
 }
 
 /** Parses the demo's arguments (strict: an unknown option is an error). */
@@ -59,7 +75,7 @@ export function parseBootArgs(argv: string[]): BootDemoOptions | 'help' {
   return {
     boot: positiveInt('boot', values.boot, 4)!,
     parallel: positiveInt('parallel', values.parallel, undefined),
-    root: values.root,
+    root: values.root === undefined ? undefined : checkRoot(values.root),
     chaos: values.chaos ?? false,
     accel,
     timeoutMs: (positiveInt('timeout', values.timeout, 300) ?? 300) * 1000,

@@ -24,7 +24,7 @@ export interface BootDemoOptions {
   boot: number
   /** At most this many VMs at once. Default min(boot, os.availableParallelism()). */
   parallel?: number
-  /** The run's directory (pool, base copy, console logs) is made under this one. Default os.tmpdir(). */
+  /** The run's directory (pool, base copy, console logs) is made under this one, itself made (0755) when missing. Default os.tmpdir(). */
   root?: string
   /** SIGKILL a share of the QEMU processes mid-boot. Default false. */
   chaos?: boolean
@@ -114,10 +114,7 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
 
   const tools = findBootTools()
   const images = await guestImages(tools, options.cacheDir ?? os.tmpdir(), log)
-  const root = path.resolve(options.root ?? os.tmpdir())
-  const runDir = await fsp.mkdtemp(path.join(root, 'vmspace-boot-'))
-  const consoleDir = path.join(runDir, 'console')
-  await fsp.mkdir(consoleDir)
+  const { runDir, consoleDir } = await makeRunDir(path.resolve(options.root ?? os.tmpdir()))
   // The base lives on the pool's file system: a reflink cannot cross file systems.
   const base = path.join(runDir, 'base.ext4')
   await clone(images.rootfs, base)
@@ -170,6 +167,24 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   }
   report.table = formatTable(report)
   return report
+}
+
+/**
+ * Makes the run's directory (`vmspace-boot-<random>`, 0700) and its `console/` under `root`. A missing `root` is made
+ * first (one level, 0755 whatever the umask), as the other demo's `--root` is: there `openPool` makes it, here the
+ * pool lives one level further down, so `mkdtemp` alone would fail with ENOENT.
+ */
+export async function makeRunDir(root: string): Promise<{ runDir: string; consoleDir: string }> {
+  try {
+    await fsp.mkdir(root, { mode: 0o700 })
+    await fsp.chmod(root, 0o755)
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== 'EEXIST') throw e
+  }
+  const runDir = await fsp.mkdtemp(path.join(root, 'vmspace-boot-'))
+  const consoleDir = path.join(runDir, 'console')
+  await fsp.mkdir(consoleDir)
+  return { runDir, consoleDir }
 }
 
 interface RunContext {
