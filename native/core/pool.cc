@@ -274,11 +274,12 @@ bool isWorkspaceName(const char* name) {
 std::string shardName(int i) { return "s" + std::to_string(i); }
 std::string leaseShardName(int i) { return std::string(1, "0123456789abcdef"[i]); }
 
-// Whether the directory `fd` has an entry other than another opener's half-built .vmspace (kInitPrefix).
+// Whether the directory `fd` has an entry other than what concurrent openers make: a half-built .vmspace
+// (kInitPrefix), or .vmspace itself, renamed into place since this opener found none.
 bool hasEntries(int fd, const std::string& shown) {
   bool any = false;
   forEachName(fd, shown, [&](const struct dirent& e) {
-    if (strncmp(e.d_name, kInitPrefix, sizeof kInitPrefix - 1) != 0) any = true;
+    if (strncmp(e.d_name, kInitPrefix, sizeof kInitPrefix - 1) != 0 && strcmp(e.d_name, ".vmspace") != 0) any = true;
   });
   return any;
 }
@@ -472,11 +473,12 @@ void Pool::syncLeaseDir(const std::string& name) {
   if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/leases/" + shard);
 }
 
-void Pool::dropLease(const std::string& name) {
+bool Pool::dropLease(const std::string& name) {
   // The name is the caller's: it holds the lease (or a sweep's take of it), and a lease file is only ever linked
   // under a name no other exists at (makeLeaseFile, linkLeaseFile: EEXIST).
-  if (unlinkat(leasesFd_.get(), leaseRel(name).c_str(), 0) != 0 && errno != ENOENT)
-    throwErrno(errno, "unlink", leasePath(name));
+  if (unlinkat(leasesFd_.get(), leaseRel(name).c_str(), 0) == 0) return true;
+  if (errno != ENOENT) throwErrno(errno, "unlink", leasePath(name));
+  return false;  // a dispose that held it unlinked it meanwhile
 }
 
 namespace {
@@ -910,7 +912,10 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
   // or a pool that has project-id claims goes through removeWorkspace, which releases them.
   // Made by this process without a quota (hints.claim false): no claim to release and no subvolume of its own,
   // so rmdir(2) first, the checks below only for what it refuses (not empty, not a directory, a mount).
-  if (!hints.claim && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) return dropLease(name);
+  if (!hints.claim && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
+    dropLease(name);
+    return;
+  }
   struct stat st;
   bool atName = fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
   // Something else at its name (a symlink, a file): not the workspace, never followed or removed. The lease file
@@ -1090,7 +1095,12 @@ class PoolSweep {
     report_.reclaimed.push_back(std::move(e));
   }
 
-  void foreign(const std::string& shown) { report_.foreign.push_back(shown); }
+  // An entry of dirFd named like a workspace without a lease file: reported, unless it is gone meanwhile (a dispose
+  // removes the directory, then its lease file, between this sweep's readdir and its look for the lease).
+  void foreign(int dirFd, const std::string& name, const std::string& shown) {
+    struct stat st;
+    if (fstatat(dirFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) report_.foreign.push_back(shown);
+  }
 
   // Published workspaces: a free lease means the owner and every holder are gone. The take is held while the
   // workspace is moved and removed, so no adopt or other sweep acts on it meanwhile.
@@ -1104,7 +1114,7 @@ class PoolSweep {
         UniqueFd lease;
         switch (probe(name, &lease)) {
           case Lease::None:
-            foreign(pool_.path(name));
+            foreign(pool_.rootFd_.get(), name, pool_.path(name));
             return;
           case Lease::Held:
             report_.live++;
@@ -1129,7 +1139,7 @@ class PoolSweep {
     guarded(name, from, dir + "/" + name, [&] {
       UniqueFd lease;
       Lease l = probe(name, &lease);
-      if (l == Lease::None) foreign(dir + "/" + name);
+      if (l == Lease::None) foreign(dirFd, name, dir + "/" + name);
       if (l != Lease::Free) return;
       handled_.insert(name);
       reclaim(dirFd, dir, name, from);
@@ -1147,7 +1157,7 @@ class PoolSweep {
       else if (name.compare(0, 9, "template-") == 0)
         guarded(name, "trash", trashDir_ + "/" + name, [&] { reclaimTemplate(name); });
       else
-        foreign(trashDir_ + "/" + name);
+        foreign(pool_.trashFd_.get(), name, trashDir_ + "/" + name);
     }
   }
   void reclaimTemplate(const std::string& name) {
@@ -1166,14 +1176,14 @@ class PoolSweep {
   // in progress is ever taken, however young.
   void stagingPass() {
     for (auto& entry : readNames(pool_.stagingFd_.get(), stagingDir_))
-      if (!isShardName(entry.first)) foreign(stagingDir_ + "/" + entry.first);
+      if (!isShardName(entry.first)) foreign(pool_.stagingFd_.get(), entry.first, stagingDir_ + "/" + entry.first);
     for (int i = 0; i < kStagingShards; i++) {
       std::string dir = stagingDir_ + "/" + shardName(i);
       for (auto& entry : readNames(pool_.shardFds_[i].get(), dir)) {
         if (isWorkspaceName(entry.first.c_str()))
           leasedEntry(pool_.shardFds_[i].get(), dir, entry.first, "staging");
         else
-          foreign(dir + "/" + entry.first);
+          foreign(pool_.shardFds_[i].get(), entry.first, dir + "/" + entry.first);
       }
     }
   }
@@ -1210,8 +1220,7 @@ class PoolSweep {
         guarded(file, "lease", dir + "/" + file, [&] {
           UniqueFd lease;
           if (probe(file, &lease) != Lease::Free || hasEntry(file)) return;  // an entry left: the next sweep's
-          if (!dryRun_) pool_.dropLease(file);
-          report_.leasesRemoved++;
+          if (dryRun_ || pool_.dropLease(file)) report_.leasesRemoved++;
         });
       }
     }
@@ -1255,6 +1264,8 @@ std::vector<ListEntry> Pool::list() {
     UniqueFd lease(openLeaseFile(leasesFd_.get(), leaseRel(name)));
     // No lease file: not vmspace's, or disposed meanwhile (the lease file goes last).
     if (!lease && (errno == ENOENT || errno == ELOOP)) continue;
+    struct stat st;
+    if (lease && (fstat(lease.get(), &st) != 0 || !S_ISREG(st.st_mode))) continue;  // no lease file: not vmspace's
     ListEntry entry;
     entry.name = name;
     if (!lease) {
@@ -1275,7 +1286,6 @@ std::vector<ListEntry> Pool::list() {
     if (held < 0) entry.probeErrno = -held;
     entry.live = held != 0;
     // Disposed between the readdir and the open: its directory is gone from its name.
-    struct stat st;
     if (fstatat(rootFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT) continue;
     out.push_back(std::move(entry));
   }

@@ -217,8 +217,8 @@ class Pool {
   std::string leaseRel(const std::string& name) const { return leaseShardOf(name) + "/" + name; }
   // fsync of the shard of leases/ that holds the lease file of `name` (durable pools).
   void syncLeaseDir(const std::string& name);
-  // Unlinks the lease file of `name`, whose lease (or a sweep's take of it) the caller holds.
-  void dropLease(const std::string& name);
+  // Unlinks the lease file of `name`, whose lease (or a sweep's take of it) the caller holds; false when it was gone.
+  bool dropLease(const std::string& name);
   // removeTreeNoFollow of a workspace, and then its quota released (a btrfs subvolume's qgroup, a project id).
   void removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes = nullptr);
   // .vmspace/projects/ (project id claims), made on first use; -1 when it does not exist and !create.
