@@ -11,11 +11,11 @@
  *
  * Every behaviour runs on the scratch ext4 and on the loop-mounted XFS (reflink) of the global setup.
  */
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { openPool, type VmspaceError } from '../lib/index.js'
+import { openPool } from '../lib/index.js'
 import { freshDir, mounts, needs, randomId, repoRoot } from './helpers.js'
 import { exactSnapshot, fileSystems, leaseFilePath, newPoolListing, rejection, stagingShards, treeListing } from './layout-helpers.js'
 
@@ -148,6 +148,25 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
   })
 
   describe.skipIf(base === null)(`where a pool is made ${needs(label, base === null && (missing ?? 'not made'))}`, () => {
+    test.each([
+      ['a regular file', (at: string) => fs.writeFileSync(at, 'x')],
+      ['a symlink to another pool\'s .vmspace/', (at: string, other: string) => fs.symlinkSync(path.join(other, '.vmspace'), at)],
+      ['a dangling symlink', (at: string) => fs.symlinkSync('/nonexistent-vmspace', at)],
+    ])('a .vmspace that is %s is refused with ENOTDIR, with or without nonEmpty; it is never followed, nothing changes', async (_, plant) => {
+      const dir = freshDir(base!)
+      const other = path.join(dir, 'other')
+      await (await openPool(other)).close()
+      const root = path.join(dir, 'pool')
+      fs.mkdirSync(root)
+      plant(path.join(root, '.vmspace'), other)
+      const before = exactSnapshot(dir)
+      for (const options of [{}, { nonEmpty: true }]) {
+        const err = await rejection(openPool(root, options))
+        expect(err).toMatchObject({ code: 'ENOTDIR', errno: -20, syscall: 'open', path: path.join(root, '.vmspace') })
+      }
+      expect(exactSnapshot(dir)).toEqual(before)
+    })
+
     test('a directory holding other entries is refused with ERR_POOL_NOT_EMPTY (errno ENOTEMPTY); nothing is made in it', async () => {
       const root = path.join(freshDir(base!), 'docs')
       fs.mkdirSync(path.join(root, 'sub'), { recursive: true })
@@ -251,23 +270,29 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
       }
     })
 
-    test('6 openPool calls at once in one process (threads of the libuv pool), 300 roots: every open succeeds, one .vmspace each, no .vmspace.init-* left', async () => {
+    test('8 openPool calls at once in one process (8 threads of its libuv pool), 300 roots: every open succeeds, one .vmspace each, no .vmspace.init-* left', () => {
       const dir = freshDir(base!)
-      const failures: string[] = []
-      for (let round = 0; round < 300; round++) {
-        const root = path.join(dir, `pool-${round}`)
-        const results = await Promise.all(
-          Array.from({ length: 6 }, () =>
-            openPool(root).then(
-              (p) => p.close().then(() => 'ok'),
-              (e: VmspaceError) => `${e.code}: ${e.message}`,
-            ),
-          ),
-        )
-        failures.push(...results.filter((r) => r !== 'ok').map((r) => `round ${round}: ${r}`))
-        expect(fs.readdirSync(root)).toEqual(['.vmspace'])
-      }
-      expect(failures).toEqual([])
+      // In a process of its own, so that its libuv pool has 8 threads (UV_THREADPOOL_SIZE, read once per process).
+      const script = `
+        const fs = require('node:fs')
+        const { openPool } = require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))})
+        ;(async () => {
+          const failures = [], roots = {}
+          for (let round = 0; round < 300; round++) {
+            const root = process.argv[1] + '/pool-' + round
+            const results = await Promise.all(Array.from({ length: 8 }, () =>
+              openPool(root).then((p) => p.close().then(() => 'ok'), (e) => e.code + ': ' + e.message)))
+            for (const r of results) if (r !== 'ok') failures.push('round ' + round + ': ' + r)
+            const entries = fs.readdirSync(root).sort().join(',')
+            roots[entries] = (roots[entries] || 0) + 1
+          }
+          process.stdout.write(JSON.stringify({ failures, roots }))
+        })()
+      `
+      const r = spawnSync(process.execPath, ['-e', script, dir], { encoding: 'utf8', env: { ...process.env, UV_THREADPOOL_SIZE: '8' } })
+      expect(r.status, r.stderr).toBe(0)
+      const { failures, roots } = JSON.parse(r.stdout) as { failures: string[]; roots: Record<string, number> }
+      expect({ failed: failures.length, firstFailures: failures.slice(0, 3), roots }).toEqual({ failed: 0, firstFailures: [], roots: { '.vmspace': 300 } })
     })
   })
 

@@ -19,8 +19,8 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool, type Pool, type SweepReport } from '../lib/index.js'
-import { Child, fixtures, freshDir, MiB, mounts, needs, runCommand, writeRandomFile } from './helpers.js'
-import { exactSnapshot, fileSystems, leaseFilePath, newPoolListing, rejection, treeListing } from './layout-helpers.js'
+import { Child, eventually, fixtures, freshDir, MiB, mounts, needs, repoRoot, runCommand, writeRandomFile } from './helpers.js'
+import { exactSnapshot, fileSystems, leaseFilePath, newPoolListing, rejection, stagingShards, treeListing } from './layout-helpers.js'
 
 const LEASE_UID = 4294967294 // (uid_t)-2: lease.h kLeaseUid
 const commandExists = (cmd: string) => spawnSync('sh', ['-c', `command -v ${cmd}`], { stdio: 'ignore' }).status === 0
@@ -242,6 +242,47 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
       await ws.release()
       expect(await pool.sweep({ graceMs: 0 })).toMatchObject({ leasesRemoved: 1 })
       expect(treeListing(pool.root)).toEqual(newPoolListing)
+      await pool.close()
+    })
+  })
+
+  describe.skipIf(skip)(`a build whose process was killed ${why}`, () => {
+    test('in staging: the next sweep reclaims it from \'staging\' with its lease file, and nothing is left', async () => {
+      const dir = freshDir(base!)
+      // 1500 files: a build that takes long enough for a kill to land while it is in staging.
+      const template = path.join(dir, 'template')
+      for (let d = 0; d < 15; d++) {
+        fs.mkdirSync(path.join(template, `d${d}`), { recursive: true })
+        for (let f = 0; f < 100; f++) fs.writeFileSync(path.join(template, `d${d}`, `f${f}`), `${d}/${f}`)
+      }
+      const pool = await openPool(path.join(dir, 'pool'))
+      const stagingNames = () => stagingShards.flatMap((s) => fs.readdirSync(path.join(pool.root, '.vmspace', 'staging', s)).map((n) => `${s}/${n}`))
+      const script = `require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))}).openPool(process.argv[1], { create: false })
+        .then((p) => p.allocate({ template: process.argv[2] })).then(() => process.stdout.write('published'))`
+      // A kill that lands after the publish (the build was quicker than the poll) is tried again.
+      for (let attempt = 1; ; attempt++) {
+        const child = spawn(process.execPath, ['-e', script, pool.root, template], { stdio: ['ignore', 'pipe', 'inherit'] })
+        const exited = new Promise<NodeJS.Signals | null>((resolve) => child.on('exit', (_code, signal) => resolve(signal)))
+        onTestFinished(() => void child.kill('SIGKILL'))
+        await eventually(() => stagingNames().length > 0 || child.exitCode !== null)
+        child.kill('SIGKILL')
+        expect(await exited).toBe('SIGKILL')
+        const staged = stagingNames()
+        if (staged.length === 0) {
+          expect(attempt, 'every kill landed after the build had left staging').toBeLessThan(10)
+          await pool.sweep({ graceMs: 0 })
+          continue
+        }
+        const [entry] = staged
+        const name = entry.split('/')[1]
+        expect(staged).toEqual([entry])
+        expect(fs.existsSync(leaseFilePath(pool.root, name))).toBe(true)
+        expect(await pool.sweep({ graceMs: 0 })).toEqual({
+          reclaimed: [{ id: name.slice(-32), name, from: 'staging', bytes: expect.any(Number) }], live: 0, failed: [], leasesRemoved: 0, foreign: [],
+        })
+        expect(treeListing(pool.root)).toEqual(newPoolListing)
+        break
+      }
       await pool.close()
     })
   })
