@@ -165,6 +165,7 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
       const ws = await pool.allocate({ meta: { vm: 1 } })
       fill(ws.path)
       const child = holder(ws.leaseFd)
+      expect(fs.readlinkSync(`/proc/${child.pid}/fd/3`)).toBe(leaseFilePath(pool.root, ws.name))
       const before = exactSnapshot(pool.root)
 
       const err = await rejection(ws.dispose())
