@@ -486,8 +486,8 @@ describe('threads (DESIGN.md, "Threads")', () => {
     expect(await child.next()).toEqual({
       event: 'result',
       error: { name: 'VmspaceError', code: 'EAGAIN', errno: -11, syscall: 'pthread_create', path: path.join(dir, 'n.lock') },
-      fdsBefore: 1,
-      fdsAfter: 1,
+      fdsBefore: 0,
+      fdsAfter: 0,
       again: true,
     })
     expect((await child.exited).code, child.stderr).toBe(0)
