@@ -5,6 +5,7 @@
 import { AsyncLocalStorage } from 'node:async_hooks'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
+import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { TextDecoder } from 'node:util'
 import { threadId } from 'node:worker_threads'
@@ -188,8 +189,14 @@ async function lockDataFile(p: string, timeoutMs: number | undefined, signal: Ab
       (t) => acquireLock(p, { shared: false, wait: true, timeoutMs, signal, create: false, owner }, t),
     )
   } catch (e) {
-    if (e instanceof VmspaceError && e.code === 'ENOENT' && e.syscall === 'open' && e.path === p) return undefined
-    throw e
+    if (!(e instanceof VmspaceError && e.code === 'ENOENT' && e.syscall === 'open' && e.path === p)) throw e
+    // A missing directory is no first write: fail before `mutate` runs, as the write would.
+    try {
+      await fsp.stat(path.dirname(p))
+    } catch {
+      throw e
+    }
+    return undefined
   }
 }
 

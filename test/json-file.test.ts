@@ -581,3 +581,14 @@ describe('an update never waits on its own process (ERR_LOCK_REENTRANT, nothing 
     expect(readIndex(file)).toEqual({ x: 1, y: 1, z: 1 })
   })
 })
+
+test('a file in a missing directory: ENOENT before mutate runs, nothing made', async () => {
+  const dir = freshDir()
+  const file = path.join(dir, 'missing', 'index.json')
+  let called = false
+  const err = await updateJsonFile(file, () => ((called = true), {})).catch((e: unknown) => e)
+  expect(err).toBeInstanceOf(VmspaceError)
+  expect(err).toMatchObject({ code: 'ENOENT', syscall: 'open', path: file })
+  expect(called).toBe(false)
+  expect(fs.readdirSync(dir)).toEqual([])
+})
