@@ -98,7 +98,9 @@ async function waitTurn(p: string, before: Promise<void>, timeoutMs: number | un
  * Within one process: this thread's updates of one path take turns (in call order); those of two worker_threads
  * wait for each other in flock, as two processes' do. An update of the same file from inside its own `mutate`
  * (the nested call, sync or async, and anything `mutate` starts), or of a file this process holds with lockFile,
- * rejects at once with `ERR_LOCK_REENTRANT` (cause `EDEADLK`), changing nothing: it would wait for itself.
+ * rejects at once with `ERR_LOCK_REENTRANT` (cause `EDEADLK`), changing nothing: it would wait for itself. The
+ * turns are kept per path string: two updates of one file under two names (a hard link) from one thread at once
+ * are refused the same way, so name an index by one path.
  *
  * Each write first removes the temps (`.<name>.tmp-<12 hex>`, regular files) that writers killed before their
  * rename left next to `path`. A symlink at `path` is refused with `ELOOP` (syscall `'open'`, as open(2) with
