@@ -211,15 +211,18 @@ export interface Native {
   releaseLease(fd: number): Promise<void>
   /** Drops the batched allocate/dispose calls not run yet; the pool threads stop after their current call. */
   stopBatch(): void
-  lockOpen(path: string, shared: boolean): Promise<{ fd: number; acquired: boolean }>
+  /** `create`: make a missing file (else ENOENT); `owner`: 0 for lockFile, thread number + 1 for updateJsonFile (native/core/lock.h, lockClaim). */
+  lockOpen(options: { path: string; shared: boolean; create: boolean; owner: number }): Promise<{ fd: number; acquired: boolean }>
   /** done gets the fd the wait ends with (a new one when the file at `path` was replaced meanwhile): the caller's to release. */
   lockWait(options: { fd: number; path: string; shared: boolean }, done: (errno: number, fd: number, syscall: string) => void): WaitHandle
   lockCancel(handle: WaitHandle): void
   lockRelease(fd: number): Promise<void>
-  /** A file's bytes, undefined when it does not exist. */
-  readJsonFile(path: string): Promise<Buffer | undefined>
-  /** Replaces the file at `path` by one holding `text` (a temp file renamed over it; fsync'd when durable). */
-  replaceJsonFile(options: { path: string; text: string; durable: boolean }): Promise<void>
+  /** The bytes of the data file locked on `fd` (`path` names it in errors). */
+  readLockedJsonFile(fd: number, path: string): Promise<Buffer>
+  /** Replaces the file at `path`, locked on `fd`, by one holding `text`: false when `path` names another file now (nothing written). */
+  replaceJsonFile(options: { path: string; fd: number; text: string; durable: boolean }): Promise<boolean>
+  /** Publishes `text` at `path`, where no file is: false when one appeared meanwhile (nothing written). */
+  createJsonFile(options: { path: string; text: string; durable: boolean }): Promise<boolean>
 }
 
 /** Test seams, in test builds only (VMSPACE_TEST_HOOKS; test/native-hooks.ts loads them). */

@@ -1,19 +1,25 @@
 /**
- * The locked JSON index: read-modify-write of a JSON file under a lockFile() lock (DESIGN.md, "Locked JSON index").
+ * The locked JSON index: read-modify-write of a JSON file under a flock(2) lock on the file itself (DESIGN.md,
+ * "Locked JSON index").
  */
+import { AsyncLocalStorage } from 'node:async_hooks'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
+import * as path from 'node:path'
+import { performance } from 'node:perf_hooks'
 import { TextDecoder } from 'node:util'
+import { threadId } from 'node:worker_threads'
 import { native } from './binding.js'
 import { abortSignal, absolutePath, boolean, func, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
 import { AbortError, call, vmspaceError, VmspaceError } from './errors.js'
-import { lockFile, timeoutOption } from './lock.js'
+import { acquireLock, lockFd, reentrantError, timeoutOption, type FileLock } from './lock.js'
+import { lockChannel, traced } from './trace.js'
 
 /** Options of {@link updateJsonFile}. */
 export interface UpdateJsonOptions {
   /** fsync the directory after the rename too (the file itself is always fsynced before it). Default false. */
   durable?: boolean
-  /** Give up waiting for the lock after this many ms (`ERR_LOCK_TIMEOUT`). */
+  /** Give up waiting for the lock (this thread's earlier updates of the file included) after this many ms (`ERR_LOCK_TIMEOUT`). */
   timeoutMs?: number
   /**
    * The type the index holds: `'object'` (default) or `'array'`. A file of another JSON type is
@@ -32,22 +38,78 @@ export interface UpdateJsonOptions {
 
 const utf8 = new TextDecoder('utf-8', { fatal: true })
 
+// The paths whose `mutate` the current async context runs inside: an update of one of them from there would wait
+// for the update that is waiting for it.
+const updating = new AsyncLocalStorage<ReadonlySet<string>>()
+
+// This thread's updates of each path, in call order: the tail each new one waits behind. The lock registry of the
+// addon refuses a second update of one file from one thread (it cannot tell it from a nested one), so this
+// thread's updates take turns here, and only other threads' and processes' wait in flock.
+const turns = new Map<string, Promise<void>>()
+
+// The lock registry's owner of this thread's updates (native/core/lock.h, lockClaim): two threads' updates of one
+// file wait for each other in flock as two processes' do.
+const owner = threadId + 1
+
 /**
- * Read-modify-write of a JSON file that never loses an update: exclusive lock on `path + '.lock'` (a stable
- * inode: never the data file, which the rename replaces under waiting writers) → read → parse → `mutate(current)`
- * (may be async; `current` is undefined when the file is missing) → temp file (O_EXCL, same directory) → fsync →
- * rename over → fsync of the directory when `durable` → release. Returns what was written; when `mutate` returns
- * undefined nothing is written and the current value is returned (undefined for a missing file).
- * The replacement keeps the old file's mode and owner (where permitted); a new file gets 0666 less the umask.
+ * Waits until this thread's earlier updates of `p` are done, or rejects with ERR_LOCK_TIMEOUT / AbortError as the
+ * lock wait would. Resolves with the ms left of `timeoutMs`.
+ */
+async function waitTurn(p: string, before: Promise<void>, timeoutMs: number | undefined, signal: AbortSignal | undefined) {
+  const t0 = performance.now()
+  let timer: NodeJS.Timeout | undefined
+  let onAbort: (() => void) | undefined
+  try {
+    await Promise.race([
+      before,
+      new Promise<never>((_, reject) => {
+        if (timeoutMs !== undefined)
+          timer = setTimeout(
+            () => reject(vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' })),
+            timeoutMs,
+          )
+        onAbort = () => reject(new AbortError(signal!.reason))
+        signal?.addEventListener('abort', onAbort, { once: true })
+      }),
+    ])
+  } finally {
+    clearTimeout(timer)
+    if (onAbort) signal?.removeEventListener('abort', onAbort)
+  }
+  return timeoutMs === undefined ? undefined : Math.max(0, Math.ceil(timeoutMs - (performance.now() - t0)))
+}
+
+/**
+ * Read-modify-write of a JSON file that never loses an update: exclusive flock(2) on the data file itself (checked,
+ * once granted, to be the file at `path`; there is no lock file) → read it → parse → `mutate(current)` (may be
+ * async; `current` is undefined when the file is missing) → temp file (O_EXCL, same directory) → fsync → atomic
+ * exchange with `path` → fsync of the directory when `durable` → release. Returns what was written; when `mutate`
+ * returns undefined nothing is written and the current value is returned (undefined for a missing file).
+ * A missing file has nothing to lock: its first write is published only where still no file is
+ * (renameat2(RENAME_NOREPLACE)). The replacement keeps the old file's mode and owner (where permitted); a new file
+ * gets 0666 less the umask.
+ *
+ * `mutate` can be called more than once: when the file was missing and another writer created it first, or when
+ * the file was deleted or replaced (by someone who does not take the lock: an operator, a tmp cleaner) while this
+ * update held it and another writer wrote the new file. Nothing was written then; the update starts over on the
+ * file now at `path` (lock, read, `mutate` with that value), so neither writer's update is lost
+ * (DESIGN.md, "Locked JSON index"). After 64 such starts in a row it fails with `ESTALE`.
+ *
+ * Within one process: this thread's updates of one path take turns (in call order); those of two worker_threads
+ * wait for each other in flock, as two processes' do. An update of the same file from inside its own `mutate`
+ * (the nested call, sync or async, and anything `mutate` starts), or of a file this process holds with lockFile,
+ * rejects at once with `ERR_LOCK_REENTRANT` (cause `EDEADLK`), changing nothing: it would wait for itself. The
+ * turns are kept per path string: two updates of one file under two names (a hard link) from one thread at once
+ * are refused the same way, so name an index by one path.
+ *
  * Each write first removes the temps (`.<name>.tmp-<12 hex>`, regular files) that writers killed before their
- * rename left next to `path`: temps are made only under the lock, so no live writer owns one.
- * `mutate` must not update the same index again (it would wait for its own lock). A symlink at `path` is refused
- * with `ELOOP` (syscall `'open'`, as open(2) with O_NOFOLLOW; nothing made, not even the lock file): the rename
- * would replace the link by a file, and a writer naming the target would lock another lock file. Give the real path.
+ * rename left next to `path`. A symlink at `path` is refused with `ELOOP` (syscall `'open'`, as open(2) with
+ * O_NOFOLLOW; nothing made): the rename would replace the link by a file. Give the real path.
  * A file that is empty, not UTF-8, not JSON, or not of the declared type gives `ERR_CORRUPT_INDEX` (with `path`
  * and, where known, the byte `offset`) and is left as it is. A throwing `mutate` writes nothing, and so does an
  * abort before the write starts (AbortError; see {@link UpdateJsonOptions.signal}). The lock is released on
- * every path. Unknown option keys are `ERR_INVALID_ARG_VALUE`.
+ * every path. Throws as well `ERR_LOCK_TIMEOUT` (`timeoutMs`), `ERR_INVALID_RETURN_VALUE` (TypeError, `mutate`'s
+ * result), and the errno of the failed system call. Unknown option keys are `ERR_INVALID_ARG_VALUE`.
  */
 export async function updateJsonFile<T>(
   path: string,
@@ -62,44 +124,112 @@ export async function updateJsonFile<T>(
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
   const signal = abortSignal('options.signal', o.signal)
+  if (updating.getStore()?.has(p)) throw reentrantError(p)
+  if (signal?.aborted) throw new AbortError(signal.reason)
   await refuseSymlink(p)
 
-  const lock = await lockFile(p + '.lock', { timeoutMs, signal })
+  const before = turns.get(p) ?? Promise.resolve()
+  let done!: () => void
+  const mine = new Promise<void>((resolve) => (done = resolve))
+  const tail = before.then(() => mine)
+  turns.set(p, tail)
   try {
-    let bytes: Buffer | undefined
+    const left = await waitTurn(p, before, timeoutMs, signal)
+    return await updateLocked(p, fn, { durable, timeoutMs: left, kind, signal })
+  } finally {
+    done()
+    if (turns.get(p) === tail) turns.delete(p)
+  }
+}
+
+// How many times an update starts over (its file replaced or created by another writer as it wrote) before it
+// gives up with ESTALE: each time needs another writer's commit or someone replacing the file, as in lock.cc.
+const MAX_STARTS = 64
+
+/** updateJsonFile once this thread's earlier updates of `p` are done: lock, read, mutate, write, release. */
+async function updateLocked<T>(
+  p: string,
+  fn: (current: T | undefined) => T | Promise<T>,
+  o: { durable: boolean; timeoutMs: number | undefined; kind: 'object' | 'array'; signal: AbortSignal | undefined },
+): Promise<T> {
+  const { durable, timeoutMs, kind, signal } = o
+  for (let start = 1; ; start++) {
+    const lock = await lockDataFile(p, timeoutMs, signal)
     try {
-      bytes = await call(native.readJsonFile(p))
-    } catch (e) {
-      if (e instanceof VmspaceError && e.code === 'EISDIR') throw corrupt(p, 'is a directory', undefined, e)
-      if (e instanceof VmspaceError && e.code === 'EINVAL') throw corrupt(p, 'is not a regular file', undefined, e)
+      let current: unknown
+      if (lock) current = parseIndex(await readLocked(lock, p), p, kind)
+      if (signal?.aborted) throw new AbortError(signal.reason)
+      const outer = updating.getStore()
+      const next = await updating.run(new Set([...(outer ?? []), p]), () => fn(current as T | undefined))
+      // The last point where an abort leaves the file as it was; the write below is all or nothing.
+      if (signal?.aborted) throw new AbortError(signal.reason)
+      if (next === undefined) return current as T
+      const text = serialise(next, p, kind) + '\n'
+      const written = lock
+        ? await call(native.replaceJsonFile({ path: p, fd: lockFd(lock), text, durable }))
+        : await call(native.createJsonFile({ path: p, text, durable }))
+      if (written) return next
+    } finally {
+      await lock?.release()
+    }
+    if (start === MAX_STARTS)
+      throw new VmspaceError(`ESTALE: ${p} was replaced by other writers ${MAX_STARTS} times in a row as it was written; nothing was written`, {
+        code: 'ESTALE',
+        errno: -os.constants.errno.ESTALE,
+        syscall: 'renameat2',
+        path: p,
+      })
+  }
+}
+
+/** The exclusive lock on the data file `p` itself, or undefined when there is no file to lock (a first write). */
+async function lockDataFile(p: string, timeoutMs: number | undefined, signal: AbortSignal | undefined): Promise<FileLock | undefined> {
+  try {
+    return await traced(
+      lockChannel,
+      () => ({ path: p, options: { timeoutMs, signal } }),
+      (t) => acquireLock(p, { shared: false, wait: true, timeoutMs, signal, create: false, owner }, t),
+    )
+  } catch (e) {
+    if (!(e instanceof VmspaceError && e.code === 'ENOENT' && e.syscall === 'open' && e.path === p)) throw e
+    // A missing directory is no first write: fail before `mutate` runs, as the write would.
+    try {
+      await fsp.stat(path.dirname(p))
+    } catch {
       throw e
     }
-    const current = bytes === undefined ? undefined : parseIndex(bytes, p, kind)
-    if (signal?.aborted) throw new AbortError(signal.reason)
-    const next = await fn(current as T | undefined)
-    // The last point where an abort leaves the file as it was; the write below is all or nothing.
-    if (signal?.aborted) throw new AbortError(signal.reason)
-    if (next === undefined) return current as T
-    // Checked as the JSON that would be written (toJSON, Dates and the like change the type).
-    let text: string | undefined
-    let cause: unknown
-    try {
-      text = JSON.stringify(next)
-    } catch (e) {
-      cause = e // cycles, BigInt
-    }
-    if (typeof text !== 'string' || text[0] !== (kind === 'array' ? '[' : '{')) {
-      const err = new TypeError(
-        `Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}${cause ? ' that cannot be serialised' : ''}`,
-        cause === undefined ? undefined : { cause },
-      )
-      throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
-    }
-    await call(native.replaceJsonFile({ path: p, text: text + '\n', durable }))
-    return next
-  } finally {
-    await lock.release()
+    return undefined
   }
+}
+
+/** The bytes of the locked data file; a directory or another kind of file in its place is ERR_CORRUPT_INDEX. */
+async function readLocked(lock: FileLock, p: string): Promise<Buffer> {
+  try {
+    return await call(native.readLockedJsonFile(lockFd(lock), p))
+  } catch (e) {
+    if (e instanceof VmspaceError && e.code === 'EISDIR') throw corrupt(p, 'is a directory', undefined, e)
+    if (e instanceof VmspaceError && e.code === 'EINVAL') throw corrupt(p, 'is not a regular file', undefined, e)
+    throw e
+  }
+}
+
+/** `next` as JSON text, checked as what would be written (toJSON, Dates and the like change the type). */
+function serialise(next: unknown, p: string, kind: 'object' | 'array'): string {
+  let text: string | undefined
+  let cause: unknown
+  try {
+    text = JSON.stringify(next)
+  } catch (e) {
+    cause = e // cycles, BigInt
+  }
+  if (typeof text !== 'string' || text[0] !== (kind === 'array' ? '[' : '{')) {
+    const err = new TypeError(
+      `Expected mutate to return a JSON ${kind} for ${p} but it returned ${next === null ? 'null' : typeof next}${cause ? ' that cannot be serialised' : ''}`,
+      cause === undefined ? undefined : { cause },
+    )
+    throw Object.assign(err, { code: 'ERR_INVALID_RETURN_VALUE' })
+  }
+  return text
 }
 
 /**

@@ -5,9 +5,10 @@
  * of its own (native/binding/lock.cc, LockWait), so any number of waiters leave `fs` calls working.
  */
 import { native, type WaitHandle } from './binding.js'
+import * as os from 'node:os'
 import { performance } from 'node:perf_hooks'
 import { abortSignal, absolutePath, boolean, integerIn, optionsObject } from './args.js'
-import { AbortError, call, errnoError, vmspaceError } from './errors.js'
+import { AbortError, call, errnoError, fromNative, vmspaceError } from './errors.js'
 import { lockChannel, traced, type LockTrace } from './trace.js'
 
 /** Options of {@link lockFile}. */
@@ -50,8 +51,33 @@ export class FileLock implements AsyncDisposable {
   }
 }
 
-const newFileLock = (path: string, shared: boolean, fd: number) =>
-  new (FileLock as unknown as new (path: string, shared: boolean, fd: number) => FileLock)(path, shared, fd)
+// The fd of each lock, for updateJsonFile (which reads the file it locked through it); not on the public class.
+const lockFds = new WeakMap<FileLock, number>()
+
+const newFileLock = (path: string, shared: boolean, fd: number) => {
+  const lock = new (FileLock as unknown as new (path: string, shared: boolean, fd: number) => FileLock)(path, shared, fd)
+  lockFds.set(lock, fd)
+  return lock
+}
+
+/** The fd a lock holds (lib/ only). */
+export function lockFd(lock: FileLock): number {
+  return lockFds.get(lock)!
+}
+
+const EDEADLK = os.constants.errno.EDEADLK
+
+/** `ERR_LOCK_REENTRANT` for `path`, shaped as the addon's (errno EDEADLK, syscall flock, cause the errno). */
+export function reentrantError(path: string): Error {
+  return fromNative({
+    code: 'ERR_LOCK_REENTRANT',
+    errno: -EDEADLK,
+    description: 'Resource deadlock avoided',
+    syscall: 'flock',
+    path,
+    detail: `this process already holds or waits for a lock on ${path}; waiting for it here would wait on itself`,
+  }) as Error
+}
 
 const CANCEL_REPEAT_MS = 10
 
@@ -63,14 +89,23 @@ export function timeoutOption(value: unknown): number | undefined {
 /**
  * Takes a flock(2) lock on `path`, made if missing (mode 0600) and never deleted (a waiter may hold it open). A
  * symlink at `path` is refused with `ELOOP` (syscall `open`, nothing made): the file is opened with O_NOFOLLOW.
- * Locks are per open file description: two lockFile calls in one process exclude each other, and the kernel
- * releases a lock when its holder exits or is killed. The lock is on the file at `path` when granted: a lock file
- * deleted or replaced while this call waited is dropped and the new file is locked (waiting again if need be), so
- * a waiter never ends up holding a dead inode beside whoever locked the new file. Deleting a lock file that is
- * held still lets the next caller in beside its holder: keep tmp cleaners away from lock files.
- * Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`, an AbortError, the errno of open/flock (`ESTALE` when
- * the file was replaced 64 times in a row as it was locked), of fstat/stat, or `EAGAIN` (syscall
- * `pthread_create`) when no thread can be started for a wait (RLIMIT_NPROC). Unknown option keys are
+ * The kernel releases a lock when its holder exits or is killed. Locks of two processes exclude each other; the
+ * lock is on the file at `path` when granted: a lock file deleted or replaced while this call waited is dropped and
+ * the new file is locked (waiting again if need be), so a waiter never ends up holding a dead inode beside whoever
+ * locked the new file. Deleting a lock file that is held still lets the next caller in beside its holder: keep tmp
+ * cleaners away from lock files (updateJsonFile needs no lock file, see there).
+ *
+ * Within one process a lock is the process's: a lockFile call on a file (the same device and inode, whatever the
+ * name) that this process already holds or waits for, from this thread or another worker_thread, or that an
+ * updateJsonFile of this process is updating, rejects at once with `ERR_LOCK_REENTRANT` (cause `EDEADLK`) and
+ * changes nothing: such a wait could only end if this process let go first, and when the holder is what the
+ * caller awaits it never would. The one exception: a shared lock beside shared ones of this process is granted
+ * (Linux's flock grants a shared lock whenever only shared ones are held, even with an exclusive one queued, so
+ * it never waits on them). Once the lock is released, the file can be locked again.
+ *
+ * Throws `ERR_LOCK_HELD` (wait: false), `ERR_LOCK_TIMEOUT`, `ERR_LOCK_REENTRANT`, an AbortError, the errno of
+ * open/flock (`ESTALE` when the file was replaced 64 times in a row as it was locked), of fstat/stat, or `EAGAIN`
+ * (syscall `pthread_create`) when no thread can be started for a wait (RLIMIT_NPROC). Unknown option keys are
  * `ERR_INVALID_ARG_VALUE`.
  *
  * The first lockFile call that has to wait installs a handler (empty, without `SA_RESTART`) for one real-time
@@ -84,20 +119,38 @@ export function lockFile(path: string, options?: LockOptions): Promise<FileLock>
 }
 
 async function lockFileUntraced(path: string, options: LockOptions | undefined, t: LockTrace | undefined): Promise<FileLock> {
-  const t0 = t && performance.now()
-  // The grant's fields for the trace: whether it had to wait, and how long the call took to get it.
-  const granted = (waited: boolean) => {
-    if (t) Object.assign(t, { waited, waitMs: performance.now() - t0! })
-  }
   const p = absolutePath('path', path)
   const o = optionsObject<LockOptions>('options', options, { shared: true, wait: true, timeoutMs: true, signal: true })
   const shared = boolean('options.shared', o.shared, false)
   const wait = boolean('options.wait', o.wait, true)
   const timeoutMs = timeoutOption(o.timeoutMs)
   const signal = abortSignal('options.signal', o.signal)
+  return acquireLock(p, { shared, wait, timeoutMs, signal, create: true, owner: 0 }, t)
+}
+
+/** What {@link acquireLock} takes: lockFile's options, checked, and the request's kind (native/core/lock.h). */
+export interface LockRequest {
+  shared: boolean
+  wait: boolean
+  timeoutMs: number | undefined
+  signal: AbortSignal | undefined
+  /** Make a missing file (lockFile); without, a missing file is ENOENT (syscall open). */
+  create: boolean
+  /** 0 for lockFile; the thread's number + 1 for updateJsonFile (two threads' updates wait on each other). */
+  owner: number
+}
+
+/** lockFile on the absolute path `p` with checked options (lib/ only: updateJsonFile locks its data file with it). */
+export async function acquireLock(p: string, r: LockRequest, t: LockTrace | undefined): Promise<FileLock> {
+  const t0 = t && performance.now()
+  // The grant's fields for the trace: whether it had to wait, and how long the call took to get it.
+  const granted = (waited: boolean) => {
+    if (t) Object.assign(t, { waited, waitMs: performance.now() - t0! })
+  }
+  const { shared, wait, timeoutMs, signal } = r
   if (signal?.aborted) throw new AbortError(signal.reason)
 
-  const { fd, acquired } = await call(native.lockOpen(p, shared))
+  const { fd, acquired } = await call(native.lockOpen({ path: p, shared, create: r.create, owner: r.owner }))
   if (acquired) {
     if (signal?.aborted) {
       await call(native.lockRelease(fd))
@@ -159,7 +212,9 @@ function waitForLock(
           ? new AbortError(signal?.reason)
           : cancelledBy === 'timeout'
             ? vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' })
-            : errnoError(errno, syscall, p),
+            : errno === EDEADLK
+              ? reentrantError(p) // the file was replaced by one this process holds
+              : errnoError(errno, syscall, p),
       )
     }
     try {

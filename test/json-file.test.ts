@@ -9,7 +9,7 @@ import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { FileLock, lockFile, updateJsonFile, VmspaceError } from '../lib/index.js'
+import { lockFile, updateJsonFile, VmspaceError } from '../lib/index.js'
 import { eventually, freshDir, MiB, mounts, needs, repoRoot, tryFlockPath } from './helpers.js'
 import { flocksOn, IndexChild, indexTemps, waitersOn } from './lock-helpers.js'
 
@@ -45,7 +45,7 @@ describe('no update is lost', () => {
     cs.forEach((c, i) => {
       for (let k = 0; k < 100; k++) expect(index[`p${i}-${k}`]).toBe(c.pid)
     })
-    expect(fs.readdirSync(dir).sort()).toEqual(['index.json', 'index.json.lock'])
+    expect(fs.readdirSync(dir).sort()).toEqual(['index.json'])
     for (const c of cs) c.proc.stdin!.end()
     await Promise.all(cs.map((c) => c.exited))
   })
@@ -70,70 +70,62 @@ describe('no update is lost', () => {
     expect(results.map((r) => Object.keys(r).length).sort((a, b) => a - b)).toEqual(Array.from({ length: 100 }, (_, i) => i + 1))
   })
 
-  test('a slow mutate: writer B waits (in flock) while A sits in mutate; B then sees A’s update', async () => {
+  test('a slow mutate: writer B waits (in flock on the data file) while A sits in mutate; B then sees A’s update', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
+    fs.writeFileSync(file, '{}\n')
     const [a, b] = await children(2)
     a.command({ op: 'update', file, key: 'a', value: 1, hold: true })
-    expect((await a.expect('mutate')).current).toBe(null) // A has read: the file is missing
+    expect((await a.expect('mutate')).current).toEqual({})
     b.command({ op: 'update', file, key: 'b', value: 2 })
-    await waitersOn(file + '.lock', 1, b.pid) // B is blocked in flock, not merely about to call
-    expect(fs.existsSync(file)).toBe(false)
+    await waitersOn(file, 1, b.pid) // B is blocked in flock, not merely about to call
     a.send('continue')
     expect((await a.expect('updated')).result).toEqual({ a: 1 })
     expect((await b.expect('mutate')).current).toEqual({ a: 1 })
     expect((await b.expect('updated')).result).toEqual({ a: 1, b: 2 })
     expect(readIndex(file)).toEqual({ a: 1, b: 2 })
-    expect(indexTemps(dir)).toEqual([])
+    expect(fs.readdirSync(dir)).toEqual(['index.json'])
   })
 
-  test('why `path + ".lock"`: a writer waiting while another renames a new data file in still sees its update', async () => {
+  test('a writer waiting on the data file while another exchanges a new one in follows it to the new inode and sees the update', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
-    const lockPath = file + '.lock'
     fs.writeFileSync(file, '{"base":0}\n')
     const dataIno = fs.statSync(file).ino
-    // Held open so that its inode number is not given to B's new file once A's rename frees it (ext4 reuses them).
+    // Held open so that its inode number is not given to A's new file once it is freed (ext4 reuses them).
     const keep = fs.openSync(file, 'r')
     onTestFinished(() => fs.closeSync(keep))
     const [a, b] = await children(2)
     a.command({ op: 'update', file, key: 'a', value: 1, hold: true })
     expect((await a.expect('mutate')).current).toEqual({ base: 0 })
-    const lockIno = fs.statSync(lockPath).ino
     b.command({ op: 'update', file, key: 'b', value: 2 })
-    await waitersOn(lockPath, 1, b.pid)
+    await waitersOn(file, 1, b.pid)
     a.send('continue')
     await a.expect('updated')
-    // A replaced the data file by rename (a new inode) while B was waiting; the lock file is the same inode.
+    // A replaced the data file (a new inode) while B waited on the old one: B's grant was on a dead inode.
     expect(fs.statSync(file).ino).not.toBe(dataIno)
     expect((await b.expect('mutate')).current).toEqual({ base: 0, a: 1 })
     await b.expect('updated')
     expect(readIndex(file)).toEqual({ base: 0, a: 1, b: 2 })
-    expect(fs.statSync(lockPath).ino).toBe(lockIno)
-    expect(indexTemps(dir)).toEqual([])
+    expect(fs.readdirSync(dir)).toEqual(['index.json'])
   })
 
-  test('(control) a lock on the data file itself stops excluding once a writer renames a new file in', async () => {
-    // What updateJsonFile must not do, shown with the same primitives: writer A locks the data file, replaces it by
-    // rename, and still holds its lock (on the old inode) — yet writer C now locks the same path at once.
+  test('the first write of a missing file: two writers race, one creates it, the other’s mutate runs again on it (both keys)', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
-    fs.writeFileSync(file, '{}\n')
-    const a = await lockFile(file)
-    fs.writeFileSync(path.join(dir, 'tmp'), '{"a":1}\n')
-    fs.renameSync(path.join(dir, 'tmp'), file)
-    const c = await lockFile(file, { wait: false }) // no ERR_LOCK_HELD: two writers inside at once
-    expect(c).toBeInstanceOf(FileLock)
-    await Promise.all([a.release(), c.release()])
-
-    // updateJsonFile's lock file is never renamed over: during an update that follows a rename, it is held.
-    await updateJsonFile<Index>(file, (cur) => ({ ...cur, b: 2 }))
-    await updateJsonFile<Index>(file, async (cur) => {
-      await expect(lockFile(file + '.lock', { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
-      expect(tryFlockPath(file + '.lock')).toBe(99)
-      return { ...cur, c: 3 }
-    })
-    expect(readIndex(file)).toEqual({ a: 1, b: 2, c: 3 })
+    const [a, b] = await children(2)
+    a.command({ op: 'update', file, key: 'a', value: 1, hold: true })
+    expect((await a.expect('mutate')).current).toBe(null) // nothing to lock: A runs mutate on a missing file
+    b.command({ op: 'update', file, key: 'b', value: 2 })
+    expect((await b.expect('mutate')).current).toBe(null)
+    expect((await b.expect('updated')).result).toEqual({ b: 2 })
+    a.send('continue')
+    // A's file would have replaced B's: it is published only where no file is, so A starts over on B's file.
+    expect((await a.expect('mutate')).current).toEqual({ b: 2 })
+    a.send('continue')
+    expect((await a.expect('updated')).result).toEqual({ b: 2, a: 1 })
+    expect(readIndex(file)).toEqual({ b: 2, a: 1 })
+    expect(fs.readdirSync(dir)).toEqual(['index.json'])
   })
 
   test('a holder SIGKILLed inside mutate releases the lock; the next writer sees the last committed state', async () => {
@@ -146,7 +138,7 @@ describe('no update is lost', () => {
     a.command({ op: 'update', file, key: 'lost', value: 1, hold: true })
     expect(Object.keys((await a.expect('mutate')).current as Index)).toHaveLength(5)
     b.command({ op: 'update', file, key: 'b', value: 2 })
-    await waitersOn(file + '.lock', 1, b.pid)
+    await waitersOn(file, 1, b.pid)
     a.proc.kill('SIGKILL')
     expect((await a.exited).signal).toBe('SIGKILL')
     const seen = (await b.expect('mutate')).current as Index
@@ -196,7 +188,7 @@ describe('corrupt input: ERR_CORRUPT_INDEX, the file left byte-identical, mutate
     expect(fingerprint(file)).toBe(before)
     expect(indexTemps(dir)).toEqual([])
     // The lock was released.
-    const lock = await lockFile(file + '.lock', { wait: false })
+    const lock = await lockFile(file, { wait: false })
     await lock.release()
   })
 
@@ -259,7 +251,7 @@ describe('a failing update writes nothing and releases the lock', () => {
     await expect(updateJsonFile(file, () => { throw boom })).rejects.toBe(boom)
     await expect(updateJsonFile(file, async () => { await null; throw boom })).rejects.toBe(boom)
     expect(fingerprint(file)).toBe(before)
-    expect(tryFlockPath(file + '.lock')).toBe(0)
+    expect(tryFlockPath(file)).toBe(0)
     expect(indexTemps(dir)).toEqual([])
     // …and the next update proceeds.
     await updateJsonFile<Index>(file, (c) => ({ ...c, next: 1 }))
@@ -270,7 +262,7 @@ describe('a failing update writes nothing and releases the lock', () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
     await expect(updateJsonFile(file, () => { throw new Error('no') })).rejects.toThrow('no')
-    expect(fs.readdirSync(dir)).toEqual(['index.json.lock'])
+    expect(fs.readdirSync(dir)).toEqual([])
   })
 
   const wrong: [string, unknown, ('object' | 'array')?][] = [
@@ -292,7 +284,7 @@ describe('a failing update writes nothing and releases the lock', () => {
     expect(err).toMatchObject({ code: 'ERR_INVALID_RETURN_VALUE' })
     expect(fingerprint(file)).toBe(before)
     expect(indexTemps(dir)).toEqual([])
-    expect(tryFlockPath(file + '.lock')).toBe(0)
+    expect(tryFlockPath(file)).toBe(0)
   })
 
   test('mutate returning a wrong type on a missing file creates no data file', async () => {
@@ -327,25 +319,27 @@ describe('a failing update writes nothing and releases the lock', () => {
     await expect(updateJsonFile(file, () => cyclic)).rejects.toBeInstanceOf(TypeError)
     expect(fingerprint(file)).toBe(before)
     expect(indexTemps(dir)).toEqual([])
-    expect(tryFlockPath(file + '.lock')).toBe(0)
+    expect(tryFlockPath(file)).toBe(0)
   })
 
-  test('the rename failing (a directory put in the file’s place during mutate) removes the temp file', async () => {
+  test('a directory put in the file’s place during mutate: nothing written over it, the update starts over and finds ERR_CORRUPT_INDEX', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
     fs.writeFileSync(file, '{}\n')
+    let calls = 0
     const err = await updateJsonFile<Index>(file, (c) => {
-      fs.rmSync(file)
-      fs.mkdirSync(file)
-      fs.writeFileSync(path.join(file, 'x'), 'x')
+      if (++calls === 1) {
+        fs.rmSync(file)
+        fs.mkdirSync(file)
+        fs.writeFileSync(path.join(file, 'x'), 'x')
+      }
       return { ...c, a: 1 }
     }).catch((e: unknown) => e)
     expect(err).toBeInstanceOf(VmspaceError)
-    expect(err).toMatchObject({ syscall: 'rename', dest: file })
-    expect(['EISDIR', 'ENOTEMPTY', 'EEXIST']).toContain((err as VmspaceError).code)
+    expect(err).toMatchObject({ code: 'ERR_CORRUPT_INDEX', path: file })
+    expect(calls).toBe(1)
     expect(indexTemps(dir)).toEqual([])
     expect(fs.readdirSync(file)).toEqual(['x'])
-    expect(tryFlockPath(file + '.lock')).toBe(0)
   })
 
   describe.skipIf(!mounts.small)(`on a full file system ${needs('a small loop-mounted ext4', mounts.missing.small)}`, () => {
@@ -359,7 +353,7 @@ describe('a failing update writes nothing and releases the lock', () => {
       expect(err).toMatchObject({ code: 'ENOSPC' })
       expect(fingerprint(file)).toBe(before)
       expect(indexTemps(dir)).toEqual([])
-      expect(tryFlockPath(file + '.lock')).toBe(0)
+      expect(tryFlockPath(file)).toBe(0)
     })
   })
 })
@@ -374,8 +368,7 @@ describe('what is written', () => {
     expect(r).toEqual({ a: [1, 'é'] })
     expect(fs.readFileSync(file, 'utf8')).toBe('{"a":[1,"é"]}\n')
     expect(fs.statSync(file).mode & 0o777).toBe(0o644 & ~process.umask())
-    expect(fs.statSync(file + '.lock').mode & 0o777).toBe(0o600)
-    expect(fs.readdirSync(dir).sort()).toEqual(['index.json', 'index.json.lock'])
+    expect(fs.readdirSync(dir).sort()).toEqual(['index.json'])
   })
 
   test('create: "array" holds an array', async () => {
@@ -404,7 +397,7 @@ describe('what is written', () => {
     expect(fs.statSync(file).mode & 0o7777).toBe(0o640)
   })
 
-  test('a symlink at the path is refused with ELOOP: the link, its target and the directory are as they were, no lock file made', async () => {
+  test('a symlink at the path is refused with ELOOP: the link, its target and the directory are as they were, nothing made', async () => {
     const dir = freshDir()
     const target = path.join(dir, 'real.json')
     fs.writeFileSync(target, '{"a":1}\n')
@@ -428,18 +421,15 @@ describe('what is written', () => {
     expect(await updateJsonFile<Index>(target, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
   })
 
-  test('a symlink at the lock path (<path>.lock), dangling, is refused with ELOOP: nothing made outside, the file not written', async () => {
+  test('no lock file: a name `<path>.lock` beside the index, even a dangling symlink, is neither used nor made', async () => {
     const dir = freshDir()
     const outside = freshDir()
     const file = path.join(dir, 'j.json')
     fs.symlinkSync(path.join(outside, 'made'), file + '.lock')
-    let called = 0
-    const err = await updateJsonFile<Index>(file, () => (++called, { a: 1 })).catch((e: unknown) => e)
-    expect(err).toBeInstanceOf(VmspaceError)
-    expect(err).toMatchObject({ code: 'ELOOP', syscall: 'open', path: file + '.lock' })
-    expect(called).toBe(0)
+    expect(await updateJsonFile<Index>(file, () => ({ a: 1 }))).toEqual({ a: 1 })
+    expect(await updateJsonFile<Index>(file, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
     expect(fs.readdirSync(outside)).toEqual([])
-    expect(fs.readdirSync(dir)).toEqual(['j.json.lock'])
+    expect(fs.readdirSync(dir).sort()).toEqual(['j.json', 'j.json.lock'])
   })
 
   test('durable: true writes the same and leaves no temp file', async () => {
@@ -447,7 +437,7 @@ describe('what is written', () => {
     const file = path.join(dir, 'index.json')
     for (let i = 0; i < 5; i++) await updateJsonFile<Index>(file, (c) => ({ ...c, [`k${i}`]: i }), { durable: true })
     expect(readIndex(file)).toEqual({ k0: 0, k1: 1, k2: 2, k3: 3, k4: 4 })
-    expect(fs.readdirSync(dir).sort()).toEqual(['index.json', 'index.json.lock'])
+    expect(fs.readdirSync(dir).sort()).toEqual(['index.json'])
   })
 
   const hasStrace = spawnSync('sh', ['-c', 'command -v strace'], { stdio: 'ignore' }).status === 0
@@ -470,16 +460,20 @@ describe('what is written', () => {
     expect(durable).toHaveLength(2)
   })
 
-  test('timeoutMs: a held lock gives ERR_LOCK_TIMEOUT and mutate is never called', async () => {
+  test('timeoutMs: a lock held by another process gives ERR_LOCK_TIMEOUT and mutate is never called', async () => {
     const file = path.join(freshDir(), 'index.json')
-    const holder = await lockFile(file + '.lock')
+    fs.writeFileSync(file, '{"a":1}\n')
+    const [holder] = await children(1)
+    holder.command({ op: 'lock', path: file })
+    await holder.expect('locked')
     let called = false
     const err = await updateJsonFile(file, () => ((called = true), {}), { timeoutMs: 20 }).catch((e: unknown) => e)
-    expect(err).toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file + '.lock' })
+    expect(err).toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file })
     expect(called).toBe(false)
-    expect(fs.existsSync(file)).toBe(false)
-    expect(flocksOn(file + '.lock')).toHaveLength(1)
-    await holder.release()
+    expect(fs.readFileSync(file, 'utf8')).toBe('{"a":1}\n')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: holder.pid }])
+    holder.proc.stdin!.end()
+    await holder.exited
   })
 })
 
@@ -508,4 +502,93 @@ describe('bad arguments (TypeError/RangeError before any syscall)', () => {
     expect(err).toMatchObject({ code })
     expect(fs.readdirSync(dir)).toEqual([])
   })
+})
+
+describe('an update never waits on its own process (ERR_LOCK_REENTRANT, nothing changed)', () => {
+  const reentrant = { name: 'VmspaceError', code: 'ERR_LOCK_REENTRANT', errno: -35, syscall: 'flock' }
+
+  test('updateJsonFile of the same file inside its own mutate (sync and after an await) rejects at once; the file is unchanged', async () => {
+    const dir = freshDir()
+    const file = path.join(dir, 'index.json')
+    fs.writeFileSync(file, '{"a":1}\n')
+    const before = fingerprint(file)
+    const errors: unknown[] = []
+    const result = await updateJsonFile<Index>(file, async () => {
+      errors.push(await updateJsonFile<Index>(file, (c) => ({ ...c, nested: 1 })).catch((e: unknown) => e))
+      await new Promise((r) => setImmediate(r))
+      errors.push(await updateJsonFile<Index>(file, (c) => ({ ...c, nested: 2 })).catch((e: unknown) => e))
+      return undefined
+    })
+    expect(result).toEqual({ a: 1 })
+    expect(errors).toHaveLength(2)
+    for (const e of errors) {
+      expect(e).toBeInstanceOf(VmspaceError)
+      expect(e).toMatchObject({ ...reentrant, path: file })
+      expect((e as Error).cause).toMatchObject({ code: 'EDEADLK' })
+    }
+    expect(fingerprint(file)).toBe(before)
+    expect(indexTemps(dir)).toEqual([])
+    // The lock was released: the next update goes through.
+    expect(await updateJsonFile<Index>(file, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
+  })
+
+  test('the nested update under another name of the same file (a hard link) is refused by device and inode', async () => {
+    const dir = freshDir()
+    const file = path.join(dir, 'index.json')
+    const link = path.join(dir, 'alias.json')
+    fs.writeFileSync(file, '{"a":1}\n')
+    fs.linkSync(file, link)
+    const err = await updateJsonFile<Index>(file, async (c) => {
+      const e = await updateJsonFile<Index>(link, (x) => ({ ...x, nested: 1 })).catch((e: unknown) => e)
+      expect(e).toMatchObject({ ...reentrant, path: link })
+      return c
+    }).catch((e: unknown) => e)
+    expect(err).toEqual({ a: 1 })
+    expect(fs.readFileSync(link, 'utf8')).toBe('{"a":1}\n')
+  })
+
+  test('lockFile of the data file inside mutate, and updateJsonFile while this process holds it with lockFile: ERR_LOCK_REENTRANT', async () => {
+    const file = path.join(freshDir(), 'index.json')
+    fs.writeFileSync(file, '{"a":1}\n')
+    await updateJsonFile<Index>(file, async (c) => {
+      await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ ...reentrant, path: file })
+      return c
+    })
+    const held = await lockFile(file)
+    let called = false
+    const err = await updateJsonFile<Index>(file, () => ((called = true), { b: 2 })).catch((e: unknown) => e)
+    expect(err).toMatchObject({ ...reentrant, path: file })
+    expect(called).toBe(false)
+    expect(fs.readFileSync(file, 'utf8')).toBe('{"a":1}\n')
+    await held.release()
+    expect(await updateJsonFile<Index>(file, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
+  })
+
+  test('concurrent (not nested) updates of one file in this thread take turns instead: none is refused', async () => {
+    const file = path.join(freshDir(), 'index.json')
+    const order: string[] = []
+    await Promise.all(
+      ['x', 'y', 'z'].map((k) =>
+        updateJsonFile<Index>(file, async (c) => {
+          order.push(`in ${k}`)
+          await new Promise((r) => setTimeout(r, 5))
+          order.push(`out ${k}`)
+          return { ...c, [k]: 1 }
+        }),
+      ),
+    )
+    expect(order).toEqual(['in x', 'out x', 'in y', 'out y', 'in z', 'out z'])
+    expect(readIndex(file)).toEqual({ x: 1, y: 1, z: 1 })
+  })
+})
+
+test('a file in a missing directory: ENOENT before mutate runs, nothing made', async () => {
+  const dir = freshDir()
+  const file = path.join(dir, 'missing', 'index.json')
+  let called = false
+  const err = await updateJsonFile(file, () => ((called = true), {})).catch((e: unknown) => e)
+  expect(err).toBeInstanceOf(VmspaceError)
+  expect(err).toMatchObject({ code: 'ENOENT', syscall: 'open', path: file })
+  expect(called).toBe(false)
+  expect(fs.readdirSync(dir)).toEqual([])
 })

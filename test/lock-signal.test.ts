@@ -9,8 +9,8 @@ import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { freshDir, repoRoot } from './helpers.js'
 
-// The child holds the lock on one fd, waits for it with timeoutMs on another (same process: flock excludes two
-// open file descriptions), and prints the wait's code and the real-time signals it catches.
+// The child has flock(1) hold the lock (another process: a process never waits on itself, ERR_LOCK_REENTRANT),
+// waits for it with timeoutMs, and prints the wait's code and the real-time signals it catches.
 const script = `
   const v = require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))})
   const fs = require('node:fs')
@@ -23,10 +23,12 @@ const script = `
     return out
   }
   const before = rt()
+  const { spawn, spawnSync } = require('node:child_process')
   ;(async () => {
-    const held = await v.lockFile(file)
+    const holder = spawn('flock', [file, 'cat'], { stdio: ['pipe', 'ignore', 'inherit'] })
+    while (spawnSync('flock', ['-n', '-E', '99', file, 'true']).status !== 99) await new Promise((r) => setTimeout(r, 5))
     const code = await v.lockFile(file, { timeoutMs: 50 }).then(() => 'granted', (e) => e.code)
-    await held.release()
+    holder.stdin.end()
     console.log(JSON.stringify({ code, added: rt().filter((s) => !before.includes(s)) }))
   })()
 `

@@ -2,6 +2,7 @@
  * The library's surface (issue 9): removeTree's `force`, updateJsonFile's `signal`, `await using` on a pool, strict
  * option keys, and the codes a VmspaceError can carry.
  */
+import { spawn, spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
@@ -57,22 +58,35 @@ describe('removeTree with force', () => {
   })
 })
 
+/** flock(1) holding `file` in a process of its own (a process never waits on itself) until release(). */
+async function heldByFlock(file: string): Promise<{ release(): Promise<void> }> {
+  const proc = spawn('flock', [file, 'cat'], { stdio: ['pipe', 'ignore', 'inherit'] })
+  const exited = new Promise((resolve) => proc.once('exit', resolve))
+  while (spawnSync('flock', ['-n', '-E', '99', file, 'true']).status !== 99) await new Promise((r) => setTimeout(r, 5))
+  return {
+    release: async () => {
+      proc.stdin.end()
+      await exited
+    },
+  }
+}
+
 describe('updateJsonFile with signal', () => {
   test('an abort while waiting for the lock rejects with AbortError; the file and the lock are as they were', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'i.json')
     fs.writeFileSync(file, '{"n":1}\n')
-    const held = await lockFile(file + '.lock')
+    const held = await heldByFlock(file) // another process: this one's own lock would be ERR_LOCK_REENTRANT
     const ac = new AbortController()
     let called = false
     const p = updateJsonFile(file, () => ((called = true), { n: 2 }), { signal: ac.signal })
-    await waitersOn(file + '.lock', 1)
+    await waitersOn(file, 1)
     ac.abort()
     await expect(p).rejects.toBeInstanceOf(AbortError)
     expect(called).toBe(false)
     await held.release()
     expect(fs.readFileSync(file, 'utf8')).toBe('{"n":1}\n')
-    expect(tryFlockPath(file + '.lock')).toBe(0) // released: a new exclusive lock is granted at once
+    expect(tryFlockPath(file)).toBe(0) // released: a new exclusive lock is granted at once
   })
 
   test('an abort during mutate writes nothing and leaves no temp file; the lock is released', async () => {
@@ -95,13 +109,13 @@ describe('updateJsonFile with signal', () => {
     expect(fs.readFileSync(file, 'utf8')).toBe('{"n":1}\n')
     expect(fs.statSync(file).ino).toBe(before)
     expect(indexTemps(dir)).toEqual([])
-    expect(fs.readdirSync(dir).sort()).toEqual(['i.json', 'i.json.lock'])
-    expect(tryFlockPath(file + '.lock')).toBe(0)
+    expect(fs.readdirSync(dir).sort()).toEqual(['i.json'])
+    expect(tryFlockPath(file)).toBe(0)
     // The next update goes through.
     await expect(updateJsonFile<{ n: number }>(file, (c) => ({ n: c!.n + 10 }))).resolves.toEqual({ n: 11 })
   })
 
-  test('an already aborted signal rejects before the lock file is even made', async () => {
+  test('an already aborted signal rejects before anything is made', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'i.json')
     await expect(updateJsonFile(file, () => ({}), { signal: AbortSignal.abort() })).rejects.toBeInstanceOf(AbortError)

@@ -4,7 +4,7 @@
  * asyncStart/asyncEnd on failure, with the exact fields of each; and `NODE_DEBUG=vmspace` lines. Nothing here
  * measures time: the cost without a subscriber is shown by `npm run bench -- --only trace`.
  */
-import { spawnSync } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import * as dc from 'node:diagnostics_channel'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
@@ -195,6 +195,19 @@ describe('vmspace:sweep', () => {
   })
 })
 
+/** flock(1) holding `file` in a process of its own (a process never waits on itself) until release(). */
+async function heldByFlock(file: string): Promise<{ release(): Promise<void> }> {
+  const proc = spawn('flock', [file, 'cat'], { stdio: ['pipe', 'ignore', 'inherit'] })
+  const exited = new Promise((resolve) => proc.once('exit', resolve))
+  while (spawnSync('flock', ['-n', '-E', '99', file, 'true']).status !== 99) await new Promise((r) => setTimeout(r, 5))
+  return {
+    release: async () => {
+      proc.stdin.end()
+      await exited
+    },
+  }
+}
+
 describe('vmspace:lock', () => {
   test('a lock got at once: waited false; one got after a wait: waited true; both with waitMs', async () => {
     const file = path.join(freshDir(), 'l.lock')
@@ -203,11 +216,13 @@ describe('vmspace:lock', () => {
     expect(seen.map((s) => s.event)).toEqual(success)
     expect(seen[3].fields).toEqual({ path: file, options: undefined, waited: false, waitMs: expect.any(Number) })
     expect(seen[3].result).toBe(first)
+    await first.release()
+    const holder = await heldByFlock(file) // another process: a wait behind this process's own lock is refused
     seen.length = 0
     const options = { timeoutMs: 60_000 }
     const second = lockFile(file, options)
     await waitersOn(file, 1) // the second call is blocked in flock (the kernel's view, /proc/locks)
-    await first.release()
+    await holder.release()
     const lock = await second
     expect(seen.map((s) => s.event)).toEqual(success)
     expect(seen[0].fields).toEqual({ path: file, options })
@@ -218,7 +233,7 @@ describe('vmspace:lock', () => {
 
   test('ERR_LOCK_HELD is an error event with the error', async () => {
     const file = path.join(freshDir(), 'l.lock')
-    const held = await lockFile(file)
+    const held = await heldByFlock(file)
     const seen = record('vmspace:lock')
     const err = await lockFile(file, { wait: false }).catch((e: unknown) => e)
     expect(err).toMatchObject({ code: 'ERR_LOCK_HELD' })

@@ -1,5 +1,6 @@
-// A JSON file read whole and replaced atomically (updateJsonFile in lib/; native/core/lock.h for now).
-#include "../core/lock.h"
+// A JSON file read whole and replaced atomically under the lock on its own inode (updateJsonFile in lib/;
+// native/core/json_file.h).
+#include "../core/json_file.h"
 
 #include "common.h"
 
@@ -7,41 +8,52 @@ namespace vmspace::binding {
 
 namespace {
 
-struct MaybeText {
-  bool exists = false;
-  std::string bytes;
-};
-
-// readJsonFile(path): the file's bytes as a Buffer (undefined when missing): UTF-8 is checked in JS, where
-// invalid input is an error rather than a replacement character.
-Napi::Value ReadJsonFile(const Napi::CallbackInfo& info) {
-  std::string path = stringArg(info, 0);
-  return Work<MaybeText>::Start(
+// readLockedJsonFile(fd, path): the bytes of the file open at `fd` (the locked data file) as a Buffer: UTF-8 is
+// checked in JS, where invalid input is an error rather than a replacement character.
+Napi::Value ReadLockedJsonFile(const Napi::CallbackInfo& info) {
+  int fd = static_cast<int>(intArg(info, 0));
+  std::string path = stringArg(info, 1);
+  return Work<std::string>::Start(
       info.Env(),
-      [path] {
-        MaybeText t;
-        t.exists = vmspace::readWholeFile(path, &t.bytes);
-        return t;
+      [fd, path] {
+        std::string bytes;
+        vmspace::readLockedFile(fd, path, &bytes);
+        return bytes;
       },
-      [](Napi::Env env, MaybeText& t) -> Napi::Value {
-        if (!t.exists) return env.Undefined();
-        return Napi::Buffer<char>::Copy(env, t.bytes.data(), t.bytes.size());
+      [](Napi::Env env, std::string& bytes) -> Napi::Value {
+        return Napi::Buffer<char>::Copy(env, bytes.data(), bytes.size());
       });
 }
 
-// replaceJsonFile({path, text, durable}): writes a temp file beside `path` and renames it over (core/lock.h).
+// replaceJsonFile({path, fd, text, durable}): true once `text` replaced the file locked on `fd`; false when the
+// file at `path` is no longer that one (nothing written: start over). core/json_file.h, replaceFile.
 Napi::Value ReplaceJsonFile(const Napi::CallbackInfo& info) {
   Options o(info, 0, "replaceJsonFile");
   std::string path = o.string("path"), text = o.string("text");
+  int fd = o.int32("fd");
   bool durable = o.boolean("durable");
-  return runVoid(info.Env(), [path, text, durable] { vmspace::replaceFile(path, text, durable); });
+  return Work<bool>::Start(
+      info.Env(), [path, fd, text, durable] { return vmspace::replaceFile(path, fd, text, durable); },
+      [](Napi::Env env, bool& written) -> Napi::Value { return Napi::Boolean::New(env, written); });
+}
+
+// createJsonFile({path, text, durable}): true once `text` is published at `path`, where no file was; false when
+// one appeared meanwhile (nothing written: start over). core/json_file.h, createFile.
+Napi::Value CreateJsonFile(const Napi::CallbackInfo& info) {
+  Options o(info, 0, "createJsonFile");
+  std::string path = o.string("path"), text = o.string("text");
+  bool durable = o.boolean("durable");
+  return Work<bool>::Start(
+      info.Env(), [path, text, durable] { return vmspace::createFile(path, text, durable); },
+      [](Napi::Env env, bool& written) -> Napi::Value { return Napi::Boolean::New(env, written); });
 }
 
 }  // namespace
 
 void initJsonFile(Napi::Env env, Napi::Object exports) {
-  exportFunction(env, exports, "readJsonFile", ReadJsonFile);
+  exportFunction(env, exports, "readLockedJsonFile", ReadLockedJsonFile);
   exportFunction(env, exports, "replaceJsonFile", ReplaceJsonFile);
+  exportFunction(env, exports, "createJsonFile", CreateJsonFile);
 }
 
 }  // namespace vmspace::binding

@@ -46,7 +46,7 @@ struct LockWaitDone {
 void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter*, LockWaitDone* d) {
   std::unique_ptr<LockWaitDone> done(d);
   if (env == nullptr || cb.IsEmpty()) {
-    ::close(done->waiter->fd);
+    vmspace::lockClose(done->waiter->fd);
     return;
   }
   // The fd goes back to the instance (held, or to be released by lib) before JS sees it.
@@ -59,18 +59,21 @@ void lockWaitCallJs(Napi::Env env, Napi::Function cb, LockWaiter*, LockWaitDone*
 
 namespace {
 
+// lockOpen({path, shared, create, owner}): see vmspace::lockOpen.
 Napi::Value LockOpen(const Napi::CallbackInfo& info) {
-  std::string path = stringArg(info, 0);
-  bool shared = boolArg(info, 1);
+  Options opts(info, 0, "lockOpen");
+  std::string path = opts.string("path");
+  bool shared = opts.boolean("shared"), create = opts.boolean("create");
+  long owner = opts.int32("owner");
   struct Opened {
     int fd = -1;
     bool acquired = false;
   };
   return Work<Opened>::Start(
       info.Env(),
-      [path, shared] {
+      [path, shared, create, owner] {
         Opened o;
-        o.fd = vmspace::lockOpen(path, shared, &o.acquired);
+        o.fd = vmspace::lockOpen(path, shared, &o.acquired, create, owner);
         return o;
       },
       [](Napi::Env env, Opened& o) -> Napi::Value {
@@ -82,7 +85,7 @@ Napi::Value LockOpen(const Napi::CallbackInfo& info) {
         return r;
       },
       [](Opened& o) {
-        if (o.fd >= 0) ::close(o.fd);
+        if (o.fd >= 0) vmspace::lockClose(o.fd);
       });
 }
 
@@ -99,7 +102,7 @@ void cancelWaiter(LockWaiter& w) {
 Instance::~Instance() {
   closeBatch(batch);
   for (int fd : leases) ::close(fd);
-  for (int fd : locks) ::close(fd);
+  for (int fd : locks) vmspace::lockClose(fd);
   // A wait still running closes its own fd when it finds the env gone (its callback can no longer be made).
   for (auto& w : waiters) cancelWaiter(*w);
 }
@@ -160,14 +163,14 @@ void deliver(LockWaiter& waiter, LockWaitDone* done, int err, const char* syscal
   std::lock_guard<std::mutex> lock(waiter.mu);
   waiter.done = true;
   if (waiter.tsfnGone) {
-    ::close(waiter.fd);  // the env is gone: drop the lock (if we got it) here
+    vmspace::lockClose(waiter.fd);  // the env is gone: drop the lock (if we got it) here
     delete done;
     return;
   }
   done->err = err;
   done->syscall = syscall;
   if (waiter.tsfn.BlockingCall(done) != napi_ok) {
-    ::close(waiter.fd);
+    vmspace::lockClose(waiter.fd);
     delete done;
   }
   waiter.tsfn.Release();
@@ -219,10 +222,11 @@ Napi::Value LockCancel(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
+// Closes a lock fd (and its registration) on the pool: a close can block (NFS flushing).
 Napi::Value LockRelease(const Napi::CallbackInfo& info) {
   int fd = static_cast<int>(intArg(info, 0));
   instance(info.Env()).locks.erase(fd);
-  return closeFd(info.Env(), fd);
+  return runVoid(info.Env(), [fd] { vmspace::lockClose(fd); });
 }
 
 }  // namespace

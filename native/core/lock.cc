@@ -8,6 +8,9 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
 
 #include "error.h"
 #include "fd.h"
@@ -18,13 +21,62 @@ namespace {
 // lockOpen's retries when the file it got the lock on was replaced in between: each one needs another deletion
 // or rename at `path` between our open and our check, so only a process replacing the file in a loop reaches it.
 constexpr int kMaxReplacedTries = 64;
+
+// One registered lock fd (lockClaim).
+struct Claim {
+  dev_t dev;
+  ino_t ino;
+  bool shared;
+  bool create;  // how lockFollowPath reopens the path
+  long owner;
+};
+
+std::mutex claimsMu;
+
+// fd -> its claim. Never destroyed: lock waits run on detached threads that may outlive static destructors.
+std::unordered_map<int, Claim>& claims() {
+  static auto* table = new std::unordered_map<int, Claim>;
+  return *table;
+}
+
+// Whether a request `want` would wait on the registered `held` (see lockClaim in lock.h).
+bool waitsOnItself(const Claim& held, const Claim& want) {
+  if (held.dev != want.dev || held.ino != want.ino) return false;
+  if (held.shared && want.shared) return false;
+  return !(held.owner != 0 && want.owner != 0 && held.owner != want.owner);
+}
+
+// Registers `fd` as `c`, unless another registered fd makes it wait on itself (EDEADLK). `except` is not
+// compared (the fd being replaced by lockFollowPath). Under claimsMu.
+int claimLocked(int fd, const Claim& c, int except) {
+  for (const auto& [other, held] : claims())
+    if (other != except && waitsOnItself(held, c)) return EDEADLK;
+  claims()[fd] = c;
+  return 0;
+}
 }  // namespace
 
-int lockOpenFile(const std::string& path, int* err) {
+int lockClaim(int fd, bool shared, bool create, long owner) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return errno;
+  std::lock_guard<std::mutex> lock(claimsMu);
+  return claimLocked(fd, Claim{st.st_dev, st.st_ino, shared, create, owner}, -1);
+}
+
+void lockClose(int fd) {
+  {
+    std::lock_guard<std::mutex> lock(claimsMu);
+    claims().erase(fd);
+  }
+  ::close(fd);
+}
+
+int lockOpenFile(const std::string& path, bool create, int* err) {
   // O_NOFOLLOW: a symlink at the lock path (dangling: O_CREAT would make its target, anywhere) is refused with
   // ELOOP and nothing is made; only the last component is checked, as for any path the caller gives.
-  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600);
-  if (fd < 0 && (errno == EACCES || errno == EISDIR || errno == EROFS)) {
+  int fd = create ? open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600)
+                  : open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0 && create && (errno == EACCES || errno == EISDIR || errno == EROFS)) {
     int first = errno;
     fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);  // flock needs no write access
     if (fd < 0 && errno == ENOENT) errno = first;  // missing and not creatable: the first
@@ -33,20 +85,46 @@ int lockOpenFile(const std::string& path, int* err) {
   return fd;
 }
 
-int lockOpen(const std::string& path, bool shared, bool* acquired) {
+namespace {
+// A registered lock fd that lockOpen has not handed out yet: closed with its registration on a throw.
+struct ClaimedFd {
+  int fd = -1;
+  ~ClaimedFd() {
+    if (fd >= 0) lockClose(fd);
+  }
+  int release() { return std::exchange(fd, -1); }
+};
+
+[[noreturn]] void throwReentrant(const std::string& path) {
+  throwCode("ERR_LOCK_REENTRANT",
+            "this process already holds or waits for a lock on " + path + "; waiting for it here would wait on itself",
+            EDEADLK, "flock", path);
+}
+}  // namespace
+
+int lockOpen(const std::string& path, bool shared, bool* acquired, bool create, long owner) {
   int err = 0;
-  UniqueFd fd(lockOpenFile(path, &err));
-  if (!fd) throwErrno(err, "open", path);
+  ClaimedFd fd;
+  int opened = lockOpenFile(path, create, &err);
+  if (opened < 0) throwErrno(err, "open", path);
+  // Registered before the first flock, so that two calls of this process racing for a free file cannot both
+  // pass the check: the second is refused, never left waiting for the first.
+  err = lockClaim(opened, shared, create, owner);
+  if (err != 0) {
+    ::close(opened);
+    if (err == EDEADLK) throwReentrant(path);
+    throwErrno(err, "fstat", path);
+  }
+  fd.fd = opened;
   for (int tries = 1;; tries++) {
-    err = lockTry(fd.get(), shared);
+    err = lockTry(fd.fd, shared);
     *acquired = err == 0;
     if (err == EWOULDBLOCK) return fd.release();  // the wait checks the file once granted
     if (err != 0) throwErrno(err, "flock", path);
-    int raw = fd.release();
     const char* syscall = "";
-    err = lockFollowPath(path, &raw, &syscall);
-    fd.reset(raw);
+    err = lockFollowPath(path, &fd.fd, &syscall);
     if (err == 0) return fd.release();
+    if (err == EDEADLK) throwReentrant(path);
     if (err != EAGAIN) throwErrno(err, syscall, path);
     if (tries == kMaxReplacedTries) throwErrno(ESTALE, "flock", path);
   }
@@ -68,11 +146,40 @@ int lockFollowPath(const std::string& path, int* fd, const char** syscall) {
       return errno;
     }
   }
+  bool create = true;
+  {
+    std::lock_guard<std::mutex> lock(claimsMu);
+    auto it = claims().find(*fd);
+    if (it != claims().end()) create = it->second.create;
+  }
   int err = 0;
-  int fresh = lockOpenFile(path, &err);
+  int fresh = lockOpenFile(path, create, &err);
   if (fresh < 0) {
     *syscall = "open";
     return err;
+  }
+  struct stat st;
+  if (fstat(fresh, &st) != 0) {
+    err = errno;
+    ::close(fresh);
+    *syscall = "fstat";
+    return err;
+  }
+  {
+    // The new file takes the old one's registration, checked again: it may be one this process holds.
+    std::lock_guard<std::mutex> lock(claimsMu);
+    auto it = claims().find(*fd);
+    if (it != claims().end()) {
+      Claim c = it->second;
+      c.dev = st.st_dev;
+      c.ino = st.st_ino;
+      if (claimLocked(fresh, c, *fd) != 0) {
+        ::close(fresh);
+        *syscall = "flock";
+        return EDEADLK;
+      }
+      claims().erase(*fd);
+    }
   }
   ::close(*fd);  // drops the lock on the dead file: its other waiters recheck too
   *fd = fresh;

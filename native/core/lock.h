@@ -1,6 +1,7 @@
 // Cross-process locks on flock(2) (the atomic replace of the JSON file kept under one: json_file.h). flock locks
 // belong to the open file description: the kernel releases them when the last fd of it closes (holder exit or
-// SIGKILL included), and two opens in one process exclude each other, unlike fcntl(2) record locks.
+// SIGKILL included). Two opens in one process would exclude each other, so a wait on a file the process itself
+// holds never ends: every lock fd is registered here (lockClaim), and such a request fails with EDEADLK instead.
 #pragma once
 
 #include <string>
@@ -11,25 +12,40 @@
 
 namespace vmspace {
 
-// Opens (creating, mode 0600) the lock file `path` and tries flock without blocking. Returns the fd (O_CLOEXEC)
-// and sets *acquired; when not acquired the fd is still returned, for a wait (lockWaitBlocking, then
-// lockFollowPath). A lock granted on a file that is no longer at `path` is dropped and the new file is locked
-// (lockFollowPath). The lock file is never deleted: a waiter may hold it open (see lockFollowPath).
-int lockOpen(const std::string& path, bool shared, bool* acquired);
+// Opens the lock file `path` (with `create`, made if missing, mode 0600; without, ENOENT when missing: an
+// updateJsonFile locks the data file itself and never makes it), registers the fd (lockClaim: ERR_LOCK_REENTRANT,
+// cause EDEADLK, when this process holds or waits for the same file in a way that would wait on itself) and
+// tries flock without blocking. Returns the fd (O_CLOEXEC) and sets *acquired; when not acquired the fd is still
+// returned, for a wait (lockWaitBlocking, then lockFollowPath). A lock granted on a file that is no longer at
+// `path` is dropped and the new file is locked (lockFollowPath). Every fd it returns is closed with lockClose.
+int lockOpen(const std::string& path, bool shared, bool* acquired, bool create = true, long owner = 0);
 
-// Opens the lock file `path` for flock (creating it, mode 0600; read-only where it cannot be created or written):
-// the fd, or -1 with *err set to the errno of open(2).
-int lockOpenFile(const std::string& path, int* err);
+// Opens the lock file `path` for flock (with `create`, made if missing, mode 0600; read-only where it cannot be
+// created or written): the fd, or -1 with *err set to the errno of open(2).
+int lockOpenFile(const std::string& path, bool create, int* err);
+
+// The process's lock registry, shared by every thread (worker_threads included). Each lock fd lockOpen made is
+// registered, from before its first flock until lockClose, with the file's device and inode (the same file under
+// another name is the same file) and the request: shared or not, and `owner` (0 for lockFile; an updateJsonFile
+// passes its thread's number + 1). lockClaim refuses with EDEADLK a request that would wait on this process:
+// any request on a file registered already, except a shared one beside shared ones (flock grants shared beside
+// shared whatever waits, so nothing waits on us) and two updates of different threads (the kernel orders them as
+// it orders two processes). 0 once registered, else EDEADLK or fstat's errno.
+int lockClaim(int fd, bool shared, bool create, long owner);
+
+// Closes a lock fd and drops its registration (every close of an fd lockOpen returned goes through here).
+void lockClose(int fd);
 
 // Called once flock was granted on *fd, which was opened from `path`. A lock file deleted (or renamed over) while
 // others wait on it splits the lock: waiters hold the dead inode open, while a newcomer opens and locks the new
 // file at `path`, so the old holder's release would grant a waiter alongside the newcomer. Returns 0 when the
 // locked inode is still the file at `path` (same device and inode, link count above 0): the lock is good. Returns
-// EAGAIN when it is not: *fd is then closed and replaced by a fresh open of `path`, not locked yet, for the caller
-// to lock again. Else the errno of fstat/stat/open, with *syscall naming it (*fd is left as it was).
-// This is why vmspace never deletes a lock file, on release or anywhere else: a release that unlinked it would
-// make exactly this race for every waiter, and the check here cannot help a holder whose file is deleted after it
-// was granted (a newcomer then locks the new file alongside it).
+// EAGAIN when it is not: *fd is then closed and replaced by a fresh open of `path` (registered in its place), not
+// locked yet, for the caller to lock again. Else the errno of fstat/stat/open (ENOENT: the file is gone and is not
+// to be made), or EDEADLK (syscall "flock") when the new file is one this process holds, with *syscall naming
+// it (*fd is left as it was).
+// This check cannot help a holder whose file is deleted after it was granted (a newcomer then locks the new file
+// alongside it): the JSON index therefore checks again when it writes (json_file.h, replaceFile).
 int lockFollowPath(const std::string& path, int* fd, const char** syscall);
 
 // One flock(2) try without blocking: 0 when granted, else the errno (EWOULDBLOCK while another holds it).

@@ -310,7 +310,7 @@ static void lockFollowsAFileReplacedAtItsPath() {
   CHECK(unlink(path.c_str()) == 0);
   CHECK(lockFollowPath(path, &fd, &syscall) == EAGAIN);
   CHECK(exists(path) && lockTry(fd, false) == 0 && lockFollowPath(path, &fd, &syscall) == 0);
-  CHECK(close(fd) == 0);
+  lockClose(fd);  // with its registration: a plain close would leave the process refusing a later lock of the inode
   removeTreeNoFollow(d);
 }
 
@@ -459,18 +459,74 @@ static void badAllocIsEnomemInOnePlace() {
   CHECK(caught.err == ENOMEM && caught.syscall == "malloc" && caught.code.empty() && caught.detail.empty());
 }
 
+// The lock registry: a second lock of this process on one file (any name) is EDEADLK, shared beside shared is
+// not, two updates of different owners are not, and a close drops the registration.
+static void lockRegistryRefusesAWaitOnItself() {
+  std::string d = fresh();
+  std::string path = d + "/r.lock";
+  bool acquired = false;
+  int fd = lockOpen(path, false, &acquired);
+  CHECK(fd >= 0 && acquired);
+  CHECK(errorOf([&] { lockOpen(path, false, &acquired); }) == EDEADLK);
+  CHECK(errorOf([&] { lockOpen(path, true, &acquired); }) == EDEADLK);
+  CHECK(link(path.c_str(), (d + "/alias.lock").c_str()) == 0);
+  CHECK(errorOf([&] { lockOpen(d + "/alias.lock", false, &acquired); }) == EDEADLK);
+  lockClose(fd);
+  int a = lockOpen(path, true, &acquired);
+  int b = lockOpen(path, true, &acquired);  // shared beside shared: granted
+  CHECK(a >= 0 && b >= 0 && acquired);
+  lockClose(a);
+  lockClose(b);
+  int u1 = lockOpen(path, false, &acquired, false, 1);
+  CHECK(u1 >= 0 && acquired);
+  CHECK(errorOf([&] { lockOpen(path, false, &acquired, false, 1); }) == EDEADLK);  // same thread's update
+  int u2 = lockOpen(path, false, &acquired, false, 2);                             // another thread's: waits in flock
+  CHECK(u2 >= 0 && !acquired);
+  lockClose(u1);
+  lockClose(u2);
+  CHECK(errorOf([&] { lockOpen(d + "/missing.json", false, &acquired, false, 1); }) == ENOENT);
+  removeTreeNoFollow(d);
+}
+
+// replaceFile writes only while the path names the locked inode: deleted or replaced, nothing is written.
+static void replaceFileWritesOnlyTheLockedFile() {
+  std::string d = fresh();
+  std::string path = d + "/index.json";
+  CHECK(createFile(path, "{}", false));
+  CHECK(!createFile(path, "{\"x\":1}", false));  // never replaces
+  bool acquired = false;
+  int fd = lockOpen(path, false, &acquired, false, 1);
+  CHECK(fd >= 0 && acquired);
+  CHECK(replaceFile(path, fd, "{\"a\":1}", false));
+  CHECK(readAll(path) == "{\"a\":1}");
+  CHECK(namesIn(d) == std::set<std::string>{"index.json"});
+  lockClose(fd);
+  fd = lockOpen(path, false, &acquired, false, 1);
+  writeFile(d + "/other", "{\"b\":2}");
+  CHECK(rename((d + "/other").c_str(), path.c_str()) == 0);  // replaced by someone who takes no lock
+  CHECK(!replaceFile(path, fd, "{\"a\":2}", false));
+  CHECK(readAll(path) == "{\"b\":2}");
+  lockClose(fd);
+  fd = lockOpen(path, false, &acquired, false, 1);
+  CHECK(unlink(path.c_str()) == 0);  // deleted
+  CHECK(!replaceFile(path, fd, "{\"a\":3}", false));
+  CHECK(!exists(path) && namesIn(d).empty());
+  lockClose(fd);
+  removeTreeNoFollow(d);
+}
+
 static void replaceFileLeavesNoTempAndRemovesOnlyItsOwn() {
   std::string d = fresh();
   std::string out;
   CHECK(!readWholeFile(d + "/index.json", &out));  // missing: false, not an error
   CHECK(errorOf([&] { readWholeFile(d, &out); }) == EISDIR);
-  replaceFile(d + "/index.json", "{\"a\":1}", true);
+  CHECK(createFile(d + "/index.json", "{\"a\":1}", true));
   CHECK(readAll(d + "/index.json") == "{\"a\":1}");
   CHECK(namesIn(d) == std::set<std::string>{"index.json"});
-  // A rename that fails (a directory with an entry at the path: EISDIR) leaves the temp behind nowhere.
+  // A file (here a directory) at the path already: nothing published, no temp left behind.
   CHECK(mkdir((d + "/busy").c_str(), 0700) == 0);
   writeFile(d + "/busy/x", "");
-  CHECK(errorOf([&] { replaceFile(d + "/busy", "{}", false); }) == EISDIR);
+  CHECK(!createFile(d + "/busy", "{}", false));
   CHECK(namesIn(d) == (std::set<std::string>{"busy", "index.json"}));
   // Temps of dead writers: exactly "." + leaf + ".tmp-" + 12 lowercase hex, regular files only.
   writeFile(d + "/.index.json.tmp-0123456789ab", "dead");
@@ -595,6 +651,8 @@ int main() {
   removeTakesAChainDeeperThanPathMax();
   cloneCopiesSparseDataKeepingHoles();
   lockFollowsAFileReplacedAtItsPath();
+  lockRegistryRefusesAWaitOnItself();
+  replaceFileWritesOnlyTheLockedFile();
   dotTestIsExact();
   readNamesOnEmptyAndLargeDirectories();
   forEachNameStopsOnAThrowAndClosesItsFd();
