@@ -170,7 +170,7 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
 
       const err = await rejection(ws.dispose())
       expect(err).toMatchObject({
-        code: 'ERR_LEASE_HELD', errno: -11, syscall: 'fcntl(F_OFD_GETLK)', path: leaseFilePath(pool.root, ws.name),
+        code: 'ERR_LEASE_HELD', errno: -11, syscall: 'fcntl(F_OFD_GETLK)', path: ws.path,
       })
       expect(ws.status).toBe('released')
       expect(ws.leaseFd).toBe(-1)

@@ -302,7 +302,7 @@ describe.skipIf(missing !== undefined)(`workspaces as container root file system
       expect((await errorOf(pool.adopt(ws.id))).code).toBe('ERR_LEASE_HELD')
       expect(await pool.list()).toEqual([expect.objectContaining({ id: ws.id, live: true })])
       c.send('check')
-      await c.waitFor(' checked 0\n checked ')
+      await c.waitFor(`checked 0\n${marker}/bin/busybox\n checked `)
       expect(c.stdout).toBe(`ready\n${marker}/bin/busybox\n checked 0\n${marker}/bin/busybox\n checked 0\n`)
 
       c.send('exit')
