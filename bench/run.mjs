@@ -3,7 +3,8 @@
 // and noisy; absolute times drift). Run as root to get loop-mounted XFS and ext4 (the root file system here is
 // mounted `discard`, which makes unlink/rmdir slow); otherwise `--dir DIR` benchmarks in DIR only.
 //   npm run bench [-- --dir DIR] [-- --iterations N]
-//   npm run bench -- --only throughput,trace,clone,tree [--baseline DIR]   DIR: a checkout of an earlier version, built (`npm ci` in it)
+//   npm run bench -- --only allocate,throughput,trace,clone,tree [--baseline DIR]   DIR: a checkout of an earlier version,
+//   built (`npm ci` in it); its pools are format 3 where it has formats (bench/baseline.mjs)
 //   npm run bench -- --only tree [--load 0,2]   the tree section once per count of busy-loop processes (default: 0 and the CPUs)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
@@ -14,6 +15,7 @@ import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 import { Bench } from 'tinybench'
 import { median } from './median.mjs'
+import { baselineLabel, loadBaseline, openBaselinePool } from './baseline.mjs'
 
 const require = createRequire(import.meta.url)
 const here = path.dirname(fileURLToPath(import.meta.url))
@@ -27,7 +29,7 @@ const { values: args } = parseArgs({
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
     only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | warm | templates-btrfs
-    baseline: { type: 'string' }, // throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
+    baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
     'warm-rounds': { type: 'string', default: '20' },
@@ -39,7 +41,7 @@ const { values: args } = parseArgs({
 })
 const want = (section) => !args.only || args.only.split(',').includes(section)
 // --baseline DIR: an earlier version (its dist/ and build/ built), timed in the same run as this one.
-const before = args.baseline ? require(path.join(path.resolve(args.baseline), 'dist', 'index.js')) : undefined
+const before = loadBaseline(args.baseline)
 const iterations = Number(args.iterations)
 const timeMs = Number(args.time)
 
@@ -88,66 +90,60 @@ console.log(`vmspace bench: node ${process.version}, ${os.cpus().length} CPUs, $
 
 const ms = (t0) => Number(process.hrtime.bigint() - t0) / 1e6
 
-// 1. One caller: allocate + lease + dispose against the bare syscalls (bench/syscalls.cc: the same sequence in a
-// C++ loop) and Node's mkdtemp + rm, for pools of format 1 (metadata file), 2 (metadata xattr) and 3 (2 with staging
-// shards).
+// 1. One caller: allocate + lease + dispose of the default pool against the bare syscalls (bench/syscalls.cc's
+// META 6: the same sequence in a C++ loop), Node's mkdtemp + rm and (--baseline) the earlier version's format-3 pool.
+async function oneCaller(t) {
+  const floor = Number(sh(floorBin, [path.join(t.dir, 'floor'), String(iterations), '6'])) / 1e3
+  const pool = await vmspace.openPool(path.join(t.dir, 'pool'))
+  const poolB = before && (await openBaselinePool(before, path.join(t.dir, 'pool-baseline')))
+  const tmpBase = path.join(t.dir, 'mkdtemp')
+  fs.mkdirSync(tmpBase)
+  // They alternate pair by pair (the order rotating), so that load coming and going on a shared machine falls on
+  // all of them alike; tinybench runs its tasks one after the other, which skewed these ratios by up to 2x here.
+  const impls = {
+    vmspace: async () => (await pool.allocate()).dispose(),
+    // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
+    '2 no-op pool hops': async () => {
+      await binding.lockRelease(-1)
+      await binding.lockRelease(-1)
+    },
+    'fs.promises mkdtemp+rm': async () => fs.promises.rm(await fs.promises.mkdtemp(path.join(tmpBase, 'vm-')), { recursive: true }),
+    ...(poolB ? { baseline: async () => (await poolB.allocate()).dispose() } : {}),
+  }
+  const names = Object.keys(impls)
+  const samples = Object.fromEntries(names.map((n) => [n, []]))
+  for (let i = 0; i < iterations + 300; i++) {
+    for (let k = 0; k < names.length; k++) {
+      const n = names[(i + k) % names.length]
+      const t0 = process.hrtime.bigint()
+      await impls[n]()
+      if (i >= 300) samples[n].push(Number(process.hrtime.bigint() - t0) / 1e3) // the first 300: warm-up
+    }
+  }
+  await pool.close()
+  if (poolB) await poolB.close()
+  const p50 = (name) => median(samples[name])
+  const vm = p50('vmspace')
+  const hops = p50('2 no-op pool hops')
+  const node = p50('fs.promises mkdtemp+rm')
+  const label = poolB && baselineLabel(poolB)
+  return {
+    'file system': t.fs,
+    'native floor µs': floor.toFixed(1),
+    'vmspace µs': vm.toFixed(1),
+    'vmspace / floor': (vm / floor).toFixed(2),
+    '2 no-op hops µs': hops.toFixed(1),
+    '(vmspace − hops) / floor': ((vm - hops) / floor).toFixed(2),
+    'mkdtemp+rm µs': node.toFixed(1),
+    'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
+    // As mkdtemp+rm's: above 1, vmspace is the faster (the throughput rows divide pairs/s, vmspace's first).
+    ...(poolB ? { [`${label} µs`]: p50('baseline').toFixed(1), [`${label} / vmspace`]: (p50('baseline') / vm).toFixed(2) } : {}),
+  }
+}
 if (want('allocate')) {
   const rows = []
-  for (const t of targets) {
-    const floor = (mode) => Number(sh(floorBin, [path.join(t.dir, `floor-${mode}`), String(iterations), String(mode)])) / 1e3
-    const floorBefore = floor(1) // the sequence before issue 12: metadata file, dispose through trash/
-    const floors = { 1: floor(2), 2: floor(3), 3: floor(4) }
-    const pools = {
-      1: await vmspace.openPool(path.join(t.dir, 'pool')),
-      2: await vmspace.openPool(path.join(t.dir, 'pool2'), { format: 2 }),
-      3: await vmspace.openPool(path.join(t.dir, 'pool3'), { format: 3 }),
-    }
-    const tmpBase = path.join(t.dir, 'mkdtemp')
-    fs.mkdirSync(tmpBase)
-    // The four alternate pair by pair (the order rotating), so that load coming and going on a shared machine falls
-    // on all of them alike; tinybench runs its tasks one after the other, which skewed these ratios by up to 2x here.
-    const impls = {
-      'vmspace format 1': async () => (await pools[1].allocate()).dispose(),
-      'vmspace format 2': async () => (await pools[2].allocate()).dispose(),
-      'vmspace format 3': async () => (await pools[3].allocate()).dispose(),
-      // The floor of any async Node call: two round trips through the libuv pool doing nothing (close(-1)).
-      '2 no-op pool hops': async () => {
-        await binding.lockRelease(-1)
-        await binding.lockRelease(-1)
-      },
-      'fs.promises mkdtemp+rm': async () => fs.promises.rm(await fs.promises.mkdtemp(path.join(tmpBase, 'vm-')), { recursive: true }),
-    }
-    const names = Object.keys(impls)
-    const samples = Object.fromEntries(names.map((n) => [n, []]))
-    for (let i = 0; i < iterations + 300; i++) {
-      for (let k = 0; k < names.length; k++) {
-        const n = names[(i + k) % names.length]
-        const t0 = process.hrtime.bigint()
-        await impls[n]()
-        if (i >= 300) samples[n].push(Number(process.hrtime.bigint() - t0) / 1e3) // the first 300: warm-up
-      }
-    }
-    const p50 = (name) => median(samples[name])
-    const node = p50('fs.promises mkdtemp+rm')
-    const hops = p50('2 no-op pool hops')
-    for (const f of [1, 2, 3]) {
-      const vm = p50(`vmspace format ${f}`)
-      rows.push({
-        'file system': t.fs,
-        pool: `format ${f}`,
-        'native floor µs': floors[f].toFixed(1),
-        'vmspace µs': vm.toFixed(1),
-        'vmspace / floor': (vm / floors[f]).toFixed(2),
-        '2 no-op hops µs': hops.toFixed(1),
-        '(vmspace − hops) / floor': ((vm - hops) / floors[f]).toFixed(2),
-        'mkdtemp+rm µs': node.toFixed(1),
-        'mkdtemp+rm / vmspace': (node / vm).toFixed(2),
-        'floor before issue 12 µs': floorBefore.toFixed(1),
-      })
-    }
-    for (const p of Object.values(pools)) await p.close()
-  }
-  console.log(`\nallocate + lease + dispose, one caller (medians; one empty workspace with metadata per pair); ${load()}`)
+  for (const t of targets) rows.push(await oneCaller(t))
+  console.log(`\nallocate + lease + dispose, one caller (medians; one empty workspace per pair); ${load()}`)
   console.table(rows)
 }
 
@@ -181,7 +177,7 @@ if (want('clone')) {
   }
   const pool = await vmspace.openPool(path.join(t.dir, 'clone-pool'))
   const ws = await pool.allocate()
-  const basePool = before && (await before.openPool(path.join(t.dir, 'clone-pool-before')))
+  const basePool = before && (await openBaselinePool(before, path.join(t.dir, 'clone-pool-before')))
   const baseWs = basePool && (await basePool.allocate())
   const out = path.join(t.dir, 'clone-out')
   fs.mkdirSync(out)
@@ -320,21 +316,21 @@ if (want('tree')) {
   }
 }
 
-// 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs). Format 3
-// once more with V8's young generation held at 1 MiB semi-spaces, so that its growth with the allocation rate does
-// not show as RSS growth.
+// 2b. Soak: a million allocate/dispose pairs; RSS and fds from the start and after warm-up (bench/soak.mjs). Once more
+// with V8's young generation held at 1 MiB semi-spaces, so that its growth with the allocation rate does not show as
+// RSS growth.
 if (want('soak')) {
-  for (const [format, v8] of [['1', []], ['2', []], ['3', []], ['3', ['--max-semi-space-size=1']]]) {
+  for (const v8 of [[], ['--max-semi-space-size=1']]) {
     console.log(v8.length ? `\nnode ${v8.join(' ')}:` : '')
     process.stdout.write(
-      execFileSync(process.execPath, ['--expose-gc', ...v8, path.join(here, 'soak.mjs'), '--dir', xfsTarget.dir, '--cycles', args['soak-cycles'], '--format', format]),
+      execFileSync(process.execPath, ['--expose-gc', ...v8, path.join(here, 'soak.mjs'), '--dir', xfsTarget.dir, '--cycles', args['soak-cycles']]),
     )
   }
 }
 
 // 3. Liveness: how fast adopt() refuses a live lease and sweep() passes live workspaces (8 held by another
-// process), against list() of the same pool and a no-op pool hop. A lease is told from a list() probe by a
-// shared flock try, so a live lease costs no back-off (it cost ~15 ms of sleeps per adopt or sweep before).
+// process), against list() of the same pool and a no-op pool hop. A lease is probed with F_OFD_GETLK, which takes
+// no lock, so a live lease costs no back-off and a listing never makes an adopt or a sweep wait (DESIGN.md, Leases).
 if (want('lease')) {
   const t = targets[0]
   const root = path.join(t.dir, 'lease-pool')
@@ -545,10 +541,7 @@ if (want('trace')) {
     { name: 'no subscriber', lib: vmspace },
     { name: 'subscriber (allocate, dispose)', lib: vmspace, subscribe: true },
   ]
-  if (args.baseline) {
-    const dir = path.resolve(args.baseline)
-    variants.push({ name: `baseline (${path.basename(dir)}), no subscriber`, lib: require(path.join(dir, 'dist', 'index.js')) })
-  }
+  if (before) variants.push({ name: 'baseline', lib: before, baseline: true }) // named once its pool is open
   const handlers = { start() {}, end() {}, asyncStart() {}, asyncEnd() {}, error() {} }
   const channels = ['vmspace:allocate', 'vmspace:dispose'].map((n) => dc.tracingChannel(n))
   const hooks = {
@@ -556,7 +549,11 @@ if (want('trace')) {
     afterAll: () => channels.forEach((c) => c.unsubscribe(handlers)),
   }
   const pools = []
-  for (const [i, v] of variants.entries()) pools.push(await v.lib.openPool(path.join(t.dir, `trace-${i}`)))
+  for (const [i, v] of variants.entries()) {
+    const root = path.join(t.dir, `trace-${i}`)
+    pools.push(v.baseline ? await openBaselinePool(v.lib, root) : await v.lib.openPool(root))
+    if (v.baseline) v.name = `${baselineLabel(pools[i])} of ${path.basename(path.resolve(args.baseline))}, no subscriber`
+  }
   const samples = variants.map(() => [])
   for (let round = 0; round < Number(args.rounds); round++) {
     const bench = new Bench({ time: timeMs / 2, warmupTime: 200 })

@@ -4,7 +4,8 @@
 // after the warm-up is what a leak shows as; growth from the start includes the warm-up; the second half's growth
 // tells a leak from a warm-up that outlasted the first tenth (RSS reached its plateau only at ~300,000 pairs in one
 // run of 1,000,000).
-//   node --expose-gc bench/soak.mjs --dir DIR [--cycles 1000000] [--format 1|2|3]
+//   node --expose-gc bench/soak.mjs --dir DIR [--cycles 1000000]
+import { execFileSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import { createRequire } from 'node:module'
 import * as os from 'node:os'
@@ -14,18 +15,19 @@ import { parseArgs } from 'node:util'
 const require = createRequire(import.meta.url)
 const vmspace = require(path.join(path.dirname(new URL(import.meta.url).pathname), '..', 'dist', 'index.js'))
 const { values: args } = parseArgs({
-  options: { dir: { type: 'string' }, cycles: { type: 'string', default: '1000000' }, format: { type: 'string', default: '1' } },
+  options: { dir: { type: 'string' }, cycles: { type: 'string', default: '1000000' } },
 })
 const cycles = Number(args.cycles)
 const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-soak-'))
 process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
+const fsType = execFileSync('stat', ['-f', '-c', '%T', dir], { encoding: 'utf8' }).trim()
 const fds = () => fs.readdirSync('/proc/self/fd').length
 const snap = () => {
   global.gc?.()
   const m = process.memoryUsage()
   return { rss: m.rss, heap: m.heapUsed, heapTotal: m.heapTotal, fds: fds() }
 }
-const pool = await vmspace.openPool(path.join(dir, 'pool'), { format: Number(args.format) })
+const pool = await vmspace.openPool(path.join(dir, 'pool'))
 const start = snap()
 let warm
 let half // at cycles / 2: the second half's growth shows a leak even where the warm-up outlasts the first tenth
@@ -51,7 +53,7 @@ const s = (performance.now() - t0) / 1000
 const end = snap()
 await pool.close()
 const MiB = (b) => (b / 2 ** 20).toFixed(2)
-console.log(`soak: ${cycles} allocate/dispose pairs, format ${args.format}, 64 in flight, ${s.toFixed(0)} s (${(cycles / s).toFixed(0)}/s); load average ${os.loadavg()[0].toFixed(1)}`)
+console.log(`soak on ${fsType}: ${cycles} allocate/dispose pairs, 64 in flight, ${s.toFixed(0)} s (${(cycles / s).toFixed(0)}/s); load average ${os.loadavg()[0].toFixed(1)}`)
 // RSS includes the V8 heap V8 has committed (heapTotal), which grows with the allocation rate (the young generation's
 // semi-spaces double up to --max-semi-space-size, 16 MiB by default: a 16 MiB step once the loop runs at full
 // speed) without anything being kept: "RSS − V8 heap" is the memory outside V8's heap (the addon's, libuv's,

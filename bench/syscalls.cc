@@ -1,17 +1,19 @@
 // The bare syscalls of allocate + lease + dispose, in a plain loop: the floor vmspace's overhead is measured
-// against (bench/run.mjs). Same sequence as native/core/pool.cc without its checks, error paths or JS hops.
+// against (bench/run.mjs, bench/throughput.mjs). The same sequence as native/core/lease.cc and pool.cc (PoolStage,
+// Pool::dispose) for an empty workspace, without their error paths, fallbacks or JS hops.
 // Usage: syscalls DIR ITERATIONS META [THREADS MS]
-//   META: vmspace's sequence with its metadata as 1 a file in meta/ and dispose through trash/ (vmspace before
-//   issue 12), 2 a file and dispose by rmdir at the workspace's name (format 1 pools now), 3 an xattr of the
-//   workspace directory and rmdir at the name, no meta/ unlink (format 2 pools), 4 as 3 with each thread building in
-//   a staging shard of its own, staging/s<i> (format 3 pools); 0: 1 without any metadata; 5: mkdir + rmdir of a
-//   random name in one directory, nothing else (the floor of mkdtemp + rm).
+//   META 6: vmspace's sequence. allocate: the lease file, made unnamed in its shard DIR/.vmspace/leases/<x> (<x>:
+//   the id's first hex digit), openat(O_TMPFILE) → fcntl(F_OFD_SETLK, read lock on byte 0) → (root only)
+//   fchown(-1, uid 4294967294) → fchmod(0400 as root, else 0600) → fsetxattr(user.vmspace.record) →
+//   linkat(AT_EMPTY_PATH) under the name; then mkdirat(DIR, name, 0700). dispose: fcntl(F_OFD_GETLK) →
+//   fstatat(DIR, name) → rmdir at the name → fstat(lease) + fstatat(leases/<x>, name) → unlink the lease file →
+//   close. Run as root, it pays for the fchown as vmspace does; as another user, neither makes it.
+//   META 5: mkdir + rmdir of a random name in one directory, nothing else (the floor of mkdtemp + rm).
 //   The name's random bytes come from a per-thread buffer refilled 256 bytes at a time, as in native/core/names.cc.
-//   BODY (environment): bytes of metadata, default 200 (what allocate() writes without meta or template).
+//   BODY (environment): bytes of the record, default 200 (what allocate() writes without meta or template).
 //   Without THREADS: prints the median ns per allocate+dispose pair of ITERATIONS pairs in one thread.
 //   With THREADS: THREADS threads each run pairs back to back for MS milliseconds; prints the pairs per second.
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
@@ -19,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,72 +44,81 @@ static std::string hex(size_t n) {
   return s;
 }
 
-static int rootFd, staging, trash, metaFd, meta;
+static int rootFd, meta, leaseDirs[16];
+static const bool root = geteuid() == 0;
 static std::string body(getenv("BODY") ? atoi(getenv("BODY")) : 200, 'x');
 
-// Where this thread builds: staging/, or (META 4) staging/s<i>, one per thread as vmspace's pool threads.
-static int stagingDir() {
-  if (meta != 4) return staging;
-  static std::atomic<int> next{0};
-  thread_local int fd = -1;
-  if (fd < 0) {
-    std::string shard = "s" + std::to_string(next++ % 8);
-    mkdirat(staging, shard.c_str(), 0700);
-    fd = openat(staging, shard.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) abort();
+static int leaseDirOf(const std::string& name) {
+  char c = name[3];  // "vm-" then the id
+  return leaseDirs[c <= '9' ? c - '0' : c - 'a' + 10];
+}
+
+// allocate's lease file: locked and given its record before it has a name, as native/core/lease.cc makeLeaseFile.
+static int makeLease(int dir, const std::string& name) {
+  int fd = openat(dir, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  struct flock fl = {};
+  fl.l_type = F_RDLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = 0;  // the owner's byte
+  fl.l_len = 1;
+  if (fd < 0 || fcntl(fd, F_OFD_SETLK, &fl) != 0) return -1;
+  // EINVAL: uid 4294967294 not mapped in this user namespace; vmspace then leaves the file root's, and so does this.
+  if (root && fchown(fd, static_cast<uid_t>(-2), static_cast<gid_t>(-1)) != 0 && errno != EINVAL) return -1;
+  if (fchmod(fd, root ? 0400 : 0600) != 0) return -1;
+  if (fsetxattr(fd, "user.vmspace.record", body.data(), body.size(), 0) != 0) return -1;
+  if (linkat(fd, "", dir, name.c_str(), AT_EMPTY_PATH) != 0) {
+    // Without CAP_DAC_READ_SEARCH (not root): ENOENT, and vmspace links through /proc/self/fd instead.
+    char proc[40];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    if (errno != ENOENT || linkat(AT_FDCWD, proc, dir, name.c_str(), AT_SYMLINK_FOLLOW) != 0) return -1;
   }
   return fd;
 }
 
+static bool dispose(int lease, int dir, const std::string& name) {
+  struct flock q = {};
+  q.l_type = F_WRLCK;  // over the whole file: any other holder's lock conflicts
+  q.l_whence = SEEK_SET;
+  if (fcntl(lease, F_OFD_GETLK, &q) != 0 || q.l_type != F_UNLCK) return false;
+  struct stat at, own;
+  if (fstatat(rootFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(at.st_mode)) return false;
+  if (unlinkat(rootFd, name.c_str(), AT_REMOVEDIR) != 0) return false;
+  // The lease file is unlinked only if it is still the inode held.
+  if (fstat(lease, &own) != 0 || fstatat(dir, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_ino != own.st_ino)
+    return false;
+  if (unlinkat(dir, name.c_str(), 0) != 0) return false;
+  return close(lease) == 0;
+}
+
 static bool pair() {
-  const int staging = stagingDir();
   std::string name = "vm-" + hex(16);
   if (meta == 5) return mkdirat(rootFd, name.c_str(), 0700) == 0 && unlinkat(rootFd, name.c_str(), AT_REMOVEDIR) == 0;
-  if (mkdirat(staging, name.c_str(), 0700) != 0) return false;
-  int fd = openat(staging, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) return false;
-  struct stat own, at;
-  if (fstat(fd, &own) != 0 || fstatat(staging, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0) return false;
-  std::string mname = name + ".json";
-  if (meta == 1 || meta == 2) {
-    std::string tmp = "." + mname + ".tmp-" + hex(6);
-    int m = openat(metaFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (m < 0 || fchmod(m, 0644) != 0 || write(m, body.data(), body.size()) != static_cast<ssize_t>(body.size()))
-      return false;
-    close(m);
-    if (renameat2(metaFd, tmp.c_str(), metaFd, mname.c_str(), RENAME_NOREPLACE) != 0) return false;
-  } else if (meta == 3 || meta == 4) {
-    if (fsetxattr(fd, "user.vmspace.meta", body.data(), body.size(), 0) != 0) return false;
+  const int dir = leaseDirOf(name);
+  int lease = makeLease(dir, name);
+  if (lease < 0 || mkdirat(rootFd, name.c_str(), 0700) != 0) return false;
+  return dispose(lease, dir, name);
+}
+
+// The pool's directories, as openPool makes them (only those the sequence touches).
+static void makeDirs(const std::string& root) {
+  mkdir(root.c_str(), 0755);
+  rootFd = open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  mkdirat(rootFd, ".vmspace", 0755);
+  mkdirat(rootFd, ".vmspace/leases", 0700);
+  for (int i = 0; i < 16; i++) {
+    std::string shard = std::string(".vmspace/leases/") + "0123456789abcdef"[i];
+    mkdirat(rootFd, shard.c_str(), 0700);
+    leaseDirs[i] = openat(rootFd, shard.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (leaseDirs[i] < 0) abort();
   }
-  if (renameat2(staging, name.c_str(), rootFd, name.c_str(), RENAME_NOREPLACE) != 0) return false;
-  // dispose
-  if (meta >= 2) {
-    // rmdir at the name, after the identity check
-    if (fstatat(rootFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_ino != own.st_ino) return false;
-    if (unlinkat(rootFd, name.c_str(), AT_REMOVEDIR) != 0) return false;
-  } else {
-    if (renameat2(rootFd, name.c_str(), trash, name.c_str(), RENAME_NOREPLACE) != 0) return false;
-    if (fstatat(trash, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0) return false;
-    if (unlinkat(trash, name.c_str(), AT_REMOVEDIR) != 0) return false;
-  }
-  if (meta == 1 || meta == 2) unlinkat(metaFd, mname.c_str(), 0);
-  close(fd);
-  return true;
 }
 
 int main(int argc, char** argv) {
   if (argc < 4) return 2;
-  std::string root = argv[1];
   int n = atoi(argv[2]);
   meta = atoi(argv[3]);
-  mkdir(root.c_str(), 0755);
-  rootFd = open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  mkdirat(rootFd, "staging", 0700);
-  mkdirat(rootFd, "trash", 0700);
-  mkdirat(rootFd, "meta", 0700);
-  staging = openat(rootFd, "staging", O_RDONLY | O_DIRECTORY);
-  trash = openat(rootFd, "trash", O_RDONLY | O_DIRECTORY);
-  metaFd = openat(rootFd, "meta", O_RDONLY | O_DIRECTORY);
+  if (meta != 5 && meta != 6) return 2;
+  makeDirs(argv[1]);
   if (argc >= 6) {
     int threads = atoi(argv[4]);
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(atoi(argv[5]));

@@ -1,16 +1,15 @@
 #!/usr/bin/env node
 // Throughput of allocate+dispose under the load of many callers (issue 12), each ratio from one run with the
 // compared implementations interleaved round by round (the machine is shared; absolute figures drift):
-//   1. `--inflight` (64) pairs in flight in one process: vmspace, fs.promises mkdtemp+rm, and the native floors
-//      (bench/syscalls.cc: vmspace's syscall sequence in UV_THREADPOOL_SIZE threads, the parallelism the libuv pool
-//      gives vmspace), and mkdtemp+rm's own floor (mkdir + rmdir in as many threads: "mkdtemp+rm / its floor", how
-//      much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
-//   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same three (the floor in as many threads);
+//   1. `--inflight` (64) pairs in flight in one process: vmspace's pool, fs.promises mkdtemp+rm, and the native
+//      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE threads, the parallelism
+//      the libuv pool gives vmspace), and mkdtemp+rm's own floor (mkdir + rmdir in as many threads: "mkdtemp+rm / its
+//      floor", how much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
+//   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same (the floors in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
-//   Pools of formats 1, 2 and 3 (3: staging shards), each against the floor of its own sequence. With --baseline DIR
-//   (a built checkout of an earlier version), its format-2 allocate+dispose runs interleaved with the others in rows
-//   1 and 2 ("vmspace / baseline", for the format-2 and format-3 rows).
+//   With --baseline DIR (a built checkout of an earlier version; bench/baseline.mjs), its format-3 pool's
+//   allocate+dispose runs interleaved with the others in rows 1 and 2 ("vmspace / baseline (format 3)").
 //   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth] [--baseline DIR]
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -18,9 +17,9 @@ import * as path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import { execFileSync } from 'node:child_process'
-import { createRequire } from 'node:module'
 import { median } from './median.mjs'
 import { raceChildren, readyThenGo, vmspace } from './children.mjs'
+import { loadBaseline, nameBaselinePool, openBaselinePool } from './baseline.mjs'
 
 const script = fileURLToPath(import.meta.url)
 
@@ -42,7 +41,7 @@ const { values: args } = parseArgs({
 const timeMs = Number(args.time)
 const rounds = Number(args.rounds)
 const want = (s) => !args.only || args.only.split(',').includes(s)
-const before = args.baseline ? createRequire(import.meta.url)(path.join(path.resolve(args.baseline), 'dist', 'index.js')) : undefined
+const before = loadBaseline(args.baseline)
 
 // Runs pairs of `impl` with `inflight` in flight for `ms`; resolves the pairs done.
 async function loop(impl, inflight, ms) {
@@ -61,27 +60,17 @@ async function loop(impl, inflight, ms) {
 
 async function implementations(dir) {
   const pool = await vmspace.openPool(path.join(dir, 'pool'))
-  const pool2 = await vmspace.openPool(path.join(dir, 'pool2'), { format: 2 })
-  const pool3 = await vmspace.openPool(path.join(dir, 'pool3'), { format: 3 })
-  const poolB = before ? await before.openPool(path.join(dir, 'pool-baseline'), { format: 2 }) : undefined
+  const poolB = before ? await openBaselinePool(before, path.join(dir, 'pool-baseline')) : undefined
   const tmpBase = path.join(dir, 'mkdtemp')
   fs.mkdirSync(tmpBase, { recursive: true })
   return {
-    pools: poolB ? [pool, pool2, pool3, poolB] : [pool, pool2, pool3],
-    baseline2: async () => {
+    pools: poolB ? [pool, poolB] : [pool],
+    baseline: async () => {
       const ws = await poolB.allocate()
       await ws.dispose()
     },
     vmspace: async () => {
       const ws = await pool.allocate()
-      await ws.dispose()
-    },
-    vmspace2: async () => {
-      const ws = await pool2.allocate()
-      await ws.dispose()
-    },
-    vmspace3: async () => {
-      const ws = await pool3.allocate()
       await ws.dispose()
     },
     mkdtemp: async () => {
@@ -104,13 +93,14 @@ if (args.child) {
 
 const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-throughput-'))
 process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
-// The native floors: vmspace's syscall sequence for a format-1 pool (metadata file), a format-2 pool (xattr) and a
-// format-3 pool (xattr, a staging shard per thread), and mkdtemp+rm's own (mkdir + rmdir): bench/syscalls.cc's
-// META 2, 3, 4 and 5.
-const floorModes = { floor1: 2, floor2: 3, floor3: 4, floorMk: 5 }
+// The native floors: vmspace's syscall sequence (bench/syscalls.cc's META 6) and mkdtemp+rm's own (mkdir + rmdir,
+// META 5).
+const floorModes = { floor: 6, floorMk: 5 }
 const floorOps = (name, threads) =>
   Number(execFileSync(args.floor, [path.join(dir, name), '0', String(floorModes[name]), String(threads), String(timeMs)]).toString())
-const names = ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', 'floor1', 'floor2', 'floor3', 'floorMk', ...(before ? ['baseline2'] : [])]
+const names = ['vmspace', 'mkdtemp', 'floor', 'floorMk', ...(before ? ['baseline'] : [])]
+// The baseline's pool, opened once here to name it (its children open the same one).
+const baselineName = before && (await nameBaselinePool(before, path.join(dir, 'pool-baseline')))
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
 const fsType = (() => {
   try {
@@ -122,19 +112,17 @@ const fsType = (() => {
 const load = () => os.loadavg()[0].toFixed(1)
 const ratioRows = (label, res) => {
   const r = (a, b) => median(res[a].map((x, i) => x / res[b][i])).toFixed(2)
-  const row = (format, vm, floor) => ({
+  return {
     callers: label,
-    pool: `format ${format}`,
-    'vmspace ops/s': median(res[vm]).toFixed(0),
+    'vmspace ops/s': median(res.vmspace).toFixed(0),
     'mkdtemp+rm ops/s': median(res.mkdtemp).toFixed(0),
-    'native floor ops/s': median(res[floor]).toFixed(0),
-    'vmspace / mkdtemp+rm': r(vm, 'mkdtemp'),
-    'vmspace / floor': r(vm, floor),
+    'native floor ops/s': median(res.floor).toFixed(0),
+    'vmspace / mkdtemp+rm': r('vmspace', 'mkdtemp'),
+    'vmspace / floor': r('vmspace', 'floor'),
     'mkdtemp+rm / its floor': r('mkdtemp', 'floorMk'),
-    'per round (vm/mk/floor)': res[vm].map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res[floor][i].toFixed(0)}`).join(' '),
-    ...(before && format >= 2 ? { 'baseline ops/s': median(res.baseline2).toFixed(0), 'vmspace / baseline': r(vm, 'baseline2') } : {}),
-  })
-  return [row(1, 'vmspace', 'floor1'), row(2, 'vmspace2', 'floor2'), row(3, 'vmspace3', 'floor3')]
+    'per round (vm/mk/floor)': res.vmspace.map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res.floor[i].toFixed(0)}`).join(' '),
+    ...(before ? { [`${baselineName} ops/s`]: median(res.baseline).toFixed(0), [`vmspace / ${baselineName}`]: r('vmspace', 'baseline') } : {}),
+  }
 }
 // Each round runs every implementation once, the order reversed every other round.
 async function rounds_(run) {
@@ -148,12 +136,12 @@ console.log(`throughput on ${fsType} (${dir}); ${os.cpus().length} CPUs; load av
 if (want('inflight')) {
   const inflight = Number(args.inflight)
   const impls = await implementations(dir)
-  for (const n of ['vmspace', 'vmspace2', 'vmspace3', 'mkdtemp', ...(before ? ['baseline2'] : [])]) await loop(impls[n], inflight, 300)
+  for (const n of ['vmspace', 'mkdtemp', ...(before ? ['baseline'] : [])]) await loop(impls[n], inflight, 300)
   const res = await rounds_(async (name) =>
     name.startsWith('floor') ? floorOps(name, threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
   )
   for (const p of impls.pools) await p.close()
-  rows.push(...ratioRows(`${inflight} in flight, 1 process (floor: ${threadpool} threads); load ${load()}`, res))
+  rows.push(ratioRows(`${inflight} in flight, 1 process (floor: ${threadpool} threads); load ${load()}`, res))
 }
 
 async function processes(name, procs) {
@@ -165,7 +153,7 @@ async function processes(name, procs) {
 if (want('procs')) {
   const procs = Number(args.procs)
   const res = await rounds_((name) => (name.startsWith('floor') ? floorOps(name, procs) : processes(name, procs)))
-  rows.push(...ratioRows(`${procs} processes, 1 in flight each (floor: ${procs} threads); load ${load()}`, res))
+  rows.push(ratioRows(`${procs} processes, 1 in flight each (floor: ${procs} threads); load ${load()}`, res))
 }
 
 if (rows.length) {
@@ -173,8 +161,9 @@ if (rows.length) {
   console.table(rows)
 }
 
-if (want('growth')) {
-  const entries = Number(args.entries)
+// Pool growth: allocate+dispose latency in a pool of `entries` orphaned workspaces against an empty pool, then
+// list() and sweep() of those entries.
+async function growth(entries) {
   const pct = (xs, p) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) * p)]
   const measure = async (fn) => {
     global.gc?.()
@@ -183,47 +172,50 @@ if (want('growth')) {
     const out = await fn()
     return { ms: performance.now() - t, rssMiB: (process.memoryUsage().rss - rss0) / 2 ** 20, out }
   }
-  const latency = []
-  const calls = []
-  for (const format of [1, 2, 3]) {
-    const full = await vmspace.openPool(path.join(dir, `full${format}`), { format })
-    const empty = await vmspace.openPool(path.join(dir, `empty${format}`), { format })
-    // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
-    const t0 = performance.now()
-    for (let i = 0; i < entries; i += 64)
-      await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release()))
-    const fillS = (performance.now() - t0) / 1000
-    const lat = { full: [], empty: [] }
-    const pair = async (pool) => {
-      const t = process.hrtime.bigint()
-      const ws = await pool.allocate()
-      await ws.dispose()
-      return Number(process.hrtime.bigint() - t) / 1e3
-    }
-    for (let i = 0; i < 200; i++) await pair(i % 2 ? full : empty) // warm-up
-    for (let i = 0; i < 4000; i++) {
-      const which = i % 2 ? 'full' : 'empty' // alternate pair by pair
-      lat[which].push(await pair(which === 'full' ? full : empty))
-    }
-    const row = (label, xs) => ({ pool: `format ${format}, ${label}`, 'p50 µs': pct(xs, 0.5).toFixed(0), 'p99 µs': pct(xs, 0.99).toFixed(0) })
-    latency.push(row('empty', lat.empty), row(`${entries} entries`, lat.full), {
-      pool: `format ${format}, full / empty`,
+  const full = await vmspace.openPool(path.join(dir, 'full'))
+  const empty = await vmspace.openPool(path.join(dir, 'empty'))
+  // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
+  const t0 = performance.now()
+  for (let i = 0; i < entries; i += 64)
+    await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release()))
+  const fillS = (performance.now() - t0) / 1000
+  const lat = { full: [], empty: [] }
+  const pair = async (pool) => {
+    const t = process.hrtime.bigint()
+    const ws = await pool.allocate()
+    await ws.dispose()
+    return Number(process.hrtime.bigint() - t) / 1e3
+  }
+  for (let i = 0; i < 200; i++) await pair(i % 2 ? full : empty) // warm-up
+  for (let i = 0; i < 4000; i++) {
+    const which = i % 2 ? 'full' : 'empty' // alternate pair by pair
+    lat[which].push(await pair(which === 'full' ? full : empty))
+  }
+  const row = (pool, xs) => ({ pool, 'p50 µs': pct(xs, 0.5).toFixed(0), 'p99 µs': pct(xs, 0.99).toFixed(0) })
+  const latency = [
+    row('empty', lat.empty),
+    row(`${entries} entries`, lat.full),
+    {
+      pool: 'full / empty',
       'p50 µs': (pct(lat.full, 0.5) / pct(lat.empty, 0.5)).toFixed(2),
       'p99 µs': (pct(lat.full, 0.99) / pct(lat.empty, 0.99)).toFixed(2),
-    })
-    const list = await measure(() => full.list())
-    const dry = await measure(() => full.sweep({ dryRun: true }))
-    const sweep = await measure(() => full.sweep({ graceMs: 0 }))
-    calls.push(
-      { call: `format ${format}: list() of ${entries}`, ms: list.ms.toFixed(0), 'RSS growth MiB': list.rssMiB.toFixed(1), result: `${list.out.length} entries` },
-      { call: `format ${format}: sweep({ dryRun: true })`, ms: dry.ms.toFixed(0), 'RSS growth MiB': dry.rssMiB.toFixed(1), result: `${dry.out.reclaimed.length} reclaimable` },
-      { call: `format ${format}: sweep() reclaiming all`, ms: sweep.ms.toFixed(0), 'RSS growth MiB': sweep.rssMiB.toFixed(1), result: `${sweep.out.reclaimed.length} reclaimed (filled in ${fillS.toFixed(0)} s)` },
-    )
-    await full.close()
-    await empty.close()
-  }
+    },
+  ]
+  const list = await measure(() => full.list())
+  const dry = await measure(() => full.sweep({ dryRun: true }))
+  const sweep = await measure(() => full.sweep({ graceMs: 0 }))
+  const call = (name, m, result) => ({ call: name, ms: m.ms.toFixed(0), 'RSS growth MiB': m.rssMiB.toFixed(1), result })
+  const calls = [
+    call(`list() of ${entries}`, list, `${list.out.length} entries`),
+    call('sweep({ dryRun: true })', dry, `${dry.out.reclaimed.length} reclaimable`),
+    call('sweep() reclaiming all', sweep, `${sweep.out.reclaimed.length} reclaimed (filled in ${fillS.toFixed(0)} s)`),
+  ]
+  await full.close()
+  await empty.close()
   console.log(`\npool growth on ${fsType}: allocate+dispose latency with ${entries} orphaned workspaces in the pool against an empty pool (alternating pair by pair); load ${load()}`)
   console.table(latency)
-  console.log(`list() and sweep() of ${entries} entries (RSS growth of this process during the call)`)
+  console.log(`list() and sweep() of ${entries} entries (RSS growth of this process during the call); load ${load()}`)
   console.table(calls)
 }
+
+if (want('growth')) await growth(Number(args.entries))
