@@ -218,6 +218,28 @@ describe('a low RLIMIT_NOFILE', () => {
   }
 })
 
+describe('many allocations at once under a low fd limit', () => {
+  // 20 builds from a template tree at once, in a process of 40 fds (Node takes about 20 of them): some fail with
+  // EMFILE at any step of their build, and each failure must take back everything it made.
+  test('40 free fds at most: 20 allocate({ template }) at once all settle, and no entry, build or lease file is left (6 rounds)', { timeout: 120_000 }, () => {
+    const dir = freshDir()
+    const template = path.join(dir, 'template')
+    for (const sub of ['a', 'a/b']) {
+      fs.mkdirSync(path.join(template, sub), { recursive: true })
+      for (let i = 0; i < 30; i++) fs.writeFileSync(path.join(template, sub, `f${i}`), `${sub} ${i}`)
+    }
+    for (let round = 0; round < 6; round++) {
+      const root = path.join(dir, `pool${round}`)
+      const child = path.join(fixtures, 'emfile-allocate-child.cjs')
+      const r = runCommand('bash', ['-c', `ulimit -n 40 && exec "${process.execPath}" "${child}" "${root}" "${template}"`])
+      const out = JSON.parse(r.stdout) as { settled: Record<string, number>; count: number; left: string[] }
+      expect(out.count).toBe(20)
+      expect(Object.keys(out.settled).every((k) => k === 'ok' || k === 'EMFILE'), JSON.stringify(out.settled)).toBe(true)
+      expect(out.left, `round ${round}`).toEqual([])
+    }
+  })
+})
+
 describe.skipIf(!unprivilegedChildren)(
   `truthful errors ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`,
   () => {
