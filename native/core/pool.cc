@@ -473,6 +473,43 @@ void Pool::syncLeaseDir(const std::string& name) {
   if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/leases/" + shard);
 }
 
+bool Pool::keepSpare(const std::string& name, int fd) {
+  std::lock_guard<std::mutex> hold(sparesMu_);
+  if (spares_.size() >= kMaxSpares) return false;
+  // Within its shard: no cross-directory rename here. What a sweep sees at a spare's name: a lease held (by us).
+  std::string rel = leaseShardOf(name) + "/.spare-" + randomHex(8);
+  if (renameat2(leasesFd_.get(), leaseRel(name).c_str(), leasesFd_.get(), rel.c_str(), RENAME_NOREPLACE) != 0)
+    return false;
+  spares_.push_back({UniqueFd(fd), std::move(rel)});
+  return true;
+}
+
+int Pool::takeSpare(const std::string& name, const std::string& record) {
+  Spare spare;
+  {
+    std::lock_guard<std::mutex> hold(sparesMu_);
+    if (spares_.empty()) {
+      errno = ENOENT;
+      return -1;
+    }
+    spare = std::move(spares_.back());
+    spares_.pop_back();
+  }
+  // The record first: the lease file is never at a workspace's name without that workspace's record.
+  if (writeRecord(spare.fd.get(), record) == 0 &&
+      renameat2(leasesFd_.get(), spare.rel.c_str(), leasesFd_.get(), leaseRel(name).c_str(), RENAME_NOREPLACE) == 0)
+    return spare.fd.release();
+  int err = errno;
+  if (err == EEXIST) {  // the name is taken: the spare stays a spare
+    std::lock_guard<std::mutex> hold(sparesMu_);
+    spares_.push_back(std::move(spare));
+  } else {
+    unlinkat(leasesFd_.get(), spare.rel.c_str(), 0);  // not reusable: dropped, as a lease file would be
+  }
+  errno = err;
+  return -1;
+}
+
 bool Pool::dropLease(const std::string& name) {
   // The name is the caller's: it holds the lease (or a sweep's take of it), and a lease file is only ever linked
   // under a name no other exists at (makeLeaseFile, linkLeaseFile: EEXIST).
@@ -623,7 +660,10 @@ class PoolStage {
     for (;; res_.retries++) {
       drawName(&tries_, req_.prefix + "-", pool_.root_, &res_.id, &res_.name);
       std::string record = direct_ ? recordJson(req_.info, res_.name, "", {}, req_.clone.reflink) : std::string();
-      UniqueFd lease(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_));
+      UniqueFd lease(direct_ ? pool_.takeSpare(res_.name, record) : -1);
+      if (!lease && errno == EEXIST) continue;
+      if (!lease)
+        lease.reset(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_));
       if (!lease) {
         if (errno == EEXIST) continue;
         throwErrno(errno, "open", pool_.leasePath(res_.name));
@@ -913,6 +953,11 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
   // Made by this process without a quota (hints.claim false): no claim to release and no subvolume of its own,
   // so rmdir(2) first, the checks below only for what it refuses (not empty, not a directory, a mount).
   if (!hints.claim && unlinkat(rootFd_.get(), name.c_str(), AT_REMOVEDIR) == 0) {
+    // Never handed over (no handover fd was opened), so no other process has an fd of it: a spare.
+    if (handoverFd < 0 && keepSpare(name, lease.get())) {
+      (void)lease.release();
+      return;
+    }
     dropLease(name);
     return;
   }
@@ -1209,9 +1254,12 @@ class PoolSweep {
       if (!shard) throwErrno(errno, "open", dir);
       int dirFd = shard.get();
       for (auto& [file, type] : readNames(dirFd, dir)) {
-        if (file.compare(0, 5, ".tmp-") == 0) {
+        bool spare = file.compare(0, 7, ".spare-") == 0;
+        if (spare || file.compare(0, 5, ".tmp-") == 0) {
+          // A spare is held while its process lives: free, that process is gone. A temp one may be a build's that
+          // has not taken its lock yet: free and past the grace period.
           UniqueFd fd(openLeaseFile(dirFd, file));
-          if (!fd || ageMs(dirFd, file) < graceMs_ || !takeFreeLease(fd.get())) continue;
+          if (!fd || (!spare && ageMs(dirFd, file) < graceMs_) || !takeFreeLease(fd.get())) continue;
           if (!dryRun_) unlinkat(dirFd, file.c_str(), 0);
           report_.leasesRemoved++;
           continue;
@@ -1294,6 +1342,8 @@ std::vector<ListEntry> Pool::list() {
 
 void Pool::close() {
   templates_.reset();
+  for (Spare& spare : spares_) unlinkat(leasesFd_.get(), spare.rel.c_str(), 0);
+  spares_.clear();
   leasesFd_.reset();
   trashFd_.reset();
   for (auto& fd : shardFds_) fd.reset();
