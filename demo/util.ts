@@ -216,7 +216,7 @@ export async function poolEntries(root: string): Promise<string[]> {
           (rel === path.join('.vmspace', 'staging') && /^s[0-7]$/.test(name)) ||
           (rel === path.join('.vmspace', 'leases') && /^[0-9a-f]$/.test(name))
         if (shard && (await fsp.lstat(path.join(root, rel, name))).isDirectory()) await read(path.join(rel, name))
-        else out.push(path.join(rel, name))
+        else if (!name.startsWith('.spare-')) out.push(path.join(rel, name)) // a pool's own, removed by its close()
       }
     } catch (e) {
       if ((e as { code?: string }).code !== 'ENOENT') throw e

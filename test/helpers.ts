@@ -207,9 +207,15 @@ export function poolState(root: string): PoolState {
   }
 }
 
-/** Entries of the shards of `dir` (staging/s0..s7, leases/0..f) as "<shard>/<name>" (not the shards). */
+/**
+ * Entries of the shards of `dir` (staging/s0..s7, leases/0..f) as "<shard>/<name>" (not the shards). Spare lease
+ * files (`.spare-<hex>`: kept, locked, by a process that has the pool open, and removed by its close()) are not
+ * entries.
+ */
 function shardEntries(dir: string): string[] {
-  return ls(dir).flatMap((n) => (fs.lstatSync(path.join(dir, n)).isDirectory() ? ls(path.join(dir, n)).map((e) => `${n}/${e}`) : [n]))
+  return ls(dir).flatMap((n) =>
+    fs.lstatSync(path.join(dir, n)).isDirectory() ? ls(path.join(dir, n)).filter((e) => !e.startsWith('.spare-')).map((e) => `${n}/${e}`) : [n],
+  )
 }
 
 /** Builds in .vmspace/staging/: the shards' entries as "s<i>/<name>" (not the shards). */
