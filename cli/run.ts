@@ -64,7 +64,10 @@ function metaObject(text: string | undefined): JsonObject | undefined {
   return meta as JsonObject
 }
 
-/** The pool root: an existing directory, or a new one (the pool is made) whose parent exists. */
+/**
+ * The pool root: a pool, an empty directory or a new one (the pool is made) whose parent exists. A directory holding
+ * other entries is not made a pool (openPool's rule; ls and sweep refuse it too).
+ */
 function runRoot(arg: string): string {
   const root = path.resolve(arg)
   let st: fs.Stats | undefined
@@ -75,6 +78,8 @@ function runRoot(arg: string): string {
       throw new UsageError(`--pool ${root}: its parent directory does not exist`)
   }
   if (st && !st.isDirectory()) throw new UsageError(`--pool ${root} is not a directory`)
+  if (st && !fs.existsSync(path.join(root, '.vmspace')) && fs.readdirSync(root).length > 0)
+    throw new UsageError(`--pool ${root} is not a vmspace pool and holds other entries (a pool is made in an empty or missing directory)`)
   return root
 }
 

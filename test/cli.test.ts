@@ -226,11 +226,11 @@ describe('vmspace sweep', () => {
     expect(out.bytesFreed).toBe([...bytes.values()].reduce((a, b) => a + b))
     expect(out.live).toBe(1)
     expect(out.failed).toEqual([])
-    expect(poolState(pool.root)).toEqual({ ...emptyPoolState, visible: [live.name], meta: [`${live.name}.json`] })
+    expect(poolState(pool.root)).toEqual({ ...emptyPoolState, visible: [live.name], leases: [`${live.id[0]}/${live.name}`] })
 
     const again = vmspace(['sweep', pool.root])
     expect(again.status).toBe(0)
-    expect(again.stdout).toBe(`${pool.root}: 0 reclaimed (0 B freed), 1 live left alone, 0 failed, 0 metadata file(s) removed\n`)
+    expect(again.stdout).toBe(`${pool.root}: 0 reclaimed (0 B freed), 1 live left alone, 0 failed, 0 lease file(s) removed, 0 foreign left alone\n`)
   })
 
   test.skipIf(!mounts.root)('a removal that fails (a mount inside an orphan) is reported in failed with its code and bytes null, and sweep exits 1', async () => {
@@ -287,7 +287,7 @@ describe('vmspace run', () => {
     const child = runChild(['--pool', root, '--template', `data/hello.txt=${src}`, '--meta', '{"job":42}', '--', 'sh', '-c', script])
     await child.line(5)
     const cwd = child.lines[0]
-    expect(child.lines.slice(0, 5)).toEqual([cwd, cwd, expect.stringMatching(/^[0-9a-f]{32}$/), cwd, 'hello'])
+    expect(child.lines.slice(0, 5)).toEqual([cwd, cwd, expect.stringMatching(/^[0-9a-f]{32}$/), expect.stringMatching(/\/\.vmspace\/leases\/[0-9a-f]\/vm-[0-9a-f]{32}$/), 'hello'])
     const id = child.lines[2]
     expect(path.dirname(cwd)).toBe(root)
     expect(path.basename(cwd)).toBe(`vm-${id}`)
@@ -306,7 +306,7 @@ describe('vmspace run', () => {
     fs.writeFileSync(path.join(dir, 'notes.txt'), 'mine')
     const child = runChild(['--pool', dir, '--', 'true'])
     expect((await child.exited).code).toBe(2)
-    expect(child.stderr()).toMatch(/ERR_POOL_NOT_EMPTY|is not a pool and holds other entries/)
+    expect(child.stderr()).toMatch(/is not a vmspace pool and holds other entries/)
     expect(ls(dir)).toEqual(['notes.txt'])
   })
 
