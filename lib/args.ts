@@ -134,8 +134,13 @@ export function exactJson(name: string, value: unknown): string {
   let text: string
   try {
     text = JSON.stringify(value)
-  } catch {
-    throw invalidValue(name, 'a JSON-serialisable value (no cycle, no BigInt)', value)
+  } catch (e) {
+    // JSON.stringify's own refusals (a cycle, a BigInt) are TypeErrors; anything else was thrown by the value itself
+    // (a getter, a toJSON), and is named as such, with what it threw as the cause.
+    const own = e instanceof TypeError && /circular|BigInt/i.test(e.message)
+    const err = invalidValue(name, own ? 'a JSON-serialisable value (no cycle, no BigInt)' : `a value whose serialisation does not throw (it threw: ${e instanceof Error ? e.message : String(e)})`, value)
+    if (!own) (err as { cause?: unknown }).cause = e
+    throw err
   }
   // No cycle remains past JSON.stringify through plain objects and arrays, and the walk stops at anything else.
   const stack: [unknown, string][] = [[value, name]]

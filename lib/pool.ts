@@ -1357,8 +1357,8 @@ function metaText(meta: unknown): string {
   if (!isPlainObject(meta)) throw invalidType('options.meta', 'a JSON object', meta)
   // Refused rather than changed by JSON.stringify (a Date, undefined, NaN...): list() gives back what was given.
   const text = exactJson('options.meta', meta)
-  if (Buffer.byteLength(text) > MAX_META_BYTES)
-    throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON`, meta, true)
+  const bytes = Buffer.byteLength(text)
+  if (bytes > MAX_META_BYTES) throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON (it is ${bytes})`, meta, true)
   return text
 }
 

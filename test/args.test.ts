@@ -126,6 +126,23 @@ describe('Pool.allocate', () => {
     expect(poolState(pool.root)).toEqual(emptyPoolState)
     expect(pool.stats().allocated + pool.stats().failed).toBe(0)
   })
+
+  test('a meta whose getter throws is refused naming what it threw (as the cause), not as a cycle or a BigInt', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const thrown = new Error('not readable here')
+    const err = await pool.allocate({ meta: { get secret(): string { throw thrown } } }).catch((e: unknown) => e as Error & { code: string; cause: unknown })
+    expect(err).toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', cause: thrown })
+    expect(err.message).toContain('it threw: not readable here')
+    expect(err.message).not.toContain('no cycle')
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('a meta over 64 KiB is refused with its size in the message', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const meta = { big: 'x'.repeat(64 * 1024) }
+    const err = (await pool.allocate({ meta }).catch((e: unknown) => e)) as Error
+    expect(err.message).toContain(`at most 65536 bytes of JSON (it is ${JSON.stringify(meta).length})`)
+  })
 })
 
 describe('clone (standalone)', () => {
