@@ -105,6 +105,8 @@ describe('allocate', () => {
       const err = await pool.allocate({ template: { 'rootfs.img': missing } }).catch((e: unknown) => e)
       expect(err).toBeInstanceOf(VmspaceError)
       expect(err).toMatchObject({ code: 'ENOENT', errno: -2, path: missing })
+      // The destination named is where the build was, in a staging shard: never a path in the root that never existed.
+      expect((err as VmspaceError).dest).toMatch(new RegExp(`^${pool.root}/\\.vmspace/staging/s[0-7]/vm-[0-9a-f]{32}/rootfs\\.img$`))
       expect(poolState(pool.root)).toEqual(emptyPoolState)
       expect(pool.stats()).toMatchObject({ allocated: 0, failed: 1 })
     })
