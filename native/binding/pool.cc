@@ -108,18 +108,17 @@ Napi::Value Dispose(const Napi::CallbackInfo& info) {
   vmspace::DisposeHints hints;
   hints.claim = boolArg(info, 4);
   struct Unit {};
-  Napi::Promise promise = submitBatched(
-      info.Env(), std::make_unique<LambdaJob<Unit>>(
-                      info.Env(),
-                      [pool, name, leaseFd, handoverFd, hints] {
-                        pool->dispose(name, leaseFd, handoverFd, hints);
-                        return Unit{};
-                      },
-                      [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr,
-                      [leaseFd, handoverFd] {
-                        ::close(leaseFd);
-                        if (handoverFd >= 0) ::close(handoverFd);
-                      }));
+  Napi::Promise promise = submitBatched(info.Env(), std::make_unique<LambdaJob<Unit>>(
+                                                        info.Env(),
+                                                        [pool, name, leaseFd, handoverFd, hints] {
+                                                          pool->dispose(name, leaseFd, handoverFd, hints);
+                                                          return Unit{};
+                                                        },
+                                                        [](Napi::Env env, Unit&) { return env.Undefined(); }, nullptr,
+                                                        [leaseFd, handoverFd] {
+                                                          ::close(leaseFd);
+                                                          if (handoverFd >= 0) ::close(handoverFd);
+                                                        }));
   // Only now that the call owns the fds (the core closes them on every path; so does a call never run): a throw
   // above (no promise or queue could be made) leaves the lease with the workspace. No lease can reuse the numbers
   // before this line: leases are added on this thread only.

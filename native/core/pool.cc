@@ -1253,7 +1253,8 @@ class PoolSweep {
       UniqueFd shard(openat(pool_.leasesFd_.get(), leaseShardName(i).c_str(), kDirFlags));
       if (!shard) throwErrno(errno, "open", dir);
       int dirFd = shard.get();
-      for (auto& [file, type] : readNames(dirFd, dir)) {
+      for (auto& entry : readNames(dirFd, dir)) {
+        const std::string& file = entry.first;  // not a structured binding: the lambda below captures it (clang)
         bool spare = file.compare(0, 7, ".spare-") == 0;
         if (spare || file.compare(0, 5, ".tmp-") == 0) {
           // A spare is held while its process lives: free, that process is gone. A temp one may be a build's that
