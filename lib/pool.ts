@@ -1,6 +1,6 @@
 /**
  * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
- * sequence (mkdir, open, flock, clones, metadata, publish) runs in one hop on the libuv pool.
+ * sequence (lease file, mkdir, clones, record, publish) runs in one hop on the libuv pool.
  */
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -220,7 +220,7 @@ export interface WorkspaceInfo {
   name: string
   /** Absolute path of the workspace directory. */
   path: string
-  /** True while some process holds the lease (judged by a non-blocking shared flock probe). */
+  /** True while some process holds the lease (judged by F_OFD_GETLK on its lease file, which takes no lock). */
   live: boolean
   /** ms since the epoch. */
   createdAt?: number
@@ -238,7 +238,7 @@ export interface WorkspaceInfo {
   bootId?: string
   /**
    * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
-   * `syscall: 'flock'`, when the lease probe failed with an unexpected errno (`live` is then true: undecided
+   * `syscall: 'fcntl(F_OFD_GETLK)'` (or `'open'` of the lease file), when the lease probe failed with an unexpected errno (`live` is then true: undecided
    * entries are never reported reclaimable).
    */
   error?: VmspaceError

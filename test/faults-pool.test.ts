@@ -10,25 +10,47 @@ import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
-import { openPool, VmspaceError } from '../lib/index.js'
+import { openPool, VmspaceError, type Pool, type Workspace } from '../lib/index.js'
 import {
   bindInto,
   Child,
   emptyPoolState,
   fixtures,
   freshDir,
+  leasePath,
   loopChild,
   mounts,
   needs,
   orphan,
   poolState,
-  tryFlockPath,
   repoRoot,
   snapshotTree,
+  tryLease,
   unprivilegedChildren,
 } from './helpers.js'
 
 const NOBODY = 65534
+
+const stagingShards = Array.from({ length: 8 }, (_, i) => `.vmspace/staging/s${i}`)
+const leaseShards = Array.from({ length: 16 }, (_, i) => `.vmspace/leases/${i.toString(16)}`)
+/** The pool's own directories, relative to its root ('' is the root). */
+const poolDirs = ['', '.vmspace', '.vmspace/staging', ...stagingShards, '.vmspace/trash', '.vmspace/leases', ...leaseShards]
+
+/** The lease file of workspace `name` as poolState() lists it ("<shard>/<name>"). */
+function leaseEntry(root: string, name: string): string {
+  return path.relative(path.join(root, '.vmspace', 'leases'), leasePath(root, name))
+}
+
+/**
+ * An orphan (orphan() in helpers.ts) whose directory a killed process left in `where` with its lease file, free:
+ * in trash (a dispose or sweep that died after moving it there) or in a staging shard (a build that died before
+ * it published).
+ */
+async function interrupted(pool: Pool, where: 'trash' | `staging/s${number}`): Promise<Workspace> {
+  const ws = await orphan(pool)
+  fs.renameSync(ws.path, path.join(pool.root, '.vmspace', where, ws.name))
+  return ws
+}
 
 /** A made pool at `<fresh>/pool`, closed again. */
 async function madePool(): Promise<string> {
@@ -69,7 +91,8 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     expect(fs.readdirSync(root)).toEqual([])
   })
 
-  for (const sub of ['.vmspace', '.vmspace/staging', '.vmspace/trash', '.vmspace/meta']) {
+  // Every directory of the pool's own, each shard included: the open checks each before using it.
+  for (const sub of poolDirs.slice(1)) {
     for (const how of ['mode 0777', 'owned by uid 65534'] as const) {
       test(`${sub} ${how}: ERR_POOL_UNSAFE naming it, the pool left unchanged`, async () => {
         const root = await madePool()
@@ -83,11 +106,15 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     }
   }
 
-  test('a missing subdirectory is not made when an existing one is unsafe', async () => {
+  test('a missing subdirectory is not made when an existing one is unsafe (nor once it is safe: ERR_POOL_FORMAT)', async () => {
     const root = await madePool()
-    fs.rmdirSync(path.join(root, '.vmspace', 'meta'))
+    fs.rmSync(path.join(root, '.vmspace', 'leases'), { recursive: true })
     fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o777)
     await expectUnsafe(root, path.join(root, '.vmspace', 'trash'))
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
+    // A pool that lost a directory of its own is never initialised again.
+    fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o700)
+    await expect(openPool(root)).rejects.toMatchObject({ code: 'ERR_POOL_FORMAT', path: path.join(root, '.vmspace', 'leases') })
     expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
   })
 
@@ -179,13 +206,16 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
 
     test('a pool owned by another user of the shared group, group-writable, is accepted', async () => {
       const root = await madePool()
-      for (const d of ['', '.vmspace', '.vmspace/staging', '.vmspace/trash', '.vmspace/meta']) {
+      for (const d of poolDirs) {
         fs.chownSync(path.join(root, d), NOBODY, 1234)
         fs.chmodSync(path.join(root, d), 0o2770)
       }
       await expectUnsafe(root, root)
       const pool = await openPool(root, { sharedGroup: 1234 })
+      const ws = await pool.allocate()
+      await ws.dispose()
       await pool.close()
+      expect(poolState(root)).toEqual(emptyPoolState)
     })
 
     test('writable by others stays refused with it', async () => {
@@ -198,8 +228,7 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     test('the directories it makes get the group and mode 02770', async () => {
       const root = path.join(freshDir(), 'pool')
       const pool = await openPool(root, { sharedGroup: 1234 })
-      for (const d of ['', '.vmspace', '.vmspace/staging', '.vmspace/trash', '.vmspace/meta'])
-        expect(fs.statSync(path.join(root, d)), d).toMatchObject({ gid: 1234, mode: 0o42770 })
+      for (const d of poolDirs) expect(fs.statSync(path.join(root, d)), d).toMatchObject({ gid: 1234, mode: 0o42770 })
       await pool.close()
     })
   })
@@ -232,23 +261,18 @@ describe('openPool makes its directories with exact modes, whatever the umask', 
   }
 
   for (const umask of [0o777, 0o000]) {
-    test(`umask 0${umask.toString(8)}: parents and root 0755, .vmspace/ 0755, staging/trash/meta 0700, version 0644; the pool opens again`, async () => {
+    test(`umask 0${umask.toString(8)}: parents and root 0755, .vmspace/ 0755, staging/trash/leases and their shards 0700, version 0644; the pool opens again`, async () => {
       const base = freshDir()
       const root = path.join(base, 'a', 'b', 'pool')
       openInChild(root, umask)
-      const modes = Object.fromEntries(
-        ['a', 'a/b', 'a/b/pool', 'a/b/pool/.vmspace', ...['staging', 'trash', 'meta'].map((s) => `a/b/pool/.vmspace/${s}`)].map(
-          (d) => [d, (fs.statSync(path.join(base, d)).mode & 0o7777).toString(8)],
-        ),
-      )
+      const dirs = ['a', 'a/b', ...poolDirs.map((d) => path.join('a/b/pool', d))]
+      const modes = Object.fromEntries(dirs.map((d) => [d, (fs.statSync(path.join(base, d)).mode & 0o7777).toString(8)]))
       expect(modes).toEqual({
         a: '755',
         'a/b': '755',
         'a/b/pool': '755',
         'a/b/pool/.vmspace': '755',
-        'a/b/pool/.vmspace/staging': '700',
-        'a/b/pool/.vmspace/trash': '700',
-        'a/b/pool/.vmspace/meta': '700',
+        ...Object.fromEntries(poolDirs.slice(2).map((d) => [`a/b/pool/${d}`, '700'])),
       })
       // The version file too: under umask 0777 it would otherwise be mode 000.
       expect((fs.statSync(path.join(root, '.vmspace', 'version')).mode & 0o7777).toString(8)).toBe('644')
@@ -301,9 +325,11 @@ describe('sweep reports real failures only, each in its entry', () => {
       const stuck = await orphan(pool)
       const after = await Promise.all([3, 4].map(() => orphan(pool)))
       const { outside, before: outsideBefore } = bindInto(dir, stuck.path)
-      // A dead build in staging and a leftover in trash: the passes after the failing one still run.
-      fs.mkdirSync(path.join(pool.root, '.vmspace', 'staging', 'vm-dead'))
-      fs.mkdirSync(path.join(pool.root, '.vmspace', 'trash', 'vm-left', 'x'), { recursive: true })
+      // A dead build in staging and a leftover in trash, each with its lease file: the passes after the failing one
+      // still run.
+      const dead = await interrupted(pool, 'staging/s5')
+      const left = await interrupted(pool, 'trash')
+      fs.mkdirSync(path.join(pool.root, '.vmspace', 'trash', left.name, 'x'))
 
       const report = await pool.sweep({ graceMs: 0 })
       expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall}`)).toEqual([
@@ -313,18 +339,21 @@ describe('sweep reports real failures only, each in its entry', () => {
       expect(report.reclaimed.map((e) => `${e.from} ${e.name}`).sort()).toEqual(
         [
           ...[...before, ...after].map((w) => `published ${w.name}`),
-          'staging vm-dead',
-          'trash vm-left',
+          `staging ${dead.name}`,
+          `trash ${left.name}`,
         ].sort(),
       )
-      expect(poolState(pool.root)).toEqual({ ...emptyPoolState, trash: [stuck.name] })
+      expect(report).toMatchObject({ live: 0, leasesRemoved: 0, foreign: [] })
+      // The stuck one stays in trash with its lease file, for a later sweep.
+      expect(poolState(pool.root)).toEqual({ ...emptyPoolState, trash: [stuck.name], leases: [leaseEntry(pool.root, stuck.name)] })
       expect(snapshotTree(outside)).toEqual(outsideBefore)
     })
   })
 })
 
 // Faults no real file system gives on demand come from the native test seam setSweepFaultsForTest: the next sweep
-// entry of a name fails as if handling it threw std::bad_alloc, or as if its flock probe failed with an errno.
+// entry of a name fails as if handling it threw std::bad_alloc, or as if its lease probe (fcntl F_OFD_GETLK, the seam's
+// flockErrno) failed with an errno.
 describe('sweep: one entry fault stays in that entry', () => {
   afterEach(() => native.setSweepFaultsForTest([]))
   const ENOLCK = 37
@@ -345,15 +374,26 @@ describe('sweep: one entry fault stays in that entry', () => {
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
-  test('std::bad_alloc while handling a trash entry: failed with ENOMEM from trash, the other trash entry reclaimed', async () => {
+  test('std::bad_alloc while handling a trash entry: failed with ENOMEM from trash, untouched; the other trash entry reclaimed; the next sweep reclaims it', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const trash = path.join(pool.root, '.vmspace', 'trash')
-    for (const n of ['vm-x', 'vm-y']) fs.mkdirSync(path.join(trash, n, 'sub'), { recursive: true })
-    native.setSweepFaultsForTest([['vm-x', 0]])
+    // Two workspaces whose dispose died after moving them into trash (their lease files left, free).
+    const [x, y] = [await interrupted(pool, 'trash'), await interrupted(pool, 'trash')]
+    for (const w of [x, y]) fs.mkdirSync(path.join(trash, w.name, 'sub'))
+    native.setSweepFaultsForTest([[x.name, 0]])
     const report = await pool.sweep()
-    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code}`)).toEqual(['vm-x trash ENOMEM'])
-    expect(report.reclaimed.map((e) => `${e.name} ${e.from}`)).toEqual(['vm-y trash'])
-    expect(fs.readdirSync(trash)).toEqual(['vm-x'])
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall} ${e.error.errno}`)).toEqual([
+      `${x.name} trash ENOMEM malloc -12`,
+    ])
+    expect(report.failed[0].error).toMatchObject({ path: path.join(trash, x.name) })
+    expect(report.reclaimed.map((e) => `${e.name} ${e.from}`)).toEqual([`${y.name} trash`])
+    expect(report).toMatchObject({ live: 0, leasesRemoved: 0, foreign: [] })
+    expect(poolState(pool.root)).toEqual({ ...emptyPoolState, trash: [x.name], leases: [leaseEntry(pool.root, x.name)] })
+    expect(fs.readFileSync(path.join(trash, x.name, 'own.txt'), 'utf8')).toBe(x.id)
+    const again = await pool.sweep()
+    expect(again).toMatchObject({ failed: [], leasesRemoved: 0, reclaimed: [expect.objectContaining({ name: x.name, from: 'trash' })] })
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    await pool.close()
   })
 
   test('list(): a lease probe that cannot decide (ENOLCK) is that entry\'s error, counted live; the other entries are listed as ever', async () => {
@@ -364,7 +404,10 @@ describe('sweep: one entry fault stays in that entry', () => {
     const infos = await pool.list()
     const byName = new Map(infos.map((i) => [i.name, i]))
     expect(infos).toHaveLength(2)
-    expect(byName.get(dead.name)).toMatchObject({ live: true, error: { code: 'ENOLCK', syscall: 'flock', path: dead.path } })
+    expect(byName.get(dead.name)).toMatchObject({
+      live: true,
+      error: { code: 'ENOLCK', syscall: 'fcntl(F_OFD_GETLK)', path: leasePath(pool.root, dead.name) },
+    })
     expect(byName.get(held.name)).toMatchObject({ live: true, meta: { k: 1 } })
     expect(byName.get(held.name)?.error).toBeUndefined()
     // The fault applied once: the next listing sees the orphan as free again.
@@ -373,7 +416,7 @@ describe('sweep: one entry fault stays in that entry', () => {
     await pool.close()
   })
 
-  test('a lease probe that cannot decide (flock fails with ENOLCK) is reported failed with syscall flock, neither live nor touched', async () => {
+  test('a lease probe that cannot decide (F_OFD_GETLK fails with ENOLCK) is reported failed with syscall fcntl(F_OFD_GETLK), neither live nor touched', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const dead = await orphan(pool)
     const other = await orphan(pool)
@@ -384,38 +427,50 @@ describe('sweep: one entry fault stays in that entry', () => {
     ])
     const report = await pool.sweep()
     expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall}`).sort()).toEqual(
-      [`${dead.name} published ENOLCK flock`, `${held.name} published ENOLCK flock`].sort(),
+      [`${dead.name} published ENOLCK fcntl(F_OFD_GETLK)`, `${held.name} published ENOLCK fcntl(F_OFD_GETLK)`].sort(),
     )
+    for (const e of report.failed) expect(e.error).toMatchObject({ path: leasePath(pool.root, e.name) })
     expect(report.live).toBe(0)
     expect(report.reclaimed.map((e) => e.name)).toEqual([other.name])
     expect(fs.readFileSync(path.join(dead.path, 'own.txt'), 'utf8')).toBe(dead.id)
-    expect(tryFlockPath(held.path)).toBe(99) // the lease is still its owner's
+    expect(tryLease(pool.root, dead.name)).toBe(0) // left free, not taken
+    expect(tryLease(pool.root, held.name)).toBe(99) // the lease is still its owner's
     expect(await pool.sweep()).toMatchObject({ failed: [], live: 1, reclaimed: [expect.objectContaining({ name: dead.name })] })
     await held.dispose()
   })
 })
 
-describe.skipIf(!unprivilegedChildren)(`list() never hides a workspace it cannot open ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
-  test('a workspace directory the caller cannot open (EACCES) is listed with that error and counted live', async () => {
+describe.skipIf(!unprivilegedChildren)(`list() never hides a workspace whose lease it cannot open ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
+  test('a workspace whose lease file the caller cannot open (EACCES) is listed with that error and counted live; the others as ever', async () => {
     const dir = freshDir()
     fs.chmodSync(dir, 0o755)
     const pool = await openPool(path.join(dir, 'pool'))
-    const hidden = await orphan(pool)
+    const hidden = await orphan(pool, { k: 'hidden' })
+    const shown = await orphan(pool, { k: 'shown' })
     await pool.close()
-    // Everything but the workspace (0700, root's) readable by nobody: only its open fails.
-    for (const p of [pool.root, path.join(pool.root, '.vmspace'), ...['staging', 'trash', 'meta'].map((d) => path.join(pool.root, '.vmspace', d))])
-      fs.chmodSync(p, 0o755)
+    // Every directory of the pool readable by nobody; the lease files as root makes them (0400, uid 4294967294),
+    // but the one of `shown`, made readable: only the open of the lease file of `hidden` fails. (The workspace
+    // directories stay 0700, root's: list() does not open them.)
+    for (const d of poolDirs) fs.chmodSync(path.join(pool.root, d), 0o755)
+    expect(fs.statSync(leasePath(pool.root, hidden.name))).toMatchObject({ uid: 4294967294, mode: 0o100400 })
+    fs.chmodSync(leasePath(pool.root, shown.name), 0o444)
     const script = `
       const { vmspace, say } = require(${JSON.stringify(path.join(fixtures, 'unprivileged.cjs'))})
       vmspace.openPool(process.argv[1], { create: false }).then(async (p) => {
         const list = await p.list()
-        say(list.map((i) => ({ name: i.name, live: i.live, code: i.error?.code, syscall: i.error?.syscall })))
+        say(list.map((i) => ({ name: i.name, live: i.live, meta: i.meta, code: i.error?.code, syscall: i.error?.syscall, path: i.error?.path }))
+          .sort((a, b) => (a.name < b.name ? -1 : 1)))
         await p.close()
       }, (e) => say({ error: e.code }))
     `
     const r = spawnSync(process.execPath, ['-e', script, pool.root], { encoding: 'utf8' })
     expect(r.status, r.stderr).toBe(0)
-    expect(JSON.parse(r.stdout)).toEqual([{ name: hidden.name, live: true, code: 'EACCES', syscall: 'open' }])
+    expect(JSON.parse(r.stdout)).toEqual(
+      [
+        { name: hidden.name, live: true, code: 'EACCES', syscall: 'open', path: leasePath(pool.root, hidden.name) },
+        { name: shown.name, live: false, meta: { k: 'shown' } },
+      ].sort((a, b) => (a.name < b.name ? -1 : 1)),
+    )
   })
 })
 
@@ -440,15 +495,34 @@ describe.skipIf(!unprivilegedChildren)(`a workspace whose owner write bit a gues
         await b.release()
         const swept = await p.sweep()
         const mode = await p.allocate({ mode: 0o555 }).then(() => 'allocated', (e) => e.code)
-        const left = [fs.readdirSync(p.root), ...['staging', 'trash', 'meta'].map((d) => fs.readdirSync(p.root + '/.vmspace/' + d))]
-        say({ status: a.status, reclaimed: swept.reclaimed.map((r) => r.id === b.id), failed: swept.failed, mode, left })
-        await p.close()
+        await p.close() // its spare lease files go
+        // The root, then the entries of staging/s0..s7, trash/ and leases/0..f.
+        const shards = (d) => fs.readdirSync(d).flatMap((s) => fs.readdirSync(d + '/' + s).map((n) => s + '/' + n))
+        const state = p.root + '/.vmspace/'
+        const left = [fs.readdirSync(p.root), shards(state + 'staging'), fs.readdirSync(state + 'trash'), shards(state + 'leases')]
+        say({
+          status: a.status,
+          reclaimed: swept.reclaimed.map((r) => r.id === b.id),
+          failed: swept.failed.map((e) => ({ name: e.name, from: e.from, code: e.code, message: e.error.message })),
+          live: swept.live,
+          leasesRemoved: swept.leasesRemoved,
+          foreign: swept.foreign,
+          mode,
+          left,
+        })
       })().catch((e) => say({ error: e.code, message: e.message }))
     `
     const r = spawnSync(process.execPath, ['-e', script, root], { encoding: 'utf8' })
     expect(r.status, r.stderr).toBe(0)
     expect(JSON.parse(r.stdout)).toEqual({
-      status: 'disposed', reclaimed: [true], failed: [], mode: 'ERR_INVALID_ARG_VALUE', left: [['.vmspace'], [], [], []],
+      status: 'disposed',
+      reclaimed: [true],
+      failed: [],
+      live: 0,
+      leasesRemoved: 0,
+      foreign: [],
+      mode: 'ERR_INVALID_ARG_VALUE',
+      left: [['.vmspace'], [], [], []],
     })
   })
 })

@@ -4,6 +4,7 @@
  * (inject-helpers.ts). Files publish by link + unlink, which never replaces; a directory (a workspace, a tree
  * clone) has no such path and fails with ERR_RENAME_NOREPLACE_UNSUPPORTED, changing nothing.
  */
+import { createHash } from 'node:crypto'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
@@ -11,6 +12,8 @@ import { emptyPoolState, freshDir, ls, mounts, needs, poolState, tempLeftovers, 
 import { injectMissing, O_TMPFILE_BIT, RENAME_NOREPLACE, runInjected, type Injection } from './inject-helpers.js'
 
 const noInject = injectMissing()
+/** renameat2(2)'s RENAME_EXCHANGE flag. */
+const RENAME_EXCHANGE = 2
 
 for (const answer of ['EINVAL', 'ENOSYS'] as const) {
   // glibc's renameat2() turns the kernel's ENOSYS for a call with flags into EINVAL (sysdeps/unix/sysv/linux/
@@ -25,12 +28,17 @@ for (const answer of ['EINVAL', 'ENOSYS'] as const) {
   describe.skipIf(noInject !== undefined)(
     `renameat2(RENAME_NOREPLACE) answering ${answer} ${needs('cc', noInject)}`,
     () => {
-      test('openPool makes a pool: its version file is published, no temp or probe file is left', () => {
+      // .vmspace/ is built under .vmspace.init-<hex> and renamed into place: without RENAME_NOREPLACE by rename(2),
+      // which never replaces a non-empty .vmspace/ either.
+      test('openPool makes a pool: its .vmspace/ is renamed into place whole, no temp or probe file is left', () => {
         const root = path.join(freshDir(mounts.scratch), 'pool')
         const [r] = runInjected(noReplace, [{ op: 'openPool', root }])
         expect(r).toEqual({ ok: true, result: { opened: true } })
-        expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('1\n')
-        expect(ls(path.join(root, '.vmspace'))).toEqual(['meta', 'staging', 'trash', 'version'])
+        expect(ls(root)).toEqual(['.vmspace'])
+        expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('vmspace-pool 1\n')
+        expect(ls(path.join(root, '.vmspace'))).toEqual(['leases', 'staging', 'trash', 'version'])
+        expect(ls(path.join(root, '.vmspace', 'staging'))).toEqual(Array.from({ length: 8 }, (_, i) => `s${i}`))
+        expect(ls(path.join(root, '.vmspace', 'leases'))).toEqual([...'0123456789abcdef'])
         expect(poolState(root)).toEqual(emptyPoolState)
       })
 
@@ -122,15 +130,44 @@ for (const answer of ['EINVAL', 'ENOSYS'] as const) {
 describe.skipIf(noInject !== undefined)(`a pool opened where RENAME_NOREPLACE works ${needs('cc', noInject)}`, () => {
   test('allocates as before, and the open leaves no probe file behind', () => {
     const d = freshDir(mounts.scratch)
-    writeRandomFile(path.join(d, 'base.img'), 4096)
+    const data = writeRandomFile(path.join(d, 'base.img'), 4096)
     const root = path.join(d, 'pool')
-    // An answer for another syscall: the filter is there, renameat2 is untouched.
-    const [r] = runInjected({ syscall: 'linkat', answer: 'EPERM' }, [
-      { op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } },
-    ])
-    expect(r.ok).toBe(true)
+    // An answer for calls allocate never makes (renameat2 with RENAME_EXCHANGE): the filter is there, renameat2
+    // with RENAME_NOREPLACE passes it untouched. (Not linkat: an allocate links its lease file with it.)
+    const [r] = runInjected(
+      { syscall: 'renameat2', answer: 'EPERM', arg: { index: 4, mask: RENAME_EXCHANGE, value: RENAME_EXCHANGE } },
+      [{ op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } }],
+    )
+    expect(r).toMatchObject({ ok: true, result: { files: { 'rootfs.img': createHash('sha256').update(data).digest('hex') } } })
+    expect(ls(root)).toEqual(['.vmspace'])
+    expect(ls(path.join(root, '.vmspace'))).toEqual(['leases', 'staging', 'trash', 'version'])
     expect(poolState(root)).toEqual(emptyPoolState)
   })
+})
+
+// A lease file is made unnamed (O_TMPFILE), locked, given its record and linked under its name; where the file system
+// refuses O_TMPFILE, it is made under a hidden .tmp-<hex>-<name> and renamed into place (RENAME_NOREPLACE).
+describe.skipIf(noInject !== undefined)(`lease files where O_TMPFILE is refused ${needs('cc', noInject)}`, () => {
+  for (const answer of ['EOPNOTSUPP', 'EISDIR'] as const) {
+    test(`open(O_TMPFILE) answering ${answer}: allocate (empty, and from a template) leases through a named temp file; disposed, nothing is left`, () => {
+      const d = freshDir(mounts.scratch)
+      const data = writeRandomFile(path.join(d, 'base.img'), 4096)
+      const root = path.join(d, 'pool')
+      const [empty, templated] = runInjected(
+        { syscall: 'openat', answer, arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } },
+        [
+          { op: 'allocate', root },
+          { op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } },
+        ],
+      )
+      expect(empty).toMatchObject({ ok: true, result: { template: [], files: {} } })
+      expect(templated).toMatchObject({ ok: true, result: { files: { 'rootfs.img': createHash('sha256').update(data).digest('hex') } } })
+      expect(poolState(root)).toEqual(emptyPoolState)
+      // No temp lease file, and no spare (the pool was closed): every lease shard is empty.
+      const leases = path.join(root, '.vmspace', 'leases')
+      expect(ls(leases).flatMap((shard) => ls(path.join(leases, shard)))).toEqual([])
+    })
+  }
 })
 
 // A file clone without overwrite is an unnamed file (O_TMPFILE) named by linkat(2). Where the file system refuses

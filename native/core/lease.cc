@@ -59,40 +59,65 @@ int leaseHeldByOther(int fd) {
   return fl.l_type == F_UNLCK ? 0 : 1;
 }
 
-int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid) {
+namespace {
+
+// makeLeaseFile with the file made unnamed (O_TMPFILE, then linkat) or, with `named`, at a hidden temp name in the
+// same directory (then renameat2). -1 with errno and *step when it fails.
+int makeLeaseFileAs(bool named, int dirFd, const std::string& name, const std::string& record, long long gid,
+                    const char** step) {
   const bool root = geteuid() == 0;
   // Root's lease files belong to kLeaseUid and have no write bit; another user's keep the owner's write bit,
   // which the record's xattr needs (setxattr(2) checks write permission), and a holder of that same uid could
   // chmod the file anyway.
   const mode_t mode = root ? (gid >= 0 ? 0440 : 0400) : (gid >= 0 ? 0640 : 0600);
-  // Unnamed until it is locked and carries its record: a sweep never sees it free, a listing never without its
-  // record. Where the file system has no O_TMPFILE, a hidden temp name that the sweep removes once free.
   size_t slash = name.rfind('/');
   std::string dir = slash == std::string::npos ? "." : name.substr(0, slash), tmp;
-  UniqueFd fd(openat(dirFd, dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-  if (!fd) {
-    if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) return -1;
+  UniqueFd fd;
+  *step = "open";
+  if (!named) {
+    fd.reset(openat(dirFd, dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+  } else {
     tmp = (slash == std::string::npos ? "" : dir + "/") + ".tmp-" + randomHex(8) + "-" + name.substr(slash + 1);
     fd.reset(openat(dirFd, tmp.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600));
-    if (!fd) return -1;
   }
+  if (!fd) return -1;
   int err = holdLease(fd.get(), LeaseByte::Owner);
+  if (err) *step = "fcntl(F_OFD_SETLK)";
   // EINVAL: kLeaseUid is not mapped in this user namespace; the file then stays root's.
-  if (err == 0 && root && fchown(fd.get(), kLeaseUid, static_cast<gid_t>(-1)) != 0 && errno != EINVAL) err = errno;
-  if (err == 0 && fchmod(fd.get(), mode) != 0) err = errno;  // exact, whatever the umask
-  if (err == 0 && !record.empty()) err = writeRecord(fd.get(), record);
-  if (err == 0) {
-    if (tmp.empty())
-      err = linkLeaseFile(fd.get(), dirFd, name);
-    else if (renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0)
-      err = errno;
+  if (err == 0 && root && fchown(fd.get(), kLeaseUid, static_cast<gid_t>(-1)) != 0 && errno != EINVAL) {
+    err = errno;
+    *step = "fchown";
+  }
+  if (err == 0 && fchmod(fd.get(), mode) != 0) {  // exact, whatever the umask
+    err = errno;
+    *step = "fchmod";
+  }
+  if (err == 0 && !record.empty() && (err = writeRecord(fd.get(), record)) != 0) *step = "fsetxattr";
+  if (err == 0 && !named && (err = linkLeaseFile(fd.get(), dirFd, name)) != 0) *step = "linkat";
+  if (err == 0 && named && renameat2(dirFd, tmp.c_str(), dirFd, name.c_str(), RENAME_NOREPLACE) != 0) {
+    err = errno;
+    *step = "renameat2";
   }
   if (err != 0) {
-    if (!tmp.empty()) unlinkat(dirFd, tmp.c_str(), 0);
+    if (named) unlinkat(dirFd, tmp.c_str(), 0);
     errno = err;
     return -1;
   }
   return fd.release();
+}
+
+}  // namespace
+
+int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid, const char** step) {
+  // Unnamed until it is locked and carries its record: a sweep never sees it free, a listing never without its
+  // record. Where the file system has no O_TMPFILE (EOPNOTSUPP, EISDIR, EINVAL), or an unnamed file cannot be
+  // linked (EPERM: no hard links; ENOENT: neither CAP_DAC_READ_SEARCH nor /proc), a hidden temp name that the
+  // sweep removes once free and past its grace period.
+  int fd = makeLeaseFileAs(false, dirFd, name, record, gid, step);
+  if (fd >= 0 || errno == EEXIST) return fd;
+  bool retry = (std::string(*step) == "open" && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) ||
+               (std::string(*step) == "linkat" && (errno == EPERM || errno == ENOENT || errno == EOPNOTSUPP));
+  return retry ? makeLeaseFileAs(true, dirFd, name, record, gid, step) : -1;
 }
 
 int openLeaseFile(int dirFd, const std::string& name) {

@@ -39,9 +39,9 @@ int leaseHeldByOther(int fd);
 
 // Makes the lease file `name` below `dirFd` (a path relative to it: "<shard>/<name>"), holding the owner's lock and
 // carrying `record` (may be empty: set later with writeRecord) from the moment its name exists. Returns its fd (O_RDWR,
-// close-on-exec) or -1 with errno (EEXIST: the name is taken). `gid` >= 0: the pool's shared group (mode 0440 / 0660
-// then).
-int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid);
+// close-on-exec) or -1 with errno and *step the call that failed (EEXIST: the name is taken). `gid` >= 0: the pool's
+// shared group (mode 0440 / 0640 then).
+int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid, const char** step);
 
 // Links the lease `fd` (unnamed or not) as `name` in `dirFd`, never replacing: 0 or the errno (EEXIST: taken).
 int linkLeaseFile(int fd, int dirFd, const std::string& name);

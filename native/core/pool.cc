@@ -662,11 +662,12 @@ class PoolStage {
       std::string record = direct_ ? recordJson(req_.info, res_.name, "", {}, req_.clone.reflink) : std::string();
       UniqueFd lease(direct_ ? pool_.takeSpare(res_.name, record) : -1);
       if (!lease && errno == EEXIST) continue;
+      const char* step = "open";
       if (!lease)
-        lease.reset(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_));
+        lease.reset(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_, &step));
       if (!lease) {
         if (errno == EEXIST) continue;
-        throwErrno(errno, "open", pool_.leasePath(res_.name));
+        throwErrno(errno, step, pool_.leasePath(res_.name));
       }
       int err;
       try {

@@ -112,8 +112,8 @@ struct SweepEntry {
 struct SweepReport {
   std::vector<SweepEntry> reclaimed;
   // Entries whose handling failed (any errno, or an exception such as std::bad_alloc), one each; the sweep goes
-  // on with the others. Includes a lease probe that cannot decide (flock fails with an errno other than
-  // EWOULDBLOCK: syscall "flock"). An entry that vanished meanwhile (a concurrent dispose, allocate or sweep
+  // on with the others. Includes a lease probe that cannot decide (F_OFD_GETLK fails: syscall
+  // "fcntl(F_OFD_GETLK)"). An entry that vanished meanwhile (a concurrent dispose, allocate or sweep
   // finished it: ENOENT at its name) is not a failure and is in no list.
   std::vector<SweepEntry> failed;
   uint64_t live = 0;           // published workspaces whose lease is held

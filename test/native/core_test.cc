@@ -609,10 +609,11 @@ static void sweepPassesOnAHandBuiltPool() {
   CHECK(mkdir((root + "/notes").c_str(), 0700) == 0);       // not a workspace name: not the pool's
   // A dead build: its lease file (free) and its staging entry.
   UniqueFd leases(open((root + "/.vmspace/leases/b").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  close(makeLeaseFile(leases.get(), build, "", -1));
+  const char* step;
+  close(makeLeaseFile(leases.get(), build, "", -1, &step));
   CHECK(mkdir((root + "/.vmspace/staging/s3/" + build).c_str(), 0700) == 0);
   UniqueFd leasesC(open((root + "/.vmspace/leases/c").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  close(makeLeaseFile(leasesC.get(), ghost, "", -1));               // a lease file without a workspace
+  close(makeLeaseFile(leasesC.get(), ghost, "", -1, &step));        // a lease file without a workspace
   writeFile(root + "/.vmspace/.noreplace-probe-0123456789ab", "");  // a probe whose opener died
   // A dry run reports and removes nothing (the leftover pass does not run dry).
   SweepReport dry = pool->sweep(true, 0);
