@@ -146,15 +146,22 @@ describe.skipIf(noInject !== undefined)(`a pool opened where RENAME_NOREPLACE wo
 })
 
 // A lease file is made unnamed (O_TMPFILE), locked, given its record and linked under its name; where the file system
-// refuses O_TMPFILE, it is made under a hidden .tmp-<hex>-<name> and renamed into place (RENAME_NOREPLACE).
-describe.skipIf(noInject !== undefined)(`lease files where O_TMPFILE is refused ${needs('cc', noInject)}`, () => {
-  for (const answer of ['EOPNOTSUPP', 'EISDIR'] as const) {
-    test(`open(O_TMPFILE) answering ${answer}: allocate (empty, and from a template) leases through a named temp file; disposed, nothing is left`, () => {
+// refuses O_TMPFILE, or the link (EPERM: no hard links; ENOENT: no /proc and no CAP_DAC_READ_SEARCH), it is made under
+// a hidden .tmp-<hex>-<name> and renamed into place (RENAME_NOREPLACE).
+describe.skipIf(noInject !== undefined)(`lease files where O_TMPFILE or linkat is refused ${needs('cc', noInject)}`, () => {
+  const refusals: [string, Injection][] = [
+    ['open(O_TMPFILE) answering EOPNOTSUPP', { syscall: 'openat', answer: 'EOPNOTSUPP', arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } }],
+    ['open(O_TMPFILE) answering EISDIR', { syscall: 'openat', answer: 'EISDIR', arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } }],
+    ['linkat answering EPERM', { syscall: 'linkat', answer: 'EPERM' }],
+    ['linkat answering ENOENT', { syscall: 'linkat', answer: 'ENOENT' }],
+  ]
+  for (const [what, injection] of refusals) {
+    test(`${what}: allocate (empty, and from a template) leases through a named temp file; disposed, nothing is left`, () => {
       const d = freshDir(mounts.scratch)
       const data = writeRandomFile(path.join(d, 'base.img'), 4096)
       const root = path.join(d, 'pool')
       const [empty, templated] = runInjected(
-        { syscall: 'openat', answer, arg: { index: 2, mask: O_TMPFILE_BIT, value: O_TMPFILE_BIT } },
+        injection,
         [
           { op: 'allocate', root },
           { op: 'allocate', root, template: { 'rootfs.img': path.join(d, 'base.img') } },
