@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 
+#include "compat.h"
 #include "io.h"
 #include "names.h"
 
