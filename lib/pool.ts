@@ -103,7 +103,7 @@ export interface PoolOptions {
 /**
  * A warm reserve ({@link PoolOptions.warm}): `count` workspaces built ahead from `template`, leased by this process,
  * so that an allocate() of that template only publishes one (metadata write and one rename). Entries are ordinary
- * staging entries: a sweep reclaims them once their process is gone (after `graceMs`). An entry whose template
+ * staging entries with lease files: a sweep reclaims them once their process is gone. An entry whose template
  * sources changed since it was built is never handed out.
  */
 export interface WarmOptions {

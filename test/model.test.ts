@@ -6,9 +6,11 @@
  * of the second process (whose workspaces then become orphans). Each command runs in this process or in
  * test/fixtures/model-actor.cjs (its own leases and locks), or in both at once.
  * A plain model says what the pool must hold; after every command the pool must match it exactly: list() (ids,
- * names, live flags, meta), every workspace's files and bytes, nothing in `.vmspace/staging` or `trash`, one
- * metadata file per workspace, the index file's bytes, the lock files next to it and who holds them. A call fails
- * exactly when the model says it must, with the documented `code` the model names, and then changes nothing.
+ * names, live flags, meta), every workspace's files and bytes, nothing in the staging shards or `trash`, one lease
+ * file per workspace (`.vmspace/leases/<x>/<name>`), held (probed from a third process) exactly when the model has a
+ * holder, the spare lease files each process keeps (held while it lives, free once it was killed, until a sweep
+ * removes them), the index file's bytes, the lock files next to it and who holds them. A call fails exactly when
+ * the model says it must, with the documented `code` the model names, and then changes nothing.
  *
  * Single commands run one at a time, so no build is in flight during a sweep and the model is deterministic: any
  * `graceMs` must give the same report (0 and the default are both drawn). The commands that run one operation in
@@ -24,7 +26,7 @@ import { createRequire } from 'node:module'
 import * as path from 'node:path'
 import { describe, expect, onTestFailed, test } from 'vitest'
 import * as vmspace from '../lib/index.js'
-import { Child, eventually, fixtures, ls, mounts, needs, poolState, requireMount } from './helpers.js'
+import { Child, eventually, fixtures, leasePath, ls, mounts, needs, poolState, requireMount } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
 type ActorName = 'parent' | 'child'
@@ -57,6 +59,8 @@ interface HandleModel {
   actor: ActorName
   id: string
   state: 'held' | 'disposed' | 'released'
+  /** Made by allocate (its lease file can become a spare of this process on dispose), or by adopt (never). */
+  origin: 'allocate' | 'adopt'
 }
 interface LockModel {
   tag: string
@@ -75,6 +79,13 @@ interface Model {
   index: IndexModel
   /** Names of lock files made next to the index (lockFile makes them and never deletes them). */
   lockFiles: Set<string>
+  /**
+   * Spare lease files (`leases/<x>/.spare-<hex>`, DESIGN.md "Leases"): those each process keeps, locked, from the
+   * workspaces it allocated and disposed while empty (rmdir at the name; never handed over: no command reads
+   * `leaseFd` of a handle it then disposes), at most 32, each taken back by its next allocate without a template;
+   * `dead`: those of a killed second process, free until a sweep removes (and counts in `leasesRemoved`) them.
+   */
+  spares: Record<ActorName | 'dead', number>
   seq: number
 }
 
@@ -201,6 +212,7 @@ function initialModel(): Model {
     locks: new Map(),
     index: { kind: 'missing' },
     lockFiles: new Set(),
+    spares: { parent: 0, child: 0, dead: 0 },
     seq: 0,
   }
 }
@@ -257,15 +269,59 @@ function listed(res: Result) {
     .sort((a, b) => a.id.localeCompare(b.id))
 }
 
+/** The spare lease files of the pool at `root` (`.vmspace/leases/<x>/.spare-<hex>`), which poolState leaves out. */
+function sparePaths(root: string): string[] {
+  const leases = path.join(root, '.vmspace', 'leases')
+  return ls(leases).flatMap((x) =>
+    ls(path.join(leases, x))
+      .filter((n) => n.startsWith('.spare-'))
+      .map((n) => path.join(leases, x, n)),
+  )
+}
+
+// F_OFD_GETLK of a write lock over each whole file, in one python3 process (helpers.ts's tryLease, for many files at
+// once): whether another description (any process's, this one's included) holds a lock on it.
+const LEASES_PROBE = `
+import fcntl, json, os, struct, sys
+out = {}
+for p in sys.argv[1:]:
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    lk = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 0, 0))
+    out[os.path.basename(p)] = struct.unpack('hhqqi', lk)[0] != fcntl.F_UNLCK
+    os.close(fd)
+print(json.dumps(out))
+`
+
+/** Whether each lease file in `files` is held, by its base name. */
+function probeLeases(files: string[]): Record<string, boolean> {
+  if (files.length === 0) return {}
+  const r = spawnSync('python3', ['-c', LEASES_PROBE, ...files], { encoding: 'utf8' })
+  if (r.status !== 0) throw new Error(`lease probe: ${r.stderr}`)
+  return JSON.parse(r.stdout) as Record<string, boolean>
+}
+
 /** The whole observable state against the model. */
 async function verify(m: Model, r: Real): Promise<void> {
   expect(listed(await r.parent.run({ op: 'list' })), 'list() in this process').toEqual(expectedEntries(m))
-  const names = [...m.workspaces.values()].map((w) => w.name).sort()
+  const all = [...m.workspaces.values()]
+  const names = all.map((w) => w.name).sort()
   expect(poolState(r.root), 'the pool on disk').toEqual({
     visible: names,
     staging: [],
     trash: [],
-    meta: names.map((n) => `${n}.json`).sort(),
+    leases: all.map((w) => `${w.id.charAt(0)}/${w.name}`).sort(),
+  })
+  // Each lease held exactly when the model has a holder; the spares held while their process lives.
+  const spares = sparePaths(r.root)
+  const held = probeLeases([...all.map((w) => leasePath(r.root, w.name)), ...spares])
+  expect(
+    all.map((w) => ({ name: w.name, held: held[w.name] })).sort((a, b) => a.name.localeCompare(b.name)),
+    'the leases (held: a process holds it, probed from a third process)',
+  ).toEqual(all.map((w) => ({ name: w.name, held: w.holder !== null })).sort((a, b) => a.name.localeCompare(b.name)))
+  const spareHeld = spares.map((p) => held[path.basename(p)])
+  expect({ held: spareHeld.filter((h) => h).length, free: spareHeld.filter((h) => !h).length }, 'the spare lease files').toEqual({
+    held: m.spares.parent + m.spares.child,
+    free: m.spares.dead,
   })
   for (const w of m.workspaces.values())
     expect(readTree(path.join(r.root, w.name)), `contents of ${w.name}`).toEqual(expectedTree(w.files))
@@ -297,6 +353,20 @@ const handlesOf = (m: Readonly<Model>, a: ActorName, held: boolean) =>
   [...m.handles.values()].filter((h) => h.actor === a && (h.state === 'held') === held)
 const locksOf = (m: Readonly<Model>, a: ActorName) => [...m.locks.values()].filter((l) => l.actor === a)
 
+/** An allocate without a template by `a`: its lease file is one of `a`'s spares when it has one. */
+function takeSpare(m: Model, a: ActorName): void {
+  if (m.spares[a] > 0) m.spares[a]--
+}
+
+/**
+ * The dispose of `h`'s workspace `w` (model state before the dispose): its lease file becomes a spare of the
+ * disposing process when that process allocated it (an adopted workspace may hold a quota claim: no rmdir shortcut)
+ * and it is empty (removed by one rmdir at its name), up to 32.
+ */
+function disposed(m: Model, h: HandleModel, w: WsModel): void {
+  if (h.origin === 'allocate' && Object.keys(w.files).length === 0 && m.spares[h.actor] < 32) m.spares[h.actor]++
+}
+
 abstract class Cmd implements fc.AsyncCommand<Model, Real> {
   abstract check(m: Readonly<Model>): boolean
   abstract act(m: Model, r: Real): Promise<void>
@@ -327,7 +397,9 @@ class Allocate extends Cmd {
     expect(res.methods).toEqual(this.template === 'none' ? [] : [r.method])
     const files: Record<string, string> = { none: {}, file: { 't.bin': SOURCES.A }, dir: { ...SOURCES.T1 } }[this.template]
     m.workspaces.set(res.id, { id: res.id, name: res.name, meta, files, holder: tag })
-    m.handles.set(tag, { tag, actor: this.by, id: res.id, state: 'held' })
+    m.handles.set(tag, { tag, actor: this.by, id: res.id, state: 'held', origin: 'allocate' })
+    // Made at its name directly (no staging), with one of this process's spare lease files when it has one.
+    if (this.template === 'none') takeSpare(m, this.by)
   }
   toString() {
     return `allocate(${this.by}, template: ${this.template})`
@@ -429,6 +501,7 @@ class Dispose extends OnHeldHandle {
     const { h, res } = await this.runOk(m, r, 'dispose')
     expect(res.status).toBe('disposed')
     h.state = 'disposed'
+    disposed(m, h, m.workspaces.get(h.id)!)
     m.workspaces.delete(h.id)
     m.gone.push(h.id)
   }
@@ -485,7 +558,8 @@ class KillVm extends Cmd {
 
 /**
  * Adopt of an orphan (taken), of any existing workspace (live: ERR_LEASE_HELD, even in its holder's own process:
- * flock(2) locks belong to open file descriptions), of one that is gone or never was (ENOENT).
+ * OFD locks belong to open file descriptions, and the adopt probes from a description of its own), of one that is
+ * gone or never was (ENOENT).
  */
 class Adopt extends Cmd {
   constructor(readonly by: ActorName, readonly target: 'orphan' | 'existing' | 'gone' | 'unknown', readonly i: number) {
@@ -516,14 +590,17 @@ class Adopt extends Cmd {
     expect(res).toMatchObject({ id, name: w.name, meta: w.meta })
     expect(res.metaError).toBeUndefined()
     w.holder = tag
-    m.handles.set(tag, { tag, actor: this.by, id, state: 'held' })
+    m.handles.set(tag, { tag, actor: this.by, id, state: 'held', origin: 'adopt' })
   }
   toString() {
     return `adopt(${this.by}, ${this.target}#${this.i})`
   }
 }
 
-/** Reclaims exactly the orphans: no build is ever in flight here, so graceMs does not change the report. */
+/**
+ * Reclaims exactly the orphans and removes the free spares of a killed process (leasesRemoved; a dry run counts
+ * them too): no build is ever in flight here, so graceMs does not change the report.
+ */
 class Sweep extends Cmd {
   constructor(readonly by: ActorName, readonly graceMs: number, readonly dryRun: boolean) {
     super()
@@ -541,8 +618,9 @@ class Sweep extends Cmd {
       orphans.map((w) => ({ id: w.id, name: w.name, from: 'published' })).sort((a, b) => a.id.localeCompare(b.id)),
     )
     if (this.dryRun) expect(reclaimed.map((e) => e.bytes)).toEqual(reclaimed.map(() => 0))
-    expect(res).toMatchObject({ live: all.length - orphans.length, failed: [], metadataRemoved: 0 })
+    expect(res).toMatchObject({ live: all.length - orphans.length, failed: [], leasesRemoved: m.spares.dead, foreign: [] })
     if (this.dryRun) return
+    m.spares.dead = 0
     for (const w of orphans) {
       m.workspaces.delete(w.id)
       m.gone.push(w.id)
@@ -566,7 +644,10 @@ class ListInChild extends Cmd {
   }
 }
 
-/** SIGKILL of the second process and a fresh one in its place: what it held is orphaned, its locks are free. */
+/**
+ * SIGKILL of the second process and a fresh one in its place: what it held is orphaned, its locks are free, its
+ * spare lease files stay, free, for a sweep.
+ */
 class RestartChild extends Cmd {
   check() {
     return true
@@ -578,6 +659,8 @@ class RestartChild extends Cmd {
       m.handles.delete(h.tag)
     }
     for (const l of locksOf(m, 'child')) m.locks.delete(l.tag)
+    m.spares.dead += m.spares.child
+    m.spares.child = 0
   }
   toString() {
     return 'kill -9 child; restart it'
@@ -683,14 +766,17 @@ class RaceAdopt extends Cmd {
     expectFailure(p.ok ? c : p, ['ERR_LEASE_HELD'], `${what}: the loser`)
     expect(p.ok ? p : c).toMatchObject({ id: w.id, meta: w.meta })
     w.holder = tags[winner]
-    m.handles.set(tags[winner], { tag: tags[winner], actor: winner, id: w.id, state: 'held' })
+    m.handles.set(tags[winner], { tag: tags[winner], actor: winner, id: w.id, state: 'held', origin: 'adopt' })
   }
   toString() {
     return `adopt(parent) || adopt(child) of orphan#${this.i}`
   }
 }
 
-/** Both processes sweep at once: every orphan is reclaimed exactly once, nothing else, no failure. */
+/**
+ * Both processes sweep at once: every orphan is reclaimed exactly once, each free spare lease file removed (and
+ * counted) once, nothing else, no failure.
+ */
 class RaceSweeps extends Cmd {
   constructor(readonly graceMs: number) {
     super()
@@ -703,11 +789,12 @@ class RaceSweeps extends Cmd {
     const all = [...m.workspaces.values()]
     const orphans = all.filter((w) => w.holder === null)
     const reclaimed: { id: string; from: string }[] = []
-    let metadataRemoved = 0
+    let leasesRemoved = 0
     for (const x of res) {
       expectOk(x, String(this))
       expectNoFailures(x.failed, new Set(orphans.map((w) => w.id)), String(this))
-      metadataRemoved += x.metadataRemoved
+      expect(x.foreign, String(this)).toEqual([])
+      leasesRemoved += x.leasesRemoved
       // A sweep counts what it finds leased: the other sweep's lease on an orphan it is taking counts too.
       expect(x.live).toBeGreaterThanOrEqual(all.length - orphans.length)
       reclaimed.push(...(x.reclaimed as { id: string; from: string }[]))
@@ -715,11 +802,11 @@ class RaceSweeps extends Cmd {
     expect(reclaimed.map((e) => e.id).sort(), `${this}: each orphan once (${JSON.stringify(res)})`).toEqual(orphans.map((w) => w.id).sort())
     // Taken from the root by one sweep, or found in trash by the other after that one stopped removing it.
     for (const e of reclaimed) expect(['published', 'trash']).toContain(e.from)
-    // The metadata pass looks for a workspace in staging and the root, not in trash: with graceMs 0, one sweep
-    // may remove (and count) the metadata of an orphan the other is removing from trash at that moment. The files
-    // end up as the model says (checked after the command); only the count is the other sweep's.
-    if (this.graceMs === 0) expect(metadataRemoved).toBeLessThanOrEqual(orphans.length)
-    else expect(metadataRemoved).toBe(0)
+    // A reclaimed orphan's lease file is unlinked by the sweep that took it (in that reclaim, not counted); the
+    // other sweep's lease pass finds it held (the taker's flock) or gone, or unlinked under it (not counted: ENOENT).
+    // The spares of a killed process are free: each is taken (flock) and removed by one sweep, counted once.
+    expect(leasesRemoved, `${this}: leasesRemoved of both (${JSON.stringify(res)})`).toBe(m.spares.dead)
+    m.spares.dead = 0
     for (const w of orphans) {
       m.workspaces.delete(w.id)
       m.gone.push(w.id)
@@ -731,8 +818,9 @@ class RaceSweeps extends Cmd {
 }
 
 /**
- * One process sweeps while the other allocates: the new workspace is never taken. With graceMs 0 the sweep may
- * reclaim the build's staging entry before its lease (documented): the build then draws a fresh name.
+ * One process sweeps while the other allocates (no template): the new workspace is never taken, whatever graceMs.
+ * Its lease file is made locked (O_TMPFILE, or a spare of the allocator's) before it is linked at its name, and the
+ * workspace is made at its name (no staging entry): a sweep finds it leased, or not yet there.
  */
 class SweepDuringAllocate extends Cmd {
   constructor(readonly sweeper: ActorName, readonly graceMs: number) {
@@ -754,19 +842,20 @@ class SweepDuringAllocate extends Cmd {
     expectOk(a, `${this}: allocate`)
     expectOk(s, `${this}: sweep`)
     const reclaimed = s.reclaimed as { id: string; name: string; from: string }[]
-    expect(reclaimed.filter((e) => e.from !== 'staging').map((e) => ({ id: e.id, from: e.from })).sort((x, y) => x.id.localeCompare(y.id)), `${this}: ${JSON.stringify(s)}`).toEqual(
+    expect(reclaimed.map((e) => ({ id: e.id, from: e.from })).sort((x, y) => x.id.localeCompare(y.id)), `${this}: ${JSON.stringify(s)}`).toEqual(
       orphans.map((w) => ({ id: w.id, from: 'published' })).sort((x, y) => x.id.localeCompare(y.id)),
     )
-    if (this.graceMs > 0) expect(reclaimed.filter((e) => e.from === 'staging')).toEqual([])
-    expect(reclaimed.map((e) => e.id)).not.toContain(a.id)
     expectNoFailures(s.failed, new Set([a.id]), String(this))
     expect([all.length - orphans.length, all.length - orphans.length + 1]).toContain(s.live)
+    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: m.spares.dead, foreign: [] })
+    m.spares.dead = 0
+    takeSpare(m, allocator)
     for (const w of orphans) {
       m.workspaces.delete(w.id)
       m.gone.push(w.id)
     }
     m.workspaces.set(a.id, { id: a.id, name: a.name, meta, files: {}, holder: tag })
-    m.handles.set(tag, { tag, actor: allocator, id: a.id, state: 'held' })
+    m.handles.set(tag, { tag, actor: allocator, id: a.id, state: 'held', origin: 'allocate' })
   }
   toString() {
     return `sweep(${this.sweeper}, graceMs: ${this.graceMs}) || allocate(${this.sweeper === 'parent' ? 'child' : 'parent'})`
@@ -800,12 +889,13 @@ class SweepDuringDispose extends Cmd {
       orphans.map((w) => ({ id: w.id, from: 'published' })).sort((x, y) => x.id.localeCompare(y.id)),
     )
     expectNoFailures(s.failed, new Set([h.id]), String(this))
-    // The disposing workspace is live until its dispose has moved it to trash.
+    // The disposing workspace is live until its dispose has removed it from its name.
     expect([all.length - orphans.length - 1, all.length - orphans.length]).toContain(s.live)
-    // As in RaceSweeps: the metadata of a workspace in trash (the one disposed, or an orphan being removed)
-    // counts as without a workspace once older than graceMs.
-    if (this.graceMs === 0) expect(s.metadataRemoved).toBeLessThanOrEqual(1)
-    else expect(s.metadataRemoved).toBe(0)
+    // The disposed workspace's lease file is held by its disposer until it is unlinked (or kept as its spare, held
+    // still): never one of the sweep's. Only a killed process's free spares are removed.
+    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: m.spares.dead, foreign: [] })
+    m.spares.dead = 0
+    disposed(m, h, m.workspaces.get(h.id)!)
     h.state = 'disposed'
     m.workspaces.delete(h.id)
     m.gone.push(h.id)

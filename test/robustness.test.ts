@@ -6,7 +6,13 @@ import * as path from 'node:path'
 import { Worker } from 'node:worker_threads'
 import { afterEach, beforeEach, describe, expect, test } from 'vitest'
 import { clone, openPool } from '../lib/index.js'
-import { openFdsUnder } from './helpers.js'
+import { emptyPoolState, leasePath, ls, openFdsUnder, poolState } from './helpers.js'
+
+/** Every file in the lease shards (spares included), as "<shard>/<name>". */
+function leaseFiles(root: string): string[] {
+  const leases = path.join(root, '.vmspace', 'leases')
+  return ls(leases).flatMap((x) => ls(path.join(leases, x)).map((n) => `${x}/${n}`))
+}
 
 const dist = path.resolve(__dirname, '..', 'dist', 'index.js')
 let dir: string
@@ -53,16 +59,23 @@ describe('fifos never park a thread', () => {
     expect(fs.readdirSync(dir).sort()).toEqual(['fifo'])
   })
 
-  test('a fifo in place of a metadata file is reported by list(), which does not hang', async () => {
+  test('a fifo in place of a lease file is no lease: list() and sweep() do not hang and leave that workspace out (foreign); dispose removes it, close() leaves nothing', async () => {
     const pool = await openPool(path.join(dir, 'pool'))
     const ws = await pool.allocate()
-    const meta = path.join(pool.root, '.vmspace', 'meta', `${ws.name}.json`)
-    fs.rmSync(meta)
-    execFileSync('mkfifo', [meta])
-    const [info] = await pool.list()
-    expect(info.error?.code).toBe('EINVAL')
+    const lease = leasePath(pool.root, ws.name)
+    fs.rmSync(lease)
+    execFileSync('mkfifo', [lease])
+    // A lease path that is not a regular file is not vmspace's lease (opened O_NONBLOCK: no wait for a writer).
+    expect(await pool.list()).toEqual([])
+    expect(await pool.sweep({ graceMs: 0, dryRun: true })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [ws.path] })
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [ws.path] })
+    expect(fs.lstatSync(ws.path).isDirectory()).toBe(true)
+    // Its owner still holds the lease it made (the fd of the file that was unlinked): dispose removes the workspace.
     await ws.dispose()
+    expect(ws.status).toBe('disposed')
     await pool.close()
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    expect(leaseFiles(pool.root)).toEqual([])
   })
 })
 
@@ -81,6 +94,7 @@ describe('worker threads that end mid-operation', () => {
     const pool = await openPool(poolRoot)
     await pool.sweep({ graceMs: 0 })
     expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
     await pool.close()
   })
 })
@@ -110,7 +124,9 @@ describe('a worker thread ending with batched calls in flight', () => {
     const pool = await openPool(poolRoot)
     await pool.sweep({ graceMs: 0 })
     expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
-    for (const sub of ['staging', 'trash', 'meta']) expect(fs.readdirSync(path.join(pool.root, '.vmspace', sub))).toEqual([])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    // No spare either: no fd of the pool is open, so any a terminated worker kept is free, and the sweep removed it.
+    expect(leaseFiles(pool.root)).toEqual([])
     await pool.close()
   })
 })
@@ -141,7 +157,9 @@ describe('a worker thread terminated while handles and leases are being made', (
     const report = await pool.sweep({ graceMs: 0 })
     expect(report.live).toBe(0)
     expect(fs.readdirSync(pool.root)).toEqual(['.vmspace'])
-    for (const sub of ['staging', 'trash', 'meta']) expect(fs.readdirSync(path.join(pool.root, '.vmspace', sub))).toEqual([])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    // No spare either: no fd of the pool is open, so any a terminated worker kept is free, and the sweep removed it.
+    expect(leaseFiles(pool.root)).toEqual([])
     await pool.close()
   })
 })

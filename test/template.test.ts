@@ -401,6 +401,30 @@ for (const fsys of systems) {
         await ws.dispose()
       })
     })
+
+    test('sweep reclaims a template a killed removal left in trash (template-<id>, no write bits), never reported foreign', async () => {
+      await withPool(base, async (pool, root) => {
+        const ws = await pool.allocate()
+        populate(ws)
+        const t = await pool.commit(ws, { name: 'base' })
+        const tree = contentTree(t.path)
+        // What a removal SIGKILLed after its rename into trash leaves: the whole template there, read-only as
+        // published (0555 directories, no write bits on files), its directory unlocked.
+        const dead = 'fedcba9876543210fedcba9876543210'
+        const trashed = path.join(root, '.vmspace', 'trash', `template-${dead}`)
+        fs.mkdirSync(path.join(trashed, 'tree', 'sub'), { recursive: true })
+        fs.writeFileSync(path.join(trashed, 'tree', 'sub', 'f'), 'x', { mode: 0o444 })
+        fs.writeFileSync(path.join(trashed, 'template.json'), '{}', { mode: 0o444 })
+        for (const d of [path.join(trashed, 'tree', 'sub'), path.join(trashed, 'tree'), trashed]) fs.chmodSync(d, 0o555)
+        const report = await pool.sweep({ graceMs: 0 })
+        expect(report).toMatchObject({ failed: [], foreign: [], live: 1, leasesRemoved: 0 })
+        expect(report.reclaimed.map((e) => [e.name, e.from])).toEqual([[`template-${dead}`, 'trash']])
+        expect(publishedIds(root)).toEqual([t.id])
+        expect(contentTree(t.path)).toEqual(tree)
+        noLeftovers(root)
+        await ws.dispose()
+      })
+    })
   })
 }
 
@@ -507,6 +531,8 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
       expect(readOnlySubvolume(path.join(trashed, 'tree'))).toBe(true)
       const report = await pool.sweep({ graceMs: 0 })
       expect(report.failed).toEqual([])
+      // What vmspace left in trash (template-<id>) is its own, never foreign, though it is named like a workspace.
+      expect(report.foreign).toEqual([])
       expect(report.reclaimed.map((e) => [e.name, e.from]).sort()).toEqual(
         [[`template-${dead2}`, 'trash'], [`template-${dead}`, 'template-staging']].sort(),
       )
@@ -632,6 +658,8 @@ describe.each(chaosSystems)('templates under SIGKILL on $label', ({ label, dir, 
       )
       const report = await pool.sweep({ graceMs: 0 })
       expect(report.failed).toEqual([])
+      // Everything the killed workers left is vmspace's: a removal's template-<id> in trash included.
+      expect(report.foreign).toEqual([])
       // Only complete, published templates are left, each with readable metadata and the whole tree.
       expect(ls(path.join(templatesDir(root), 'staging'))).toEqual([])
       expect(ls(path.join(templatesDir(root), 'retired'))).toEqual([])

@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
 import { clone, lockFile, openPool, VmspaceError, type Workspace } from '../lib/index.js'
-import { freshDir, openFdsUnder, repoRoot, writeRandomFile } from './helpers.js'
+import { freshDir, leasePath, openFdsUnder, randomId, repoRoot, writeRandomFile } from './helpers.js'
 import { waitersOn } from './lock-helpers.js'
 
 type Event = 'start' | 'end' | 'asyncStart' | 'asyncEnd' | 'error'
@@ -178,15 +178,21 @@ describe('vmspace:sweep', () => {
     const orphaned: Workspace = await pool.allocate()
     fs.writeFileSync(path.join(orphaned.path, 'data'), Buffer.alloc(8192, 1))
     await orphaned.release()
+    // A directory named like a workspace without a lease file (not vmspace's: foreign, left), and a lease file whose
+    // workspace is nowhere (removed: leasesRemoved).
+    const foreign = path.join(root, `vm-${randomId()}`)
+    fs.mkdirSync(foreign)
+    fs.writeFileSync(leasePath(root, `vm-${randomId()}`), '', { mode: 0o600 })
     const seen = record('vmspace:sweep')
     const options = { graceMs: 0 }
     const report = await pool.sweep(options)
     expect(report.reclaimed.map((e) => e.id)).toEqual([orphaned.id])
+    expect(report).toMatchObject({ live: 1, failed: [], leasesRemoved: 1, foreign: [foreign] })
     expect(seen.map((s) => s.event)).toEqual(success)
     expect(seen[0].fields).toEqual({ root, options })
     expect(seen[3]).toEqual({
       event: 'asyncEnd',
-      fields: { root, options, reclaimed: 1, bytes: report.reclaimed[0].bytes, live: 1, failed: 0, metadataRemoved: 0 },
+      fields: { root, options, reclaimed: 1, bytes: report.reclaimed[0].bytes, live: 1, failed: 0, leasesRemoved: 1, foreign: 1 },
       result: report,
     })
     expect(report.reclaimed[0].bytes).toBeGreaterThan(0)

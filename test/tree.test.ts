@@ -26,6 +26,7 @@ import {
   requireMount,
   runCommand,
   snapshotTree,
+  stagingEntries,
   tempLeftovers,
   unprivilegedChildren,
   writeRandomFile,
@@ -490,10 +491,9 @@ function expectNothingLeft(parent: string, before: string[]): void {
   expect(ls(parent)).toEqual(before)
 }
 
-/** Nothing of a failed allocate: no staging entry, no metadata, no visible workspace, nothing in trash. */
+/** Nothing of a failed allocate: no staging entry, no lease file (temp ones included), no visible workspace, nothing in trash. */
 function expectPoolEmpty(pool: Pool): void {
   expect(poolState(pool.root)).toEqual(emptyPoolState)
-  expect(tempLeftovers(path.join(pool.root, '.vmspace', 'meta'))).toEqual([])
 }
 
 describe('AbortSignal', () => {
@@ -506,7 +506,7 @@ describe('AbortSignal', () => {
   async function abortMidWalk(
     src: string,
     start: (signal: AbortSignal, onProgress: (p: { files: number; bytes: number }) => void) => Promise<unknown>,
-    opts: { cleanup: (value: unknown) => void | Promise<void>; stagingOf?: string },
+    opts: { cleanup: (value: unknown) => void | Promise<void>; stagingOf?: string /* a pool's root */ },
   ): Promise<{ err: unknown; seen: { files: number; bytes: number }; total: number }> {
     let total = 0
     for (let attempt = 0, add = 3000; attempt < 5; attempt++, add *= 2) {
@@ -527,10 +527,10 @@ describe('AbortSignal', () => {
       )
       void p.finally(() => (settled = true)) // p never rejects: both outcomes are mapped above
       if (opts.stagingOf) {
-        // Poll the staging area for the workspace being built; abort once something is in it.
-        const staging = opts.stagingOf
+        // Poll the staging shards for the workspace being built; abort once something is in it.
+        const staging = path.join(opts.stagingOf, '.vmspace', 'staging')
         while (!settled && !seen) {
-          const names = ls(staging)
+          const names = stagingEntries(opts.stagingOf) // "s<i>/<name>"
           if (names.length === 1) {
             const inside = ls(path.join(staging, names[0]))
             if (inside.length > 0) onProgress({ files: -1, bytes: inside.length })
@@ -606,7 +606,7 @@ describe('AbortSignal', () => {
   })
 
   for (const form of ['dir', 'map'] as const) {
-    test(`allocate({ template: ${form === 'dir' ? 'dir' : "{ 'app': dir }"} }): an abort while the template is being cloned leaves no staging entry, no meta, no workspace`, async () => {
+    test(`allocate({ template: ${form === 'dir' ? 'dir' : "{ 'app': dir }"} }): an abort while the template is being cloned leaves no staging entry, no lease file, no workspace`, async () => {
       const d = freshTreeDir(mounts.scratch)
       const src = path.join(d, 'src')
       const pool = await openPool(path.join(d, 'pool'))
@@ -614,7 +614,7 @@ describe('AbortSignal', () => {
         src,
         (signal) => pool.allocate({ template: form === 'dir' ? src : { app: src }, signal }),
         {
-          stagingOf: path.join(pool.root, '.vmspace', 'staging'),
+          stagingOf: pool.root,
           cleanup: (ws) => (ws as Workspace).dispose(),
         },
       )
@@ -666,7 +666,7 @@ describe.skipIf(!mounts.small)(`ENOSPC on a small ext4 ${needs('a small loop-mou
   })
 
   for (const form of ['dir', 'map'] as const) {
-    test(`allocate({ template: ${form === 'dir' ? 'dir' : "{ 'a/b': dir }"} }): ENOSPC leaves no staging entry, no meta, no workspace`, async () => {
+    test(`allocate({ template: ${form === 'dir' ? 'dir' : "{ 'a/b': dir }"} }): ENOSPC leaves no staging entry, no lease file, no workspace`, async () => {
       const src = bigTree(freshTreeDir(mounts.scratch))
       const pool = await openPool(path.join(freshTreeDir(mounts.small!), 'pool'))
       const err = await pool.allocate({ template: form === 'dir' ? src : { 'a/b': src } }).catch((e: unknown) => e)
@@ -711,7 +711,7 @@ describe.skipIf(!crossOk)(`a tree from ext4 to XFS ${needs('ext4 and a loop-moun
   })
 
   for (const form of ['dir', 'map'] as const) {
-    test(`a pool with reflink 'always': allocate({ template: ${form} }) rejects and leaves no staging entry, meta or workspace; 'auto' copies`, async () => {
+    test(`a pool with reflink 'always': allocate({ template: ${form} }) rejects and leaves no staging entry, lease file or workspace; 'auto' copies`, async () => {
       const t = await sharedTree(ext4!)
       const root = path.join(freshTreeDir(mounts.xfs!), 'pool')
       const template = form === 'dir' ? t.root : { app: t.root }
@@ -913,14 +913,13 @@ describe.skipIf(!unprivilegedChildren)(
     }
 
     for (const form of ['dir', 'map'] as const) {
-      test(`allocate({ template: ${form} }) with a mode-000 file inside: EACCES; no staging entry, no meta, no workspace`, async () => {
+      test(`allocate({ template: ${form} }) with a mode-000 file inside: EACCES; no staging entry, no lease file, no workspace`, async () => {
         const d = freshTreeDir(mounts.scratch)
         const src = treeWithUnreadable(d, 'a/b/unreadable', 'file')
         const root = path.join(writableDir(mounts.scratch), 'pool')
         const m = await runChild({ op: 'allocate', root, template: form === 'dir' ? src : { 'x/app': src } })
         expect(m).toMatchObject({ event: 'error', code: 'EACCES', path: path.join(src, 'a/b/unreadable') })
         expect(poolState(root)).toEqual(emptyPoolState)
-        expect(tempLeftovers(path.join(root, '.vmspace', 'meta'))).toEqual([])
       })
     }
 

@@ -7,7 +7,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { clone, openPool, VmspaceError, type Pool } from '../lib/index.js'
-import { emptyPoolState, eventually, freshDir, MiB, poolState, repoRoot, sameContent, writeRandomFile } from './helpers.js'
+import { emptyPoolState, eventually, freshDir, getRecord, MiB, poolState, repoRoot, sameContent, writeRandomFile } from './helpers.js'
 
 async function ready(pool: Pool, n: number): Promise<void> {
   await eventually(() => pool.warmStats()!.ready >= n)
@@ -23,8 +23,16 @@ function change(file: string, apply: () => void): void {
   while (fs.statSync(file, { bigint: true }).ctimeNs === before)
 }
 
-function metaOf(root: string, name: string): Record<string, unknown> {
-  return JSON.parse(fs.readFileSync(path.join(root, '.vmspace', 'meta', `${name}.json`), 'utf8')) as Record<string, unknown>
+/** The record of workspace `name` (its lease file's xattr), parsed. */
+function recordOf(root: string, name: string): Record<string, unknown> {
+  const record = getRecord(root, name)
+  if (record === null) throw new Error(`workspace ${name} has no record`)
+  return JSON.parse(record.toString('utf8')) as Record<string, unknown>
+}
+
+/** The names of the builds in staging (poolState gives them as "s<i>/<name>"). */
+function stagedNames(root: string): string[] {
+  return poolState(root).staging.map((e) => e.slice(e.indexOf('/') + 1))
 }
 
 describe('warm reserve', () => {
@@ -38,13 +46,13 @@ describe('warm reserve', () => {
     // Entries wait in staging, leased, and nothing of them is visible.
     expect(poolState(root)).toMatchObject({ visible: [], trash: [] })
     expect(poolState(root).staging).toHaveLength(2)
-    const staged = new Set(poolState(root).staging)
+    const staged = new Set(stagedNames(root))
     const ws = await pool.allocate({ template: { 'rootfs.img': image }, meta: { vm: 1 } })
     expect(staged.has(ws.name)).toBe(true) // the staging entry itself was published, under its own name
     expect(sameContent(image, path.join(ws.path, 'rootfs.img'))).toBe(true)
     expect(ws.template).toHaveLength(1)
     expect(ws.template[0]).toMatchObject({ path: path.join(ws.path, 'rootfs.img'), bytes: 3 * MiB + 123 })
-    const meta = metaOf(root, ws.name)
+    const meta = recordOf(root, ws.name)
     expect(meta).toMatchObject({ name: ws.name, meta: { vm: 1 }, pid: process.pid })
     const st = fs.statSync(image)
     expect(meta.template).toEqual([
@@ -148,7 +156,7 @@ describe('warm reserve', () => {
     const ws = await pool.allocate({ template: { 'rootfs.img': image } })
     await pool.close()
     await pool.close()
-    expect(poolState(root)).toEqual({ visible: [ws.name], staging: [], trash: [], meta: [`${ws.name}.json`] })
+    expect(poolState(root)).toEqual({ visible: [ws.name], staging: [], trash: [], leases: [`${ws.id.charAt(0)}/${ws.name}`] })
     await expect(pool.allocate({ template: { 'rootfs.img': image } })).rejects.toMatchObject({ code: 'ERR_POOL_CLOSED' })
     await ws.dispose() // the pool's fds outlive close() for it
     expect(poolState(root)).toEqual(emptyPoolState)
@@ -184,7 +192,7 @@ describe('warm reserve', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
-  test("a SIGKILLed process's reserve entries stay while it lives and are reclaimed by a sweep (after graceMs) once it is dead", async () => {
+  test("a SIGKILLed process's reserve entries stay while it lives and are reclaimed by the next sweep once it is dead, whatever graceMs", async () => {
     const dir = freshDir()
     const image = path.join(dir, 'base.img')
     writeRandomFile(image, 1 * MiB)
@@ -202,18 +210,17 @@ describe('warm reserve', () => {
       await new Promise((r) => child.stdout!.once('data', r))
       const pool = await openPool(root)
       expect(poolState(root).staging).toHaveLength(2)
-      // Leased: even graceMs 0 leaves them alone.
-      const live = await pool.sweep({ graceMs: 0 })
-      expect(live.reclaimed).toEqual([])
+      const staged = stagedNames(root)
+      // Leased: even graceMs 0 leaves them alone. Leased builds are neither reclaimed nor counted live (live counts published workspaces).
+      expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [] })
       expect(poolState(root).staging).toHaveLength(2)
       child.kill('SIGKILL')
       await exited
-      // Younger than the grace period: left alone still.
-      expect((await pool.sweep({ graceMs: 3_600_000 })).reclaimed).toEqual([])
-      expect(poolState(root).staging).toHaveLength(2)
-      const r = await pool.sweep({ graceMs: 0 })
-      expect(r.reclaimed.map((e) => e.from)).toEqual(['staging', 'staging'])
-      expect(r.failed).toEqual([])
+      // The lease is the only judge: a build whose lease is free is its dead process's, taken however young (graceMs
+      // is for what has no lease).
+      const r = await pool.sweep({ graceMs: 3_600_000 })
+      expect(r.reclaimed.map((e) => `${e.from}/${e.name}`).sort()).toEqual(staged.map((n) => `staging/${n}`).sort())
+      expect(r).toMatchObject({ live: 0, failed: [], leasesRemoved: 0, foreign: [] })
       expect(poolState(root)).toEqual(emptyPoolState)
       await pool.close()
     } finally {

@@ -477,6 +477,9 @@ bool Pool::keepSpare(const std::string& name, int fd) {
   std::lock_guard<std::mutex> hold(sparesMu_);
   if (spares_.size() >= kMaxSpares) return false;
   // Within its shard: no cross-directory rename here. What a sweep sees at a spare's name: a lease held (by us).
+  // Only the file this fd holds: whatever else someone put at the name is not taken for a lease file.
+  struct stat own;
+  if (fstat(fd, &own) != 0 || !sameEntry(leasesFd_.get(), leaseRel(name), own)) return false;
   std::string rel = leaseShardOf(name) + "/.spare-" + randomHex(8);
   if (renameat2(leasesFd_.get(), leaseRel(name).c_str(), leasesFd_.get(), rel.c_str(), RENAME_NOREPLACE) != 0)
     return false;
@@ -1181,6 +1184,11 @@ class PoolSweep {
 
   // A workspace entry of trash or a staging shard: removed when its lease is free, left while held (a dispose
   // removing it, a build), reported as foreign without a lease file.
+  bool hasLeaseFile(const std::string& name) {
+    struct stat st;
+    return fstatat(pool_.leasesFd_.get(), pool_.leaseRel(name).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+  }
+
   void leasedEntry(int dirFd, const std::string& dir, const std::string& name, const char* from) {
     guarded(name, from, dir + "/" + name, [&] {
       UniqueFd lease;
@@ -1198,9 +1206,12 @@ class PoolSweep {
     for (auto& entry : readNames(pool_.trashFd_.get(), trashDir_)) {
       const std::string& name = entry.first;
       if (handled_.count(name)) continue;  // reported by the pass above, removed or failed
-      if (isWorkspaceName(name.c_str()))
+      // A template's entry is named template-<32 hex>, as a workspace of the prefix "template" would be: a workspace
+      // has a lease file, a template none.
+      bool templateName = name.compare(0, 9, "template-") == 0;
+      if (isWorkspaceName(name.c_str()) && !(templateName && !hasLeaseFile(name)))
         leasedEntry(pool_.trashFd_.get(), trashDir_, name, "trash");
-      else if (name.compare(0, 9, "template-") == 0)
+      else if (templateName)
         guarded(name, "trash", trashDir_ + "/" + name, [&] { reclaimTemplate(name); });
       else
         foreign(pool_.trashFd_.get(), name, trashDir_ + "/" + name);
@@ -1262,8 +1273,8 @@ class PoolSweep {
           // has not taken its lock yet: free and past the grace period.
           UniqueFd fd(openLeaseFile(dirFd, file));
           if (!fd || (!spare && ageMs(dirFd, file) < graceMs_) || !takeFreeLease(fd.get())) continue;
-          if (!dryRun_) unlinkat(dirFd, file.c_str(), 0);
-          report_.leasesRemoved++;
+          // Counted once: another sweep may have unlinked it between our take and our unlink.
+          if (dryRun_ || unlinkat(dirFd, file.c_str(), 0) == 0) report_.leasesRemoved++;
           continue;
         }
         if (!isWorkspaceName(file.c_str()) || handled_.count(file)) continue;
