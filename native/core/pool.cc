@@ -474,17 +474,22 @@ void Pool::syncLeaseDir(const std::string& name) {
 }
 
 bool Pool::keepSpare(const std::string& name, int fd) {
-  std::lock_guard<std::mutex> hold(sparesMu_);
-  if (spares_.size() >= kMaxSpares) return false;
-  // Within its shard: no cross-directory rename here. What a sweep sees at a spare's name: a lease held (by us).
-  // Only the file this fd holds: whatever else someone put at the name is not taken for a lease file.
+  {
+    // A place is reserved under the lock and the syscalls run outside it: disposes of other threads go on meanwhile.
+    std::lock_guard<std::mutex> hold(sparesMu_);
+    if (spares_.size() + sparesPending_ >= kMaxSpares) return false;
+    sparesPending_++;
+  }
+  // Only the file this fd holds: whatever else someone put at the name is not taken for a lease file. Renamed within
+  // its shard (no cross-directory rename here); what a sweep sees at a spare's name is a lease held by us.
   struct stat own;
-  if (fstat(fd, &own) != 0 || !sameEntry(leasesFd_.get(), leaseRel(name), own)) return false;
   std::string rel = leaseShardOf(name) + "/.spare-" + randomHex(8);
-  if (renameat2(leasesFd_.get(), leaseRel(name).c_str(), leasesFd_.get(), rel.c_str(), RENAME_NOREPLACE) != 0)
-    return false;
-  spares_.push_back({UniqueFd(fd), std::move(rel)});
-  return true;
+  bool kept = fstat(fd, &own) == 0 && sameEntry(leasesFd_.get(), leaseRel(name), own) &&
+              renameat2(leasesFd_.get(), leaseRel(name).c_str(), leasesFd_.get(), rel.c_str(), RENAME_NOREPLACE) == 0;
+  std::lock_guard<std::mutex> hold(sparesMu_);
+  sparesPending_--;
+  if (kept) spares_.push_back({UniqueFd(fd), std::move(rel)});
+  return kept;
 }
 
 int Pool::takeSpare(const std::string& name, const std::string& record) {

@@ -253,7 +253,8 @@ class Pool {
   std::array<UniqueFd, kStagingShards> shardFds_;  // staging/s0 ...
   std::mutex sparesMu_;                            // guards spares_
   std::vector<Spare> spares_;
-  dev_t rootDev_ = 0;  // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
+  size_t sparesPending_ = 0;  // places reserved by keepSpare calls still renaming (guarded by sparesMu_)
+  dev_t rootDev_ = 0;         // st_dev of rootFd_ (fixed for the pool's life): a workspace on another is a subvolume
   // 0, or the errno (EINVAL/ENOSYS) with which the pool's file system refuses RENAME_NOREPLACE (asked once, at open):
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
