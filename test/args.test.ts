@@ -130,7 +130,7 @@ describe('Pool.allocate', () => {
   test('a meta whose getter throws is refused naming what it threw (as the cause), not as a cycle or a BigInt', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     const thrown = new Error('not readable here')
-    const err = await pool.allocate({ meta: { get secret(): string { throw thrown } } }).catch((e: unknown) => e as Error & { code: string; cause: unknown })
+    const err = (await pool.allocate({ meta: { get secret(): string { throw thrown } } }).catch((e: unknown) => e)) as Error & { code: string; cause: unknown }
     expect(err).toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', cause: thrown })
     expect(err.message).toContain('it threw: not readable here')
     expect(err.message).not.toContain('no cycle')
