@@ -245,11 +245,11 @@ async function driveVm(ctx: RunContext, vm: GuestVm, ws: Workspace, result: VmRe
   // QEMU has its copy of the lease (fd 3) from here on; the demo lets go of its own.
   await ws.release()
   const live = (await ctx.pool.list()).find((w) => w.id === ws.id)?.live === true
-  // The lease QEMU holds is the workspace directory itself, open as its fd 3.
+  // The lease QEMU holds is the workspace's lease file (.vmspace/leases/<x>/<name>, never the directory), as its fd 3.
   const fd3 = await fsp.readlink(`/proc/${vm.pid}/fd/3`).catch((e: NodeJS.ErrnoException) => `(${e.code})`)
-  const wsReal = await fsp.realpath(ws.path)
-  check('lease held by QEMU alone after release()', live && fd3 === wsReal,
-    !live ? 'list() shows the workspace free while QEMU runs' : fd3 !== wsReal ? `QEMU's fd 3 is ${fd3}, not ${wsReal}` : undefined)
+  const leaseFile = path.join(await fsp.realpath(ctx.pool.root), '.vmspace', 'leases', ws.id.charAt(0), ws.name)
+  check('lease held by QEMU alone after release()', live && fd3 === leaseFile,
+    !live ? 'list() shows the workspace free while QEMU runs' : fd3 !== leaseFile ? `QEMU's fd 3 is ${fd3}, not ${leaseFile}` : undefined)
 
   let killed = false
   let killTimer: NodeJS.Timeout | undefined

@@ -669,7 +669,7 @@ class PoolStage {
       drawName(&tries_, req_.prefix + "-", pool_.root_, &res_.id, &res_.name);
       std::string record = direct_ ? recordJson(req_.info, res_.name, "", {}, req_.clone.reflink) : std::string();
       UniqueFd lease(direct_ ? pool_.takeSpare(res_.name, record) : -1);
-      if (!lease && errno == EEXIST) continue;
+      if (direct_ && !lease && errno == EEXIST) continue;  // a spare renamed onto a taken name
       const char* step = "open";
       if (!lease)
         lease.reset(makeLeaseFile(pool_.leasesFd_.get(), pool_.leaseRel(res_.name), record, pool_.sharedGid_, &step));
@@ -716,10 +716,20 @@ class PoolStage {
   // A failed build: its entry removed, then its lease file. What cannot be removed stays under a free lease (closed
   // by the caller), which a sweep finishes; the original error is the one to report, whatever the cleanup met.
   void abandon(const std::string& stagingPath) {
-    try {
-      pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
-      pool_.dropLease(res_.name);
-    } catch (...) {
+    // Out of fds (EMFILE/ENFILE, the removal needs a few): other calls of the process give theirs back within
+    // milliseconds, so the removal is tried again for up to ~0.2 s rather than left for a sweep.
+    for (int tries = 0;; tries++) {
+      try {
+        pool_.removeWorkspace(dirFd_, res_.name, stagingPath);
+        pool_.dropLease(res_.name);
+        return;
+      } catch (const Error& e) {
+        if (!(e.code.empty() && (e.err == EMFILE || e.err == ENFILE)) || tries == 100) return;
+      } catch (...) {
+        return;
+      }
+      struct timespec pause = {0, 2 * 1000 * 1000};
+      nanosleep(&pause, nullptr);
     }
   }
 
