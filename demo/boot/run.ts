@@ -365,8 +365,10 @@ async function finalChecks(ctx: RunContext, vms: VmResult[]): Promise<Check[]> {
 /** Published workspaces plus entries in staging/ and trash/. */
 async function leftovers(pool: Pool): Promise<number> {
   const published = (await pool.list()).length
-  let inner = 0
-  for (const d of ['staging', 'trash']) inner += (await fsp.readdir(path.join(pool.root, '.vmspace', d)).catch(() => [])).length
+  // Builds live in the staging shards (staging/s0 ... s7), never in staging/ itself.
+  const staging = path.join(pool.root, '.vmspace', 'staging')
+  let inner = (await fsp.readdir(path.join(pool.root, '.vmspace', 'trash')).catch(() => [])).length
+  for (const shard of await fsp.readdir(staging).catch(() => [])) inner += (await fsp.readdir(path.join(staging, shard)).catch(() => [])).length
   return published + inner
 }
 
