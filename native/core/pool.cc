@@ -728,7 +728,7 @@ class PoolStage {
       } catch (...) {
         return;
       }
-      struct timespec pause = {0, 2 * 1000 * 1000};
+      struct timespec pause = {0, 2000000L};  // 2 ms
       nanosleep(&pause, nullptr);
     }
   }
