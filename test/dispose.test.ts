@@ -8,7 +8,9 @@ import { describe, expect, test } from 'vitest'
 import { openPool, VmspaceError } from '../lib/index.js'
 import {
   bindInto,
+  Child,
   emptyPoolState,
+  fixtures,
   freshDir,
   mounts,
   mountsBeneath,
@@ -17,6 +19,7 @@ import {
   poolState,
   runCommand,
   snapshotTree,
+  unprivilegedChildren,
   writeRandomFile,
 } from './helpers.js'
 
@@ -112,3 +115,38 @@ describe('dispose', () => {
     })
   })
 })
+
+describe.skipIf(!unprivilegedChildren)(
+  `a guest that took every permission off its workspace (chmod 000 on it and below), in a pool of an unprivileged user ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`,
+  () => {
+    async function run(root: string, mode: string): Promise<unknown> {
+      const child = new Child(path.join(fixtures, 'guest-mode-child.cjs'), [root, mode])
+      child.proc.stdin!.end()
+      const out = await child.next()
+      expect(out, child.stderr).toMatchObject({ event: 'done' })
+      return out
+    }
+    function unprivilegedPool(): string {
+      const dir = freshDir()
+      fs.chmodSync(dir, 0o755)
+      const root = path.join(dir, 'pool')
+      fs.mkdirSync(root)
+      fs.chownSync(root, 65534, 65534)
+      return root
+    }
+
+    test('is disposed whole: nothing left', async () => {
+      const root = unprivilegedPool()
+      await run(root, 'dispose')
+      expect(poolState(root)).toEqual(emptyPoolState)
+    })
+
+    test('is reclaimed by a sweep once its owner died: nothing left', async () => {
+      const root = unprivilegedPool()
+      const { name } = (await run(root, 'leave')) as { name: string }
+      expect(poolState(root).visible).toEqual([name])
+      expect(await run(root, 'sweep')).toEqual({ event: 'done', reclaimed: 1, failed: [] })
+      expect(poolState(root)).toEqual(emptyPoolState)
+    })
+  },
+)

@@ -15,6 +15,25 @@
 
 namespace vmspace {
 
+int chmodFd(int fd, mode_t mode) {
+  if (fchmod(fd, mode) == 0) return 0;
+  if (errno != EBADF) return -1;
+  std::string link = "/proc/self/fd/" + std::to_string(fd);
+  return chmod(link.c_str(), mode);
+}
+
+int chmodDirAtNoFollow(int dirFd, const char* name, mode_t mode) {
+  UniqueFd fd(openat(dirFd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) return -1;
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return -1;
+  if (!S_ISDIR(st.st_mode)) {
+    errno = S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+    return -1;
+  }
+  return chmodFd(fd.get(), mode);
+}
+
 int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, std::string* out, const char** syscall) {
   const char* ignored;
   const char*& step = syscall ? *syscall : ignored;

@@ -20,6 +20,16 @@ namespace vmspace {
 int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, std::string* out,
                       const char** syscall = nullptr);
 
+// chmod(2) of the inode `fd` refers to, which may be an O_PATH descriptor (fchmod(2) refuses those with EBADF):
+// through its /proc/self/fd link, which names that inode and no path a guest could swap meanwhile. 0, or -1 with
+// errno.
+int chmodFd(int fd, mode_t mode);
+
+// chmod(2) of the directory `name` in `dirFd` without following a symlink there: opened O_PATH|O_NOFOLLOW, then
+// chmodFd. A symlink in its place is ELOOP, anything but a directory ENOTDIR (nothing changed then). 0, or -1
+// with errno.
+int chmodDirAtNoFollow(int dirFd, const char* name, mode_t mode);
+
 // write(2) until all of `data` is written (EINTR retried).
 int writeAll(int fd, const std::string& data);
 

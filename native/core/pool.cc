@@ -908,7 +908,8 @@ AllocateResult Pool::publish(StagedWorkspace&& staged, const JsonMembers& info, 
 }
 
 bool Pool::moveToTrash(const std::string& name) {
-  UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
+  // O_PATH: a guest may have made its directory unreadable (chmod 000), which must not keep it from the trash.
+  UniqueFd fd(openat(rootFd_.get(), name.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd) {
     if (errno == ENOENT) return false;
     throwErrno(errno, "open", path(name));
@@ -928,7 +929,7 @@ bool Pool::moveToTrash(const std::string& name) {
     // (fs/namei.c, vfs_rename), and a guest may have cleared its owner write bit (chmod 500 .). We own it:
     // give the bit back through the fd we hold and try once more; the first errno is what went wrong otherwise.
     bool retried = false;
-    if (err == EACCES && (own.st_mode & S_IWUSR) == 0 && fchmod(fd.get(), (own.st_mode & 07777) | S_IWUSR) == 0) {
+    if (err == EACCES && (own.st_mode & S_IWUSR) == 0 && chmodFd(fd.get(), (own.st_mode & 07777) | S_IWUSR) == 0) {
       retried = true;
       if (move() == 0)
         err = 0;
@@ -936,7 +937,7 @@ bool Pool::moveToTrash(const std::string& name) {
         err = ENOENT;
     }
     if (err != 0) {
-      if (retried) fchmod(fd.get(), own.st_mode & 07777);  // best effort: leave its mode as it was
+      if (retried) chmodFd(fd.get(), own.st_mode & 07777);  // best effort: leave its mode as it was
       if (err == ENOENT) return false;
       throwErrno(err, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
     }

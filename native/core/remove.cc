@@ -13,6 +13,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "rename.h"
 #include "statx.h"
 
@@ -166,7 +167,7 @@ class Remover {
     if (fd < 0 && err == EACCES && !root_) {
       // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
       // Should that fail too (not our directory: EPERM), the openat's EACCES is what went wrong.
-      if (fchmodat(dfd, name, S_IRWXU, AT_SYMLINK_NOFOLLOW) == 0) {
+      if (chmodDirAtNoFollow(dfd, name, S_IRWXU) == 0) {
         fd = openDir(dfd, name);
         err = fd < 0 ? errno : 0;
       }
@@ -258,6 +259,14 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
   struct statx parent;
   if (statxFd(parentFd, kStatxMntId, &parent) != 0) throwErrno(errno, "statx", displayPath);
   int fd = openat(parentFd, name.c_str(), kDirFlags);
+  if (fd < 0 && errno == EACCES && geteuid() != 0) {
+    // A directory its owner (a guest) made unreadable (chmod 000): we own it, so give ourselves rwx and open
+    // again; should that fail (not ours: EPERM), the open's EACCES is what went wrong.
+    if (chmodDirAtNoFollow(parentFd, name.c_str(), S_IRWXU) == 0)
+      fd = openat(parentFd, name.c_str(), kDirFlags);
+    else
+      errno = EACCES;
+  }
   if (fd < 0) {
     if (errno == ENOTDIR || errno == ELOOP) {
       // Not a directory: a file, or a symlink that is removed itself, never its target.
