@@ -90,3 +90,36 @@ export function devParts(dev: number | bigint): { major: number; minor: number }
   const minor = Number((d & 0xffn) | ((d >> 12n) & 0xffffff00n))
   return { major, minor }
 }
+
+/** The loop device a mount's source names, from sysfs: its backing file and whether it does direct I/O. */
+export interface LoopInfo {
+  /** `/dev/loopN`. */
+  device: string
+  /** The backing file's path as the kernel recorded it at attach time. */
+  backingFile: string
+  /** LO_FLAGS_DIRECT_IO: the loop device reads and writes the file with O_DIRECT (no second page cache). */
+  directIo: boolean
+}
+
+/** The loop device mounted at or holding `dir` (undefined when its mount is not from a loop device). */
+export function loopOf(dir: string): LoopInfo | undefined {
+  let real: string
+  let dev: bigint
+  try {
+    real = fs.realpathSync(dir)
+    dev = fs.statSync(real, { bigint: true }).dev
+  } catch {
+    return undefined
+  }
+  const m = mountOf(real, devParts(dev))
+  const name = m && /^\/dev\/(loop\d+)$/.exec(m.source)?.[1]
+  if (!name) return undefined
+  const read = (f: string) => {
+    try {
+      return fs.readFileSync(`/sys/block/${name}/loop/${f}`, 'utf8').trim()
+    } catch {
+      return ''
+    }
+  }
+  return { device: `/dev/${name}`, backingFile: read('backing_file'), directIo: read('dio') === '1' }
+}
