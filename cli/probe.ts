@@ -121,7 +121,8 @@ export async function probe(dirArg: string, opts: { json?: boolean }): Promise<n
   const dir = fs.realpathSync(existingDir('DIR', dirArg))
   const sfs = fs.statfsSync(dir)
   const st = fs.statSync(dir, { bigint: true })
-  const mount: MountInfo | null = mountOf(dir, devParts(st.dev)) ?? null
+  // A btrfs subvolume's st_dev is not the one mountinfo lists: there the longest mount point alone.
+  const mount: MountInfo | null = mountOf(dir, devParts(st.dev)) ?? (fsTypeName(sfs.type) === 'btrfs' ? mountOf(dir) : undefined) ?? null
   const result = {
     path: dir,
     fsType: fsTypeName(sfs.type),
