@@ -239,6 +239,21 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
   })
 })
 
+describe.skipIf(missing)(`the demo's default pool ${needs('root and mkfs.btrfs', missing)}`, () => {
+  test('without --root the demo runs on an image-backed pool in the temp directory, clones by reflink, and removes it all', () => {
+    const tmp = fs.mkdtempSync(path.join(base!, 'demo-tmp-'))
+    const base0 = path.join(tmp, 'base.img')
+    writeRandomFile(base0, 4 * MiB)
+    const cli = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
+    const r = runCommand(process.execPath, [cli, 'demo', '--vms', '4', '--workers', '2', '--live', '2', '--base', base0], { env: { ...process.env, TMPDIR: tmp } })
+    expect(r.status).toBe(0)
+    expect(r.stderr).toMatch(/^demo: image-backed pool: btrfs in .*\.img \(sparse, 4 GiB\), loop-mounted at /m)
+    expect(r.stdout).toMatch(/clone methods\s+\| reflink 4 \/ copy 0/)
+    expect(fs.readdirSync(tmp)).toEqual(['base.img'])
+    expect(loops().filter((l) => l['back-file'].startsWith(tmp))).toEqual([])
+  })
+})
+
 describe.skipIf(missing)(`image-backed pool: bad input leaves nothing ${needs('root and mkfs.btrfs', missing)}`, () => {
   test('an image the host file system cannot hold is ENOSPC before anything is made', async () => {
     if (!mounts.small) return expect.fail(`the small ext4 is missing: ${mounts.missing.small}`)
