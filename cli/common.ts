@@ -66,6 +66,16 @@ export function nonNegativeInt(name: string, max: number, min = 0) {
   }
 }
 
+/** A size with an optional binary suffix (K, M, G, T): `4G`, `512M`, `1073741824`. */
+export function parseSize(name: string) {
+  return (value: string): number => {
+    const m = /^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$/i.exec(value)
+    const n = m ? Number(m[1]) * 1024 ** 'BKMGT'.indexOf((m[2] || 'B').toUpperCase()) : NaN
+    if (!m || !Number.isSafeInteger(n)) throw new UsageError(`${name} must be a size in bytes, with an optional K, M, G or T suffix (binary units), got ${JSON.stringify(value)}`)
+    return n
+  }
+}
+
 export function humanBytes(n: number): string {
   const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
   let i = 0

@@ -51,9 +51,11 @@ function unescape(field: string): string {
 /**
  * The mount that holds `realPath` (a path without symlinks: pass fs.realpathSync's result): the entry of
  * /proc/self/mountinfo with the longest mount point that contains it and whose device is the path's st_dev
- * (stacked mounts on one point: the last one listed is the one visible). Undefined when /proc is missing.
+ * (stacked mounts on one point: the last one listed is the one visible). Without `dev`, the longest mount point
+ * alone: btrfs gives each subvolume, its top level included, an st_dev of its own that mountinfo does not show.
+ * Undefined when /proc is missing.
  */
-export function mountOf(realPath: string, dev: { major: number; minor: number }): MountInfo | undefined {
+export function mountOf(realPath: string, dev?: { major: number; minor: number }): MountInfo | undefined {
   let text: string
   try {
     text = fs.readFileSync('/proc/self/mountinfo', 'utf8')
@@ -70,7 +72,7 @@ export function mountOf(realPath: string, dev: { major: number; minor: number })
     if (pre.length < 6 || post.length < 3) continue
     const mountPoint = unescape(pre[4])
     const inside = mountPoint === '/' || realPath === mountPoint || realPath.startsWith(mountPoint + '/')
-    if (!inside || pre[2] !== `${dev.major}:${dev.minor}`) continue
+    if (!inside || (dev && pre[2] !== `${dev.major}:${dev.minor}`)) continue
     if (best && mountPoint.length < best.mountPoint.length) continue
     best = {
       mountPoint,
@@ -89,4 +91,35 @@ export function devParts(dev: number | bigint): { major: number; minor: number }
   const major = Number(((d >> 8n) & 0xfffn) | ((d >> 32n) & 0xfffff000n))
   const minor = Number((d & 0xffn) | ((d >> 12n) & 0xffffff00n))
   return { major, minor }
+}
+
+/** The loop device a mount's source names, from sysfs: its backing file and whether it does direct I/O. */
+export interface LoopInfo {
+  /** `/dev/loopN`. */
+  device: string
+  /** The backing file's path as the kernel recorded it at attach time. */
+  backingFile: string
+  /** LO_FLAGS_DIRECT_IO: the loop device reads and writes the file with O_DIRECT (no second page cache). */
+  directIo: boolean
+}
+
+/** The loop device mounted at or holding `dir` (undefined when its mount is not from a loop device). */
+export function loopOf(dir: string): LoopInfo | undefined {
+  let real: string
+  try {
+    real = fs.realpathSync(dir)
+  } catch {
+    return undefined
+  }
+  const m = mountOf(real)
+  const name = m && /^\/dev\/(loop\d+)$/.exec(m.source)?.[1]
+  if (!name) return undefined
+  const read = (f: string) => {
+    try {
+      return fs.readFileSync(`/sys/block/${name}/loop/${f}`, 'utf8').trim()
+    } catch {
+      return ''
+    }
+  }
+  return { device: `/dev/${name}`, backingFile: read('backing_file'), directIo: read('dio') === '1' }
 }

@@ -9,7 +9,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { exchange, lockFile, probeQuota, renameNoReplace } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, existingDir, humanBytes, printJson } from './common.js'
-import { devParts, fsTypeName, mountOf, type MountInfo } from './fsinfo.js'
+import { devParts, fsTypeName, loopOf, mountOf, type MountInfo } from './fsinfo.js'
 
 export interface Feature {
   /** null when it could not be tried (see error). */
@@ -32,7 +32,34 @@ async function attempt(usedFor: string, fn: () => Promise<boolean> | boolean): P
   }
 }
 
-async function features(tmp: string): Promise<Record<string, Feature>> {
+/**
+ * What the kernel says of quotas beyond probeQuota, by file-system type: on btrfs the mode quotas are enabled in
+ * (`/sys/fs/btrfs/<fsid>/qgroups/mode`, Linux 6.7: `qgroup` or `squota`, simple quotas); on XFS whether the kernel
+ * has quota support at all (CONFIG_XFS_QUOTA makes /proc/fs/xfs/xqmstat). Undefined when there is nothing to add.
+ */
+export function quotaNote(fsType: string, source: string | undefined): string | undefined {
+  if (fsType === 'xfs' && !fs.existsSync('/proc/fs/xfs/xqmstat'))
+    return 'this kernel has no XFS quota support (CONFIG_XFS_QUOTA is not set): project quotas cannot be enforced on any XFS'
+  if (fsType !== 'btrfs' || !source) return undefined
+  let dev: string
+  try {
+    dev = path.basename(fs.realpathSync(source))
+  } catch {
+    return undefined
+  }
+  for (const fsid of fs.readdirSync('/sys/fs/btrfs')) {
+    if (!fs.existsSync(path.join('/sys/fs/btrfs', fsid, 'devices', dev))) continue
+    const q = path.join('/sys/fs/btrfs', fsid, 'qgroups')
+    if (!fs.existsSync(q)) return 'btrfs quotas are off (btrfs quota enable --simple MNT on Linux 6.7+, else btrfs quota enable MNT)'
+    const mode = fs.existsSync(path.join(q, 'mode')) ? fs.readFileSync(path.join(q, 'mode'), 'utf8').trim() : 'qgroup'
+    return mode === 'squota'
+      ? 'btrfs simple quotas (squota): each extent charged to the subvolume that wrote it, no backref walk per commit'
+      : 'btrfs qgroups (full accounting: shared and exclusive bytes, a backref walk per commit; simple quotas are advised under frequent subvolume create/delete)'
+  }
+  return undefined
+}
+
+async function features(tmp: string, note: string | undefined): Promise<Record<string, Feature>> {
   const a = path.join(tmp, 'a')
   const b = path.join(tmp, 'b')
   const c = path.join(tmp, 'c')
@@ -70,7 +97,8 @@ async function features(tmp: string): Promise<Record<string, Feature>> {
       const usedFor = "allocate({ quota }): a workspace's own disk limit (btrfs qgroup, XFS/ext4 project quota)"
       try {
         const q = await probeQuota(tmp)
-        return { supported: q.supported, usedFor: q.supported ? `${usedFor}: ${q.detail}` : `${usedFor}; ${q.detail}`, code: q.code ?? null }
+        const detail = note ? `${q.detail}; ${note}` : q.detail
+        return { supported: q.supported, usedFor: q.supported ? `${usedFor}: ${detail}` : `${usedFor}; ${detail}`, code: q.code ?? null }
       } catch (e) {
         return { supported: null, usedFor, code: errorJson(e).code }
       }
@@ -93,7 +121,8 @@ export async function probe(dirArg: string, opts: { json?: boolean }): Promise<n
   const dir = fs.realpathSync(existingDir('DIR', dirArg))
   const sfs = fs.statfsSync(dir)
   const st = fs.statSync(dir, { bigint: true })
-  const mount: MountInfo | null = mountOf(dir, devParts(st.dev)) ?? null
+  // A btrfs subvolume's st_dev is not the one mountinfo lists: there the longest mount point alone.
+  const mount: MountInfo | null = mountOf(dir, devParts(st.dev)) ?? (fsTypeName(sfs.type) === 'btrfs' ? mountOf(dir) : undefined) ?? null
   const result = {
     path: dir,
     fsType: fsTypeName(sfs.type),
@@ -102,6 +131,8 @@ export async function probe(dirArg: string, opts: { json?: boolean }): Promise<n
     totalBytes: sfs.blocks * sfs.bsize,
     availableBytes: sfs.bavail * sfs.bsize,
     mount,
+    /** The loop device the mount comes from (an image-backed pool), or null. */
+    loop: loopOf(dir) ?? null,
     kernel: os.release(),
     features: {} as Record<string, Feature>,
     /** Why the features could not be tried (the temporary directory could not be made), or null. */
@@ -110,7 +141,7 @@ export async function probe(dirArg: string, opts: { json?: boolean }): Promise<n
   let tmp: string | undefined
   try {
     tmp = fs.mkdtempSync(path.join(dir, '.vmspace-probe-'))
-    result.features = await features(tmp)
+    result.features = await features(tmp, quotaNote(result.fsType, mount?.source))
   } catch (e) {
     result.error = errorJson(e)
   } finally {
@@ -122,6 +153,7 @@ export async function probe(dirArg: string, opts: { json?: boolean }): Promise<n
       `${dir}: ${result.fsType}${mount ? ` (${mount.fsType} on ${mount.mountPoint} from ${mount.source}, ${mount.options.join(',')})` : ''}`,
       `  size ${humanBytes(result.totalBytes)}, ${humanBytes(result.availableBytes)} available, block size ${result.blockSize}; kernel ${result.kernel}`,
     ]
+    if (result.loop) lines.push(`  image ${result.loop.backingFile} through ${result.loop.device}, direct I/O ${result.loop.directIo ? 'on' : 'off'}`)
     const rows = Object.entries(result.features).map(([name, f]) => ({
       name,
       state: f.supported === null ? `unknown (${f.code})` : f.supported ? 'yes' : `no${f.code ? ` (${f.code})` : ''}`,

@@ -5,7 +5,7 @@
  * failed, 2 bad arguments (one line on stderr, nothing touched); `run` exits with its command's status.
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
-import { EXIT_FAILED, EXIT_USAGE, errorText, nonNegativeInt, UsageError } from './common.js'
+import { EXIT_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseSize, UsageError } from './common.js'
 
 const program = new Command('vmspace')
 
@@ -30,6 +30,8 @@ function parser<T>(fn: (value: string) => T) {
     }
   }
 }
+
+const parseSizeArg = parseSize('--size')
 
 const reflinkOption = () => new Option('--reflink <mode>', 'reflink: share extents, else copy (auto), or fail (always), or always copy (never)').choices(['always', 'auto', 'never'])
 
@@ -123,6 +125,22 @@ program
   .argument('<dir>', 'an existing directory (a temporary directory is made in it and removed)')
   .option('--json', 'JSON output')
   .action(action(async (dir: string, o: { json?: boolean }) => (await import('./probe.js')).probe(dir, o)))
+
+program
+  .command('mount')
+  .description('an image-backed pool: make IMAGE (sparse, btrfs) if missing, loop-mount it at ROOT with direct I/O, open the pool (root only)')
+  .argument('<root>', 'pool directory (the mount point; made if missing)')
+  .requiredOption('--image <path>', 'the image file (made if missing; an existing one must be a vmspace image)')
+  .requiredOption('--size <bytes>', 'size of an image made here, e.g. 8G (suffix K, M, G, T: binary units; at least 128M)', parser(parseSizeArg))
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: { image: string; size: number; json?: boolean }) => (await import('./mount.js')).mount(root, o)))
+
+program
+  .command('unmount')
+  .description('unmount an image-backed pool and detach its loop device (the image file is kept; root only)')
+  .argument('<root>', 'the pool directory vmspace mount mounted')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: { json?: boolean }) => (await import('./mount.js')).unmount(root, o)))
 
 program
   .command('demo')

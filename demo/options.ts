@@ -19,8 +19,11 @@ Options:
   --workers N      worker processes (default 2 x CPUs = ${2 * os.availableParallelism()})
   --live N         workspaces each worker holds live at once (default 4)
   --root DIR       pool directory (default: a new directory under ${os.tmpdir()},
-                   removed at the end). Put it on XFS (mkfs.xfs -m reflink=1) or
-                   btrfs to see reflink clones; a DIR you name is kept.
+                   removed at the end: as root with mkfs.btrfs, the mount of an
+                   image-backed pool (a sparse btrfs image beside it, unmounted,
+                   detached and deleted at the end), so clones are reflinks on
+                   any host; else a plain directory). Put a DIR you name on XFS
+                   (mkfs.xfs -m reflink=1) or btrfs to see reflink clones; it is kept.
   --base FILE      base image to clone (default: an ext4 image of Node's own npm
                    package and headers, built once with mke2fs and cached in
                    ${os.tmpdir()}; the node executable where mke2fs is missing)

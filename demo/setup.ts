@@ -7,7 +7,7 @@ import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
-import { openPool, type Pool, type Workspace } from 'vmspace'
+import { openPool, unmountImage, type Pool, type Workspace } from 'vmspace'
 import { baseInfo, prepareBase, type Base } from './base.js'
 import type { Demo } from './context.js'
 import type { TreeSpec } from './protocol.js'
@@ -45,15 +45,20 @@ export async function setup(demo: Demo): Promise<Setup> {
   const base0 = o.templateDir ? undefined : await prepareBase(o, demo.cleanup)
   let root: string
   let ownRoot = false
+  let pool: Pool | undefined
   if (o.root) root = o.root
   else {
     root = await fsp.mkdtemp(path.join(os.tmpdir(), 'vmspace-demo-'))
     ownRoot = true
   }
-  if (ownRoot) demo.cleanup.add(() => removeIfThere(root))
+  if (ownRoot) {
+    demo.cleanup.add(() => removeIfThere(root))
+    pool = await imagePool(demo, root)
+  }
   // durable: the one workspace this process allocates holds a base, fsynced once when it is made.
-  const pool = await openPool(root, { durable: true })
-  demo.cleanup.add(() => pool.close())
+  pool ??= await openPool(root, { durable: true })
+  const opened = pool
+  demo.cleanup.add(() => opened.close())
   const s: Setup = { root, ownRoot, pool, before: new Set(await poolEntries(root)), rootFs: await fsType(root), base0, hashBefore: '' }
 
   let base = base0
@@ -69,6 +74,35 @@ export async function setup(demo: Demo): Promise<Setup> {
   }
   if (o.templateDir) s.tree = await templateTree(demo, s, o.templateDir)
   return s
+}
+
+/** Size of the demo's image: sparse, so the host gives only what the workspaces write. */
+const DEMO_IMAGE_BYTES = 4 * 1024 ** 3
+
+/**
+ * The demo's default pool where it can have one: image-backed (a btrfs in a sparse file beside `root`, mounted at
+ * `root`), so that its clones are reflinks on any host. Without root, mkfs.btrfs or the space, undefined (a
+ * plain directory pool) and one line saying why. The image is unmounted, detached and deleted at the end.
+ */
+async function imagePool(demo: Demo, root: string): Promise<Pool | undefined> {
+  const image = `${root}.img`
+  let pool: Pool
+  try {
+    pool = await openPool(root, { durable: true, image: { path: image, size: DEMO_IMAGE_BYTES } })
+  } catch (e) {
+    const code = (e as { code?: string }).code
+    if (code !== 'ERR_IMAGE_NOT_PERMITTED' && code !== 'ERR_IMAGE_TOOL_MISSING' && code !== 'ENOSPC' && code !== 'ERR_IMAGE_TOOL_FAILED') throw e
+    const why = code === 'ERR_IMAGE_NOT_PERMITTED' ? 'not running as root' : (e as Error).message.replace(/^\w+: /, '')
+    status(`plain directory pool on ${await fsType(root)}, not an image-backed one: ${why}`)
+    return undefined
+  }
+  demo.cleanup.add(async () => {
+    await unmountImage(root)
+    await fsp.rm(image, { force: true })
+    await fsp.rm(`${image}.lock`, { force: true })
+  })
+  status(`image-backed pool: btrfs in ${image} (sparse, ${humanBytes(DEMO_IMAGE_BYTES)}), loop-mounted at ${root}`)
+  return pool
 }
 
 /**

@@ -200,6 +200,8 @@ export interface Native {
     progress: ProgressHandle | undefined,
   ): Promise<NativeCloneArray>
   probeQuota(path: string): Promise<NativeQuotaSupport>
+  /** 0 or the errno of BTRFS_IOC_QUOTA_CTL (simple quotas when `simple`); rejects with the errno of open. */
+  enableBtrfsQuota(path: string, simple: boolean): Promise<number>
   poolSpace(handle: PoolHandle): Promise<{ availableBytes: number; freeBytes: number; totalBytes: number; quota: NativeQuotaSupport }>
   usage(handle: PoolHandle, name: string, progress: ProgressHandle | undefined): Promise<NativeUsage>
   newProgress(): ProgressHandle

@@ -29,6 +29,12 @@ export type VmspaceErrorCode =
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
   | 'ERR_SOURCE_CHANGED' // a clone's source (size, mtime, ctime or inode) changed while it was cloned; nothing published (path: the source)
   | 'ERR_SOURCE_TYPE' // a clone's source is neither a regular file nor a directory (a fifo, socket, device); nothing made
+  | 'ERR_IMAGE_NOT_PERMITTED' // an image-backed pool without CAP_SYS_ADMIN (cause: EPERM); nothing made
+  | 'ERR_IMAGE_TOOL_MISSING' // a tool an image-backed pool needs is not installed (the message names its package)
+  | 'ERR_IMAGE_TOOL_FAILED' // losetup, mount, mkfs.btrfs or blkid failed (the message has its first line of stderr)
+  | 'ERR_IMAGE_FOREIGN' // the image path holds a file that is not a file system image vmspace made; left untouched
+  | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
+  | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

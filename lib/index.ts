@@ -20,6 +20,8 @@ export type {
   ListOptions,
   PoolUsage,
 } from './pool.js'
+export { unmountImage } from './image.js'
+export type { ImageOptions } from './image.js'
 export { probeQuota } from './quota.js'
 export type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './quota.js'
 export { clone } from './clone.js'

@@ -35,6 +35,7 @@ import {
 import type { NativeAllocateResult, NativeCloneArray, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage, type QuotaOptions, type QuotaSupport, type WorkspaceUsage } from './quota.js'
 import { WarmReserve, type WarmStats } from './warm.js'
+import { imageOptions, withImage, type ImageOptions } from './image.js'
 import {
   listTemplates,
   parseTemplateMeta,
@@ -98,6 +99,15 @@ export interface PoolOptions {
    * `[0x40000000, 0x4fffffff]`.
    */
   projectIds?: [number, number]
+  /**
+   * An image-backed pool (README, "Image-backed pools"): `root` is the mount of a btrfs made in the file
+   * `image.path` ({@link ImageOptions}), made and mounted by this call where it is not yet (sparse file, loop
+   * device with direct I/O, mount at `root`); an existing mount of that image is just opened. Needs root.
+   * Throws, besides openPool's own errors, `ERR_IMAGE_NOT_PERMITTED`, `ERR_IMAGE_TOOL_MISSING`,
+   * `ERR_IMAGE_FOREIGN`, `ERR_IMAGE_ROOT_MOUNTED`, `ERR_IMAGE_TOOL_FAILED`, `ENOSPC` (nothing made); see
+   * DESIGN.md, "The image-backed pool".
+   */
+  image?: ImageOptions
 }
 
 /**
@@ -422,7 +432,7 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
     create: true, nonEmpty: true, prefix: true, reflink: true, durable: true, sharedGroup: true, warm: true,
-    minFreeBytes: true, projectIds: true,
+    minFreeBytes: true, projectIds: true, image: true,
   })
   const create = boolean('options.create', o.create, true)
   const nonEmpty = boolean('options.nonEmpty', o.nonEmpty, false)
@@ -435,10 +445,14 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const warm = warmOptions(o.warm)
   const minFreeBytes = integerIn('options.minFreeBytes', o.minFreeBytes, 0, Number.MAX_SAFE_INTEGER, 0)
   const [projectFirst, projectLast] = projectIdRange(o.projectIds)
-  const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
-  const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId)
-  if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
-  return pool
+  const image = imageOptions(o.image)
+  const open = async () => {
+    const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
+    const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId)
+    if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
+    return pool
+  }
+  return image ? withImage(dir, image, create, open) : open()
 }
 
 function warmOptions(value: unknown) {

@@ -27,6 +27,15 @@ Napi::Value ProbeQuota(const Napi::CallbackInfo& info) {
       [](Napi::Env env, vmspace::QuotaSupport& s) -> Napi::Value { return quotaSupportObject(env, s); });
 }
 
+// Resolves to 0 or the errno of the ioctl; rejects with the errno of opening the directory.
+Napi::Value EnableBtrfsQuota(const Napi::CallbackInfo& info) {
+  std::string path = stringArg(info, 0);
+  bool simple = boolArg(info, 1);
+  return Work<int>::Start(
+      info.Env(), [path, simple] { return vmspace::enableBtrfsQuota(path, simple); },
+      [](Napi::Env env, int& err) -> Napi::Value { return Napi::Number::New(env, err); });
+}
+
 Napi::Value PoolSpace(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   struct Space {
@@ -80,6 +89,7 @@ Napi::Value Usage(const Napi::CallbackInfo& info) {
 void initQuota(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "probeQuota", ProbeQuota);
   exportFunction(env, exports, "poolSpace", PoolSpace);
+  exportFunction(env, exports, "enableBtrfsQuota", EnableBtrfsQuota);
   exportFunction(env, exports, "usage", Usage);
 }
 

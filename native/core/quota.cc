@@ -236,6 +236,17 @@ QuotaSupport probeQuotaAt(const std::string& path) {
   return probeQuota(fd.get());
 }
 
+int enableBtrfsQuota(const std::string& path, bool simple) {
+  // BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA (Linux 6.7, include/uapi/linux/btrfs.h); older headers lack the name.
+  constexpr __u64 kEnableSimpleQuota = 4;
+  UniqueFd fd(open(path.c_str(), kDirPathFlags));
+  if (!fd) throwErrno(errno, "open", path);
+  struct btrfs_ioctl_quota_ctl_args args;
+  memset(&args, 0, sizeof args);
+  args.cmd = simple ? kEnableSimpleQuota : BTRFS_QUOTA_CTL_ENABLE;
+  return ioctl(fd.get(), BTRFS_IOC_QUOTA_CTL, &args) == 0 ? 0 : errno;
+}
+
 int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool subvolume) {
   if (!subvolume) return mkdirat(parentFd, name.c_str(), mode) == 0 ? 0 : errno;
   struct btrfs_ioctl_vol_args args;

@@ -36,6 +36,11 @@ QuotaSupport probeQuota(int dirFd);
 // probeQuota of the directory at `path` (followed as given); throws the errno of opening it.
 QuotaSupport probeQuotaAt(const std::string& path);
 
+// Enables quotas on the btrfs mounted at `path` (BTRFS_IOC_QUOTA_CTL): simple quotas when `simple` (Linux 6.7),
+// else qgroups. Returns 0 or the errno (EINVAL: the kernel has no simple quotas; ENOTTY: not btrfs; EPERM).
+// Throws the errno of opening `path`.
+int enableBtrfsQuota(const std::string& path, bool simple);
+
 // Project ids a pool may claim: [first, last], both > 0 (id 0 is every file's default project).
 struct ProjectIdRange {
   uint32_t first = 0x40000000;
