@@ -66,15 +66,7 @@ export function nonNegativeInt(name: string, max: number, min = 0) {
   }
 }
 
-export function humanBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
-  let i = 0
-  while (n >= 1024 && i < units.length - 1) {
-    n /= 1024
-    i++
-  }
-  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1).replace(/\.?0+$/, '')} ${units[i]}`
-}
+export { humanBytes } from '../shared/format.js'
 
 /** "45s", "12m", "3h12m", "4d2h". */
 export function humanAge(ms: number): string {

@@ -5,7 +5,7 @@ import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as path from 'node:path'
 import { removeTree } from 'vmspace'
-import { fsTypeName } from '../cli/fsinfo.js'
+import { fsTypeName } from '../shared/fsinfo.js'
 import { describe, MARKER_LEN } from './protocol.js'
 
 export function statOrUndefined(p: string): fs.Stats | undefined {
@@ -16,15 +16,7 @@ export function statOrUndefined(p: string): fs.Stats | undefined {
   }
 }
 
-export function humanBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
-  let i = 0
-  while (n >= 1024 && i < units.length - 1) {
-    n /= 1024
-    i++
-  }
-  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1).replace(/\.0+$/, '')} ${units[i]}`
-}
+export { humanBytes } from '../shared/format.js'
 
 export function percentile(sorted: number[], p: number): number {
   if (sorted.length === 0) return NaN
