@@ -68,7 +68,7 @@ export interface CloneOptions {
 export interface CloneResult {
   /** A regular file or a directory tree. */
   kind: 'file' | 'tree'
-  /** How the data arrived: shared extents, a copy, (trees) both, or (templates on btrfs, issue 14) a subvolume
+  /** How the data arrived: shared extents, a copy, (trees) both, or (templates on btrfs) a subvolume
    * snapshot, which walks nothing: its counts are 0. A tree without regular files is `'copy'`, on any file system
    * and whatever `reflink` asked for: it says what happened, and no extent was shared (its entries were made anew,
    * as a copy makes them). */

@@ -740,8 +740,8 @@ type Failed = { id: string; from: string; code: string }[]
 
 /**
  * A sweep racing the other process's dispose, build or sweep reports no failure at all: an entry that vanished
- * between the sweep's listing and its open (ENOENT) is not a failure (issue 8, "failed holds real failures only";
- * found first by this test). `vanishing` names the entries the other process was removing or publishing, kept for
+ * between the sweep's listing and its open (ENOENT) is not a failure ("failed holds real failures
+ * only", docs/lifecycle.md). `vanishing` names the entries the other process was removing or publishing, kept for
  * the message only.
  */
 function expectNoFailures(failed: Failed, vanishing: Set<string>, what: string): void {

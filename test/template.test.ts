@@ -1,5 +1,5 @@
 /**
- * Templates (issue 14): commit a workspace into the pool, allocate and fork from it, replace and remove it,
+ * Templates: commit a workspace into the pool, allocate and fork from it, replace and remove it,
  * corrupt metadata, and sweep after SIGKILL. On real file systems: the scratch ext4 (copies), and the
  * loop-mounted XFS (reflinks) and btrfs (a template is a read-only subvolume, children are snapshots) where the
  * setup made them.
