@@ -83,7 +83,7 @@ export interface PoolOptions {
    */
   sharedGroup?: number
   /**
-   * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
+   * A warm reserve (docs/warm.md): `count` workspaces of `template` built ahead of time, so that an
    * allocate() of that template only publishes one. Default: none.
    */
   warm?: WarmOptions
@@ -797,7 +797,7 @@ export class Pool implements AsyncDisposable {
    * `clone.method` says which) built in `.vmspace/templates/staging/`, its write bits removed (recorded, and
    * given back to every workspace allocated from it), published under `.vmspace/templates/<id>/` only complete.
    * On btrfs the tree is a read-only subvolume instead (modes kept; `subvolume: true`): a snapshot of a workspace
-   * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; README, "Templates".
+   * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; docs/templates.md.
    * Pause whatever writes in `ws` first: files changing during the walk are cloned as the walk finds them.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
@@ -1291,7 +1291,7 @@ export class Workspace implements AsyncDisposable {
    * Space accounting of this workspace ({@link WorkspaceUsage}): allocated, exclusive and shared bytes (FIEMAP
    * per regular file), file and directory counts, and the quota's limits and use where one is set. Cost: a walk of
    * the whole tree, an fstatat per entry and a FIEMAP per regular file (130–180 ms per 10,000 small files, see
-   * README); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
+   * docs/filesystems.md); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
    * dispose().
    */
   async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {

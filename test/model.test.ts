@@ -14,7 +14,7 @@
  *
  * Single commands run one at a time, so no build is in flight during a sweep and the model is deterministic: any
  * `graceMs` must give the same report (0 and the default are both drawn). The commands that run one operation in
- * each process at once accept exactly the outcomes the README allows (one adopt wins; each orphan is reclaimed
+ * each process at once accept exactly the outcomes docs/lifecycle.md allows (one adopt wins; each orphan is reclaimed
  * once; a sweep never takes a new workspace; no index update is lost), whichever process comes first.
  * VMSPACE_MODEL_SEED=<n> replays the command sequences (the seed is printed on failure, with fast-check's shrunk
  * counterexample), VMSPACE_MODEL_RUNS=<n> sets the number of runs per file system (default 8).

@@ -766,7 +766,7 @@ describe('templates of deep trees', () => {
   }, 300_000)
 })
 
-// Races between processes on one name (README, "Templates"): a reader never sees a replaced name missing, prune
+// Races between processes on one name (docs/templates.md): a reader never sees a replaced name missing, prune
 // never removes the template a name points to, and a sweep with graceMs 0 never breaks a live build.
 const RACE_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_RACE_ROUNDS ?? 200)
 const raceDir = mounts.xfs ?? mounts.scratch
