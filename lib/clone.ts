@@ -138,7 +138,7 @@ export function cloneResultOf(a: NativeCloneArray, dest: string): CloneResult {
 }
 
 export function toResult(r: NativeCloneResult & { dest?: string }, dest: string): CloneResult {
-  // Object.assign, not rest/spread syntax: ~10x cheaper on the binding's objects (measured 0.15 vs 1.2 µs), on
+  // Object.assign, not rest/spread syntax: ~10x cheaper on the binding's objects, on
   // the path of every clone.
   const result = Object.assign({}, r) as CloneResult & { dest?: string }
   if (result.dest !== undefined) delete result.dest
