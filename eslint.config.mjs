@@ -1,4 +1,4 @@
-// ESLint (flat config) for the TypeScript of lib/, cli/, demo/ and test/ (and the test fixtures' CommonJS):
+// ESLint (flat config) for the TypeScript of lib/, cli/, demo/, shared/ and test/ (and the test fixtures' CommonJS):
 // `npx eslint` (checked in .ci/run). Correctness rules only: formatting is left to a formatter, so no stylistic
 // rule is on here.
 import js from '@eslint/js'

@@ -225,7 +225,7 @@ if (want('tree')) {
     return ((Number(f[13]) + Number(f[14])) * 1000) / ticks // cutime, cstime (fields 16, 17)
   }
   // --load N,M…: the section runs once per count, with that many processes spinning on the CPUs for the whole pass
-  // (issue 12: "also while other processes load the CPUs"). Default: idle, then one busy loop per CPU.
+  // (a sidecar shares its machine). Default: idle, then one busy loop per CPU.
   if (!/^\d+(,\d+)*$/.test(args.load)) throw new Error(`--load: counts of busy loops, comma-separated (0,2), not '${args.load}'`)
   const loads = args.load.split(',').map(Number)
   for (const busy of loads) {
@@ -514,7 +514,7 @@ if (want('warm')) {
   console.table(summary)
 }
 
-// Templates on btrfs (issue 14): subvolume snapshots against the reflink walk, on a btrfs of its own (bench/template.mjs).
+// Templates on btrfs: subvolume snapshots against the reflink walk, on a btrfs of its own (bench/template.mjs).
 if (want('templates-btrfs')) {
   let mnt = null
   if (process.getuid?.() === 0) {

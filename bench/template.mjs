@@ -1,4 +1,4 @@
-// Templates on btrfs (issue 14): a subvolume snapshot against the reflink walk, for commit, allocate({ from })
+// Templates on btrfs: a subvolume snapshot against the reflink walk, for commit, allocate({ from })
 // and fork, on a tree of `files` files (10,000 and 10 by default, to see where each wins). Run by bench/run.mjs
 // (`npm run bench -- --only templates-btrfs`) on a loop-mounted btrfs of its own.
 //   commit:   snapshot = commit of a subvolume workspace (BTRFS_IOC_SNAP_CREATE_V2, read-only);

@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// Throughput of allocate+dispose under the load of many callers (issue 12), each ratio from one run with the
+// Throughput of allocate+dispose under the load of many callers, each ratio from one run with the
 // compared implementations interleaved round by round (the machine is shared; absolute figures drift):
 //   1. `--inflight` (64) pairs in flight in one process: vmspace's pool, fs.promises mkdtemp+rm, and the native
 //      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE threads, the parallelism

@@ -3,7 +3,7 @@ import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 
-/** Exit codes (documented in README.md, "The `vmspace` command"). `run` exits with its command's status instead. */
+/** Exit codes (documented in docs/cli.md). `run` exits with its command's status instead. */
 export const EXIT_OK = 0
 /** The command ran, and some entries (or the whole operation) failed. */
 export const EXIT_FAILED = 1
@@ -50,7 +50,7 @@ export function existingDir(what: string, arg: string): string {
   return dir
 }
 
-/** `arg` as the root of an existing pool (it has `.vmspace/version`, see README "The pool on disk"). */
+/** `arg` as the root of an existing pool (it has `.vmspace/version`, see docs/pool-on-disk.md). */
 export function poolRoot(arg: string): string {
   const root = existingDir('ROOT', arg)
   if (!fs.existsSync(path.join(root, '.vmspace', 'version'))) throw new UsageError(`ROOT ${root} is not a vmspace pool (no .vmspace/version)`)
@@ -76,15 +76,7 @@ export function parseSize(name: string) {
   }
 }
 
-export function humanBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
-  let i = 0
-  while (n >= 1024 && i < units.length - 1) {
-    n /= 1024
-    i++
-  }
-  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1).replace(/\.?0+$/, '')} ${units[i]}`
-}
+export { humanBytes } from '../shared/format.js'
 
 /** "45s", "12m", "3h12m", "4d2h". */
 export function humanAge(ms: number): string {

@@ -79,7 +79,7 @@ async function listPool(rootArg: string, usage = false): Promise<{ root: string;
   }
 }
 
-/** One template in `ls --json` (issue 14; every key always present, null where unknown). */
+/** One template in `ls --json` (every key always present, null where unknown). */
 export interface TemplateJson {
   id: string
   name: string | null

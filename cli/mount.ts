@@ -5,7 +5,7 @@
 import * as path from 'node:path'
 import { openPool, unmountImage } from 'vmspace'
 import { EXIT_OK, printJson } from './common.js'
-import { loopOf } from './fsinfo.js'
+import { loopOf } from '../shared/fsinfo.js'
 
 export async function mount(rootArg: string, o: { image: string; size: number; json?: boolean }): Promise<number> {
   const root = path.resolve(rootArg)

@@ -9,7 +9,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { exchange, lockFile, probeQuota, renameNoReplace } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, existingDir, humanBytes, printJson } from './common.js'
-import { devParts, fsTypeName, loopOf, mountOf, type MountInfo } from './fsinfo.js'
+import { devParts, fsTypeName, loopOf, mountOf, type MountInfo } from '../shared/fsinfo.js'
 
 export interface Feature {
   /** null when it could not be tried (see error). */

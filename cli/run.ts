@@ -12,7 +12,7 @@ import { EXIT_FAILED, errorText, UsageError } from './common.js'
 
 /** fd number of the lease in the command's process. */
 export const LEASE_FD = 3
-/** The metadata limit of Pool.allocate (README, AllocateOptions.meta). */
+/** The metadata limit of Pool.allocate (AllocateOptions.meta). */
 const MAX_META_BYTES = 64 * 1024
 /** Signals passed on to the command; it decides how to end, and its status becomes ours. */
 const FORWARDED = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const

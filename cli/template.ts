@@ -1,5 +1,5 @@
 /**
- * `vmspace commit ROOT ID` and `vmspace fork ROOT ID N` (issue 14): a workspace's current contents as a template,
+ * `vmspace commit ROOT ID` and `vmspace fork ROOT ID N`: a workspace's current contents as a template,
  * and children of it. The CLI holds no workspace: fork's children are left with free leases for a sidecar to
  * `pool.adopt(id)` (a sweep reclaims those nobody adopts).
  */

@@ -50,7 +50,7 @@ configure(program)
   .addHelpText(
     'after',
     '\nExit status: 0 done, 1 some entries failed, 2 bad arguments (nothing touched); run: the status of CMD.\n' +
-      '--json prints one JSON document on stdout (see README.md, "The vmspace command").',
+      '--json prints one JSON document on stdout (see docs/cli.md).',
   )
 
 program

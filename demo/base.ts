@@ -8,7 +8,7 @@ import { performance } from 'node:perf_hooks'
 import { renameNoReplace } from 'vmspace'
 import { describe } from './protocol.js'
 import type { Options } from './options.js'
-import { Cleanup, fsyncPath, humanBytes, removeIfThere, run, statOrUndefined, status, which } from './util.js'
+import { Cleanup, fsyncPath, humanBytes, removeIfThere, runOk, statOrUndefined, status, which } from './util.js'
 
 const IMAGE_SIZE = 256 * 1024 * 1024
 /** At most this much file data goes into the image (the rest of it is file-system metadata and free space). */
@@ -84,7 +84,7 @@ export async function prepareBase(opts: Options, cleanup: Cleanup): Promise<Base
       await fsp.mkdir(path.dirname(path.join(stage, t.dest)), { recursive: true })
       await fsp.cp(t.src, path.join(stage, t.dest), { recursive: true, verbatimSymlinks: true, preserveTimestamps: true })
     }
-    await run(mke2fs, ['-q', '-F', '-t', 'ext4', '-L', 'vmspace-base', '-d', stage, tmp, `${IMAGE_SIZE / 1024}k`])
+    await runOk(mke2fs, ['-q', '-F', '-t', 'ext4', '-L', 'vmspace-base', '-d', stage, tmp, `${IMAGE_SIZE / 1024}k`])
     // Bases are fsynced once, when they are made, so that no clone pays for their writeback.
     await fsyncPath(tmp, 'r+')
     try {

@@ -1,5 +1,5 @@
 /**
- * `--fork N` (issue 14): one parent workspace with the base as ROOTFS (or the template tree), its own marker
+ * `--fork N`: one parent workspace with the base as ROOTFS (or the template tree), its own marker
  * written, committed and forked into N children (`pool.fork`). Each child writes its id into its image and a marker
  * file; then every child must read back only its own, the parent its own, and the base must be unchanged. The
  * time per child (the whole fork divided by N) is reported.

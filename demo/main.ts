@@ -31,7 +31,7 @@ import { forkPhase } from './fork.js'
 
 /** Runs the demo with `argv` (its options, without the command); resolves to the exit status. */
 export async function main(argv: string[]): Promise<number> {
-  // `--boot N`: real guests under QEMU instead of worker processes (demo/boot/, issue 10), with its own options.
+  // `--boot N`: real guests under QEMU instead of worker processes (demo/boot/), with its own options.
   if (argv.some((a) => a === '--boot' || a.startsWith('--boot='))) return (await import('./boot/main.js')).main(argv)
   let opts: Options | 'help'
   try {
@@ -53,7 +53,7 @@ export async function main(argv: string[]): Promise<number> {
   try {
     const s = await setup(demo)
     if (opts.fork !== undefined) {
-      // Issue 14: one parent forked into N children instead of the workers (fork.ts).
+      // One parent forked into N children instead of the workers (fork.ts).
       await forkPhase(demo, s, opts.fork)
       await checkLeftovers(demo, s)
       for (const f of demo.failures) process.stderr.write(`vmspace demo: FAILED: ${f}\n`)

@@ -107,6 +107,64 @@ function chaosArgs(argv: string[]): string[] {
   return out
 }
 
+/** --root DIR: absolute; a directory, or missing with an existing parent (made then, as openPool makes a pool). */
+function rootOption(value: string): string {
+  if (value.trim() === '') throw new UsageError('--root must name a directory')
+  const root = path.resolve(value)
+  const st = statOrUndefined(root)
+  if (st && !st.isDirectory()) throw new UsageError(`--root ${root} exists and is not a directory`)
+  if (!st && !statOrUndefined(path.dirname(root))?.isDirectory()) throw new UsageError(`--root ${root}: its parent directory does not exist`)
+  return root
+}
+
+/** --base FILE: a readable regular file large enough to hold the demo's marker. */
+function baseOption(value: string): string {
+  if (value.trim() === '') throw new UsageError('--base must name a file')
+  const base = path.resolve(value)
+  const st = statOrUndefined(base)
+  if (!st) throw new UsageError(`--base ${base} does not exist`)
+  if (!st.isFile()) throw new UsageError(`--base ${base} is not a regular file`)
+  if (st.size < MARKER_OFFSET + MARKER_LEN) throw new UsageError(`--base ${base} is too small (${st.size} bytes; at least ${MARKER_OFFSET + MARKER_LEN})`)
+  try {
+    fs.accessSync(base, fs.constants.R_OK)
+  } catch {
+    throw new UsageError(`--base ${base} is not readable`)
+  }
+  return base
+}
+
+/** --template-dir DIR: a readable directory that does not hold the demo's marker file name. */
+function templateDirOption(value: string): string {
+  if (value.trim() === '') throw new UsageError('--template-dir must name a directory')
+  const dir = path.resolve(value)
+  const st = statOrUndefined(dir)
+  if (!st) throw new UsageError(`--template-dir ${dir} does not exist`)
+  if (!st.isDirectory()) throw new UsageError(`--template-dir ${dir} is not a directory`)
+  try {
+    fs.accessSync(dir, fs.constants.R_OK | fs.constants.X_OK)
+  } catch {
+    throw new UsageError(`--template-dir ${dir} is not readable`)
+  }
+  if (statOrUndefined(path.join(dir, TREE_MARKER))) throw new UsageError(`--template-dir ${dir} holds ${TREE_MARKER}, the name of the demo's marker file`)
+  return dir
+}
+
+/** --quota SIZE: bytes (`64M`, `1G`, `1048576`), at least 1 MiB. */
+function quotaOption(value: string): number {
+  const m = /^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$/i.exec(value)
+  const n = m ? Number(m[1]) * 1024 ** 'BKMGT'.indexOf((m[2] || 'B').toUpperCase()) : NaN
+  if (!m || !Number.isSafeInteger(n) || n < 1024 * 1024) throw new UsageError(`--quota must be a size of at least 1M (e.g. 64M, 1G), got ${JSON.stringify(value)}`)
+  return n
+}
+
+/** --chaos [N|P%]: a count of workers to kill, or a percentage of them (25% when given alone). */
+function chaosOption(value: string): NonNullable<Options['chaos']> {
+  const c = value.trim()
+  if (c === '') return { percent: 25 }
+  if (c.endsWith('%')) return { percent: positiveInt('chaos', c.slice(0, -1), 25, 100) }
+  return { count: positiveInt('chaos', c, 1, 256) }
+}
+
 export function parseOptions(argv: string[]): Options | 'help' {
   let parsed
   try {
@@ -137,59 +195,14 @@ export function parseOptions(argv: string[]): Options | 'help' {
     workers: positiveInt('workers', v.workers, 2 * os.availableParallelism(), 256),
     live: positiveInt('live', v.live, 4, 256),
   }
-  if (v.root !== undefined) {
-    if (v.root.trim() === '') throw new UsageError('--root must name a directory')
-    opts.root = path.resolve(v.root)
-    const st = statOrUndefined(opts.root)
-    if (st && !st.isDirectory()) throw new UsageError(`--root ${opts.root} exists and is not a directory`)
-    if (!st && !statOrUndefined(path.dirname(opts.root))?.isDirectory())
-      throw new UsageError(`--root ${opts.root}: its parent directory does not exist`)
+  if (v.root !== undefined) opts.root = rootOption(v.root)
+  if (v.base !== undefined) opts.base = baseOption(v.base)
+  if (v['template-dir'] !== undefined) {
+    if (v['template-dir'].trim() !== '' && opts.base) throw new UsageError('--template-dir and --base exclude each other: a workspace starts from one of them')
+    opts.templateDir = templateDirOption(v['template-dir'])
   }
-  if (v.base !== undefined) {
-    if (v.base.trim() === '') throw new UsageError('--base must name a file')
-    opts.base = path.resolve(v.base)
-    const st = statOrUndefined(opts.base)
-    if (!st) throw new UsageError(`--base ${opts.base} does not exist`)
-    if (!st.isFile()) throw new UsageError(`--base ${opts.base} is not a regular file`)
-    if (st.size < MARKER_OFFSET + MARKER_LEN)
-      throw new UsageError(`--base ${opts.base} is too small (${st.size} bytes; at least ${MARKER_OFFSET + MARKER_LEN})`)
-    try {
-      fs.accessSync(opts.base, fs.constants.R_OK)
-    } catch {
-      throw new UsageError(`--base ${opts.base} is not readable`)
-    }
-  }
-  const templateDir = v['template-dir']
-  if (templateDir !== undefined) {
-    if (templateDir.trim() === '') throw new UsageError('--template-dir must name a directory')
-    if (opts.base) throw new UsageError('--template-dir and --base exclude each other: a workspace starts from one of them')
-    opts.templateDir = path.resolve(templateDir)
-    const st = statOrUndefined(opts.templateDir)
-    if (!st) throw new UsageError(`--template-dir ${opts.templateDir} does not exist`)
-    if (!st.isDirectory()) throw new UsageError(`--template-dir ${opts.templateDir} is not a directory`)
-    try {
-      fs.accessSync(opts.templateDir, fs.constants.R_OK | fs.constants.X_OK)
-    } catch {
-      throw new UsageError(`--template-dir ${opts.templateDir} is not readable`)
-    }
-    if (statOrUndefined(path.join(opts.templateDir, TREE_MARKER)))
-      throw new UsageError(`--template-dir ${opts.templateDir} holds ${TREE_MARKER}, the name of the demo's marker file`)
-  }
-  if (v.quota !== undefined) {
-    const m = /^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$/i.exec(v.quota)
-    const n = m ? Number(m[1]) * 1024 ** 'BKMGT'.indexOf((m[2] || 'B').toUpperCase()) : NaN
-    if (!m || !Number.isSafeInteger(n) || n < 1024 * 1024)
-      throw new UsageError(`--quota must be a size of at least 1M (e.g. 64M, 1G), got ${JSON.stringify(v.quota)}`)
-    opts.quota = n
-  }
-  if (v.chaos !== undefined) {
-    const c = v.chaos.trim()
-    if (c === '') opts.chaos = { percent: 25 }
-    else if (c.endsWith('%')) {
-      const n = positiveInt('chaos', c.slice(0, -1), 25, 100)
-      opts.chaos = { percent: n }
-    } else opts.chaos = { count: positiveInt('chaos', c, 1, 256) }
-  }
+  if (v.quota !== undefined) opts.quota = quotaOption(v.quota)
+  if (v.chaos !== undefined) opts.chaos = chaosOption(v.chaos)
   if (v.fork !== undefined) {
     if (opts.chaos) throw new UsageError('--fork and --chaos exclude each other')
     opts.fork = positiveInt('fork', v.fork, 1, 4096)

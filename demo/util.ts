@@ -1,11 +1,11 @@
-/** Small helpers of the demo: formatting, hashing, tree manifests, file I/O at offsets, clean-up. */
-import { execFile } from 'node:child_process'
+/** Small helpers of the demo: formatting, hashing, tree manifests, file I/O at offsets, running commands, clean-up. */
+import { spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as path from 'node:path'
 import { removeTree } from 'vmspace'
-import { fsTypeName } from '../cli/fsinfo.js'
+import { fsTypeName } from '../shared/fsinfo.js'
 import { describe, MARKER_LEN } from './protocol.js'
 
 export function statOrUndefined(p: string): fs.Stats | undefined {
@@ -16,15 +16,7 @@ export function statOrUndefined(p: string): fs.Stats | undefined {
   }
 }
 
-export function humanBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB']
-  let i = 0
-  while (n >= 1024 && i < units.length - 1) {
-    n /= 1024
-    i++
-  }
-  return i === 0 ? `${n} B` : `${n.toFixed(n < 10 ? 2 : 1).replace(/\.0+$/, '')} ${units[i]}`
-}
+export { humanBytes } from '../shared/format.js'
 
 export function percentile(sorted: number[], p: number): number {
   if (sorted.length === 0) return NaN
@@ -161,13 +153,38 @@ export function which(names: string[], extraDirs: string[]): string | undefined 
   return undefined
 }
 
-export function run(cmd: string, args: string[]): Promise<void> {
-  return new Promise((resolve, reject) =>
-    execFile(cmd, args, { maxBuffer: 16 << 20 }, (err, _stdout, stderr) => {
-      if (err) reject(new Error(`${path.basename(cmd)} failed (${err.code ?? err.signal}): ${String(stderr).trim() || err.message}`))
-      else resolve()
-    }),
-  )
+/** A command's exit and its output (run, runOk). */
+export interface CommandResult {
+  code: number | null
+  signal: NodeJS.Signals | null
+  stdout: string
+  stderr: string
+}
+
+/** Runs a command to completion (no shell), optionally feeding `input`; never rejects for a non-zero exit. */
+export function run(cmd: string, args: string[], input?: string | Buffer, cwd?: string): Promise<CommandResult> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'], cwd })
+    const out: Buffer[] = []
+    const err: Buffer[] = []
+    child.stdout.on('data', (b: Buffer) => out.push(b))
+    child.stderr.on('data', (b: Buffer) => err.push(b))
+    child.on('error', reject)
+    child.on('close', (code, signal) =>
+      resolve({ code, signal, stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() }),
+    )
+    // EPIPE when the command exits without reading all input: its exit status tells what went wrong.
+    child.stdin.on('error', () => {})
+    child.stdin.end(input)
+  })
+}
+
+/** Like run(), but rejects with the command's stderr unless it exits 0. */
+export async function runOk(cmd: string, args: string[], input?: string | Buffer, cwd?: string): Promise<string> {
+  const r = await run(cmd, args, input, cwd)
+  if (r.code !== 0)
+    throw new Error(`${path.basename(cmd)} ${args.join(' ')} failed (${r.signal ?? `exit ${r.code}`}): ${r.stderr.trim()}`)
+  return r.stdout
 }
 
 /** Things to remove when the run ends, however it ends. */

@@ -8,7 +8,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { setImmediate as immediate } from 'node:timers/promises'
-import { openPool, type Workspace } from 'vmspace'
+import { openPool, type Pool, type Workspace } from 'vmspace'
 import {
   describe,
   describeWithStack,
@@ -26,20 +26,22 @@ import {
 } from './protocol.js'
 import { readAt, treeManifest, writeAt } from './util.js'
 
+/** An error nothing caught: reported to the parent as `fatal` (when it is still there), then exit 1. */
+function fatal(e: unknown): void {
+  const text = describeWithStack(e)
+  const die = () => process.exit(1)
+  try {
+    if (process.connected) process.send!({ t: 'fatal', error: text } satisfies FromWorker, undefined, undefined, die)
+    else die()
+  } catch {
+    die()
+  }
+  setTimeout(die, 1000).unref()
+}
+
 export async function workerMain(): Promise<void> {
   const send = (m: FromWorker) =>
     new Promise<void>((resolve, reject) => process.send!(m, undefined, undefined, (e) => (e ? reject(e) : resolve())))
-  const fatal = (e: unknown) => {
-    const text = describeWithStack(e)
-    const die = () => process.exit(1)
-    try {
-      if (process.connected) process.send!({ t: 'fatal', error: text } satisfies FromWorker, undefined, undefined, die)
-      else die()
-    } catch {
-      die()
-    }
-    setTimeout(die, 1000).unref()
-  }
   process.on('uncaughtException', fatal)
   process.on('unhandledRejection', fatal)
 
@@ -74,45 +76,47 @@ export async function workerMain(): Promise<void> {
     if (process.connected) await send(m).catch(stop)
   }
   const lane = async () => {
-    while (!stopping && next < config.count) {
-      const seq = next++
-      let ws: Workspace
-      const t0 = performance.now()
-      try {
-        ws = await pool.allocate({
-          template: config.tree ? config.tree.dir : { [ROOTFS]: config.base },
-          meta: { demo: 'vmspace', worker: config.index, seq, pid: process.pid },
-          ...(config.quota ? { quota: { bytes: config.quota } } : {}),
-        })
-      } catch (e) {
-        await report({ t: 'failed', stage: 'allocate', error: describe(e) })
-        continue
-      }
-      const ms = performance.now() - t0
-      const c = ws.template[0]
-      await report({
-        t: 'allocated',
-        id: ws.id,
-        name: ws.name,
-        path: ws.path,
-        ms,
-        method: c?.method ?? 'none',
-        bytes: c?.bytes ?? 0,
-        files: c?.files ?? 0,
-      })
-      if (config.crashAfter > 0 && seq + 1 === config.crashAfter) process.kill(process.pid, 'SIGKILL')
-      if (config.runaway && seq === 0) await report({ t: 'runaway', id: ws.id, ...(await runaway(ws)) })
-      const checks = config.tree ? await useTree(ws, config.tree) : await useImage(ws, config)
-      // Reported (and handed to the kernel) before dispose starts, so that the parent can tell what a worker killed
-      // meanwhile may have half-disposed.
-      await report({ t: 'disposing', id: ws.id })
-      await report(await dispose(ws, checks))
-    }
+    while (!stopping && next < config.count) await useOne(pool, config, next++, report)
   }
   await Promise.all(Array.from({ length: Math.min(config.live, config.count) }, lane))
   await pool.close()
   await report({ t: 'finished', stats: pool.stats() })
   if (process.connected) process.disconnect()
+}
+
+/** One workspace of the run: allocated, reported, used as a VM would (markers), then disposed and reported. */
+async function useOne(pool: Pool, config: WorkerConfig, seq: number, report: (m: FromWorker) => Promise<void>): Promise<void> {
+  let ws: Workspace
+  const t0 = performance.now()
+  try {
+    ws = await pool.allocate({
+      template: config.tree ? config.tree.dir : { [ROOTFS]: config.base },
+      meta: { demo: 'vmspace', worker: config.index, seq, pid: process.pid },
+      ...(config.quota ? { quota: { bytes: config.quota } } : {}),
+    })
+  } catch (e) {
+    await report({ t: 'failed', stage: 'allocate', error: describe(e) })
+    return
+  }
+  const ms = performance.now() - t0
+  const c = ws.template[0]
+  await report({
+    t: 'allocated',
+    id: ws.id,
+    name: ws.name,
+    path: ws.path,
+    ms,
+    method: c?.method ?? 'none',
+    bytes: c?.bytes ?? 0,
+    files: c?.files ?? 0,
+  })
+  if (config.crashAfter > 0 && seq + 1 === config.crashAfter) process.kill(process.pid, 'SIGKILL')
+  if (config.runaway && seq === 0) await report({ t: 'runaway', id: ws.id, ...(await runaway(ws)) })
+  const checks = config.tree ? await useTree(ws, config.tree) : await useImage(ws, config)
+  // Reported (and handed to the kernel) before dispose starts, so that the parent can tell what a worker killed
+  // meanwhile may have half-disposed.
+  await report({ t: 'disposing', id: ws.id })
+  await report(await dispose(ws, checks))
 }
 
 /**

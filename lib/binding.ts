@@ -130,10 +130,10 @@ export interface WorkspaceShape extends Pick<NativeCloneOptions, 'reflink' | 'du
 export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress'> {
   /** The caller's members of the metadata record; the core adds its own (name, template) and serialises it. */
   info: JsonMembers
-  /** Issue 13: 0 or absent: none. */
+  /** 0 or absent: none. */
   quotaBytes?: number
   quotaInodes?: number
-  /** Issue 14: the template (id or name) to clone the workspace from. */
+  /** The template (id or name) to clone the workspace from. */
   fromTemplate?: string
 }
 
@@ -156,7 +156,7 @@ export interface Native {
   allocate(handle: PoolHandle, options: AllocateNativeOptions): Promise<NativeAllocateResult>
   /**
    * allocate() of an empty workspace (no template, quota, progress or writeback), positional both ways: no options
-   * object to read and no result object to fill, the largest share of the binding's time per call (issue 12).
+   * object to read and no result object to fill, the largest share of the binding's time per call.
    */
   allocatePlain(handle: PoolHandle, prefix: string, mode: number, info: JsonMembers, durable: boolean): Promise<PlainAllocateResult>
   /** A staged, leased workspace of that shape, its copies written back. */
@@ -164,7 +164,7 @@ export interface Native {
   /** Publishes a warm entry; null when its template changed since it was built (the entry is then removed). */
   warmTake(handle: PoolHandle, entry: WarmHandle, info: JsonMembers): Promise<NativeAllocateResult | null>
   warmDiscard(handle: PoolHandle, entry: WarmHandle): Promise<void>
-  // Issue 14 (native/core/template.h)
+  // Templates (native/core/template.h)
   commitTemplate(
     handle: PoolHandle,
     options: CommitTemplateOptions,
@@ -234,9 +234,43 @@ export interface NativeTestHooks {
   setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
 }
 
-// lib/ and dist/ are both one level below the package root, where binding.gyp and build/ live.
-// node-gyp-build picks build/Release (or a prebuild) for this platform and Node-API version.
-export const native: Native = (require('node-gyp-build') as (dir: string) => Native)(path.join(__dirname, '..'))
+/** The C library this process runs on, as node-gyp-build tells prebuilds apart: `glibc 2.36`, or `musl`. */
+function libcName(): string {
+  const report = process.report?.getReport() as { header?: { glibcVersionRuntime?: string } } | undefined
+  const glibc = report?.header?.glibcVersionRuntime
+  return glibc ? `glibc ${glibc}` : 'musl (or another non-glibc libc)'
+}
+
+/**
+ * The error for a process where no addon loads: node-gyp-build's own ("No native build was found for …") names
+ * neither the package nor a way out, and a prebuild that fails to load (a glibc older than its floor) says even less.
+ */
+export function noBinaryError(cause: unknown): Error {
+  const reason = cause instanceof Error ? cause.message.split('\n')[0] : String(cause)
+  const platform = `${process.platform}-${process.arch}, ${libcName()}, Node ${process.versions.node}`
+  const error = new Error(
+    `vmspace: no native binary could be loaded on this machine (${platform}).\n` +
+      `  Reason: ${reason}\n` +
+      '  Two ways out:\n' +
+      '  - build it from source: install a C++17 compiler, make and python3 (Debian/Ubuntu: apt-get install g++ make\n' +
+      '    python3; Alpine: apk add build-base python3 linux-headers), then run `npm rebuild vmspace`;\n' +
+      '  - or run where a prebuilt binary ships: linux-x64 or linux-arm64 with glibc >= 2.28.',
+    { cause },
+  )
+  return Object.assign(error, { code: 'ERR_VMSPACE_NO_BINARY' })
+}
+
+function loadNative(): Native {
+  try {
+    // lib/ and dist/ are both one level below the package root, where binding.gyp and build/ live.
+    // node-gyp-build picks build/Release (or a prebuild) for this platform and Node-API version.
+    return (require('node-gyp-build') as (dir: string) => Native)(path.join(__dirname, '..'))
+  } catch (cause) {
+    throw noBinaryError(cause)
+  }
+}
+
+export const native: Native = loadNative()
 
 // On process.exit() (or a worker thread's), allocate/dispose calls still queued would otherwise be run to the end
 // before the exit completes (libuv drains its requests): they are dropped instead, and what a call cut short leaves

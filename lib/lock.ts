@@ -112,7 +112,7 @@ export function timeoutOption(value: unknown): number | undefined {
  * signal, the first of `SIGRTMIN+4`…`SIGRTMAX` with no handler yet, process-wide and for the process's life:
  * cancelling a wait (abort, `timeoutMs`) sends it to the waiting thread so that its flock(2) returns `EINTR`.
  * To keep a real-time signal for yourself, install its handler before the first wait; with none free, waits
- * poll every 2 ms instead (README, "The lock-wait signal").
+ * poll every 2 ms instead (docs/locks.md, "The lock-wait signal").
  */
 export function lockFile(path: string, options?: LockOptions): Promise<FileLock> {
   return traced(lockChannel, () => ({ path, options }), (t) => lockFileUntraced(path, options, t))

@@ -84,7 +84,7 @@ export interface PoolOptions {
    */
   sharedGroup?: number
   /**
-   * A warm reserve (README, "Warm reserve"): `count` workspaces of `template` built ahead of time, so that an
+   * A warm reserve (docs/warm.md): `count` workspaces of `template` built ahead of time, so that an
    * allocate() of that template only publishes one. Default: none.
    */
   warm?: WarmOptions
@@ -135,7 +135,7 @@ export interface AllocateOptions {
    */
   template?: string | Record<string, string>
   /**
-   * Issue 14: the id or name of a committed template (Pool.commit) whose tree becomes the workspace's contents,
+   * The id or name of a committed template (Pool.commit) whose tree becomes the workspace's contents,
    * before `template` entries. `ERR_TEMPLATE_NOT_FOUND` for none (nothing made); `ERR_CORRUPT_METADATA` (with
    * `path`) when its template.json does not parse (nothing left). A replace or removal of the template meanwhile
    * waits for this clone: the workspace gets the whole old tree or the whole new one.
@@ -238,7 +238,7 @@ export interface WorkspaceInfo {
   meta?: JsonObject
   /** What the template cloned into it, with each source's identity at that time. */
   template?: TemplateSource[]
-  /** Issue 14: the template it was allocated from (`allocate({ from })`). */
+  /** The template it was allocated from (`allocate({ from })`). */
   templateId?: string
   /** Process id of the allocating process. */
   pid?: number
@@ -392,8 +392,8 @@ class InFlight {
   }
   /**
    * A native call's promise `p`, counted until it settles, its value mapped by `map` and its rejection named by
-   * fromNative, all in one promise reaction (track() plus call() take two; issue 12, the hot path of an empty
-   * allocate and of Workspace.clone).
+   * fromNative, all in one promise reaction (track() plus call() take two; this is the hot path of an
+   * empty allocate and of Workspace.clone).
    */
   mapNative<T, R>(p: Promise<T>, map: (value: T) => R): Promise<R> {
     this.begin()
@@ -555,7 +555,7 @@ export class Pool implements AsyncDisposable {
 
   /**
    * Builds and publishes the workspace: from the warm reserve when it can serve the request, else in the core.
-   * Not an async function (issue 12: a promise step fewer per allocate); a throw is caught by #allocate's try.
+   * Not an async function (a promise step fewer per allocate); a throw is caught by #allocate's try.
    */
   #build(req: CheckedAllocate): Promise<NativeAllocateResult> {
     const { quotaBytes, quotaInodes, dir, entries, from, signal } = req
@@ -590,7 +590,7 @@ export class Pool implements AsyncDisposable {
 
   /**
    * An empty workspace (no template, quota or clone to watch): the binding's positional call, and one promise
-   * reaction for the in-flight count and the errno's name together (issue 12).
+   * reaction for the in-flight count and the errno's name together.
    */
   #buildPlain(req: CheckedAllocate): Promise<NativeAllocateResult> {
     const prefixLength = this.prefix.length + 1
@@ -602,7 +602,7 @@ export class Pool implements AsyncDisposable {
 
   /**
    * The Workspace of a published build: its clones counted, its template's metadata checked, an abort honoured.
-   * The workspace itself, not a promise, when there is nothing to wait for (issue 12: #allocate then resolves
+   * The workspace itself, not a promise, when there is nothing to wait for (#allocate then resolves
    * without adopting a promise).
    */
   #published(r: NativeAllocateResult, signal: AbortSignal | undefined, t: AllocateTrace | undefined, claim: boolean): Workspace | Promise<Workspace> {
@@ -804,14 +804,14 @@ export class Pool implements AsyncDisposable {
     }
   }
 
-  // ---- templates (issue 14; lib/template.ts, native/core/template.h) ----
+  // ---- templates (lib/template.ts, native/core/template.h) ----
 
   /**
    * Commits the current contents of `ws` as a template: a tree clone (reflink where possible, else a copy;
    * `clone.method` says which) built in `.vmspace/templates/staging/`, its write bits removed (recorded, and
    * given back to every workspace allocated from it), published under `.vmspace/templates/<id>/` only complete.
    * On btrfs the tree is a read-only subvolume instead (modes kept; `subvolume: true`): a snapshot of a workspace
-   * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; README, "Templates".
+   * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; docs/templates.md.
    * Pause whatever writes in `ws` first: files changing during the walk are cloned as the walk finds them.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
@@ -1048,7 +1048,7 @@ export class Pool implements AsyncDisposable {
   }
 
   /**
-   * @internal Not an async function: one promise reaction after the native call (issue 12, as Workspace.clone).
+   * @internal Not an async function: one promise reaction after the native call (as Workspace.clone).
    * The workspace is forgotten on every path; the pool's own release error, if any, wins over the dispose's.
    */
   _dispose(ws: Workspace, leaseFd: number, handoverFd: number, hints: DisposeHints): Promise<void> {
@@ -1146,7 +1146,7 @@ export class Workspace implements AsyncDisposable {
   #handoverFd = -1
   /** What the template cloned into the workspace (allocate only). */
   template: CloneResult[] = []
-  /** Issue 14: the id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
+  /** The id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
   templateId?: string
   /** Metadata as recorded on disk (adopt only). */
   info?: WorkspaceInfo
@@ -1238,8 +1238,8 @@ export class Workspace implements AsyncDisposable {
   dispose(): Promise<void> {
     if (this.#disposing) return this.#disposing
     // Set before anything runs: a vmspace:dispose subscriber (its start event is published synchronously below)
-    // that reaches this workspace must find it disposing (cold review: a second dispose ran, and the pool's open
-    // count went negative).
+    // that reaches this workspace must find it disposing (else a second dispose runs, and the pool's open
+    // count goes negative).
     let resolve!: () => void
     let reject!: (e: unknown) => void
     this.#disposing = new Promise<void>((res, rej) => {
@@ -1251,7 +1251,7 @@ export class Workspace implements AsyncDisposable {
     return this.#disposing
   }
 
-  // Not an async function: one promise reaction between the native call's and the caller's (issue 12).
+  // Not an async function: one promise reaction between the native call's and the caller's.
   #disposeNow(resolve: () => void, reject: (e: unknown) => void): void {
     let run: Promise<void>
     try {
@@ -1305,7 +1305,7 @@ export class Workspace implements AsyncDisposable {
    * Space accounting of this workspace ({@link WorkspaceUsage}): allocated, exclusive and shared bytes (FIEMAP
    * per regular file), file and directory counts, and the quota's limits and use where one is set. Cost: a walk of
    * the whole tree, an fstatat per entry and a FIEMAP per regular file (130–180 ms per 10,000 small files, see
-   * README); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
+   * docs/filesystems.md); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
    * dispose().
    */
   async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {

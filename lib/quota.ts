@@ -1,5 +1,5 @@
 /**
- * Per-workspace disk quotas, the pool's free-space floor, and space accounting (issue 13). The kernel enforces
+ * Per-workspace disk quotas, the pool's free-space floor, and space accounting. The kernel enforces
  * the limits (native/core/quota.cc); this module checks the options and shapes the answers.
  */
 import { native, type NativeQuotaSupport, type NativeUsage } from './binding.js'

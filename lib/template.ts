@@ -1,5 +1,5 @@
 /**
- * Templates (issue 14): committed, read-only trees kept in the pool (`.vmspace/templates/`), cloned into new
+ * Templates: committed, read-only trees kept in the pool (`.vmspace/templates/`), cloned into new
  * workspaces with `allocate({ from })` and `fork()`. The on-disk layout and its rules: native/core/template.h.
  */
 import * as path from 'node:path'

@@ -1,5 +1,5 @@
 /**
- * The warm reserve (README, "Warm reserve"): `count` workspaces built ahead of time from one template, each a
+ * The warm reserve (docs/warm.md): `count` workspaces built ahead of time from one template, each a
  * staging entry this process leases, so that an allocate() of that template only publishes one. The native side
  * (native/core/warm.cc) builds an entry, checks at hand-out that the template's sources are as they were before it
  * was built, and publishes or removes it; this class keeps the entries and decides when to build.

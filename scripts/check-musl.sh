@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles (syntax only) the addon's sources against musl's C headers (Debian's musl-dev: musl 1.2.3, which has no
 # statx or renameat2 wrapper) with g++'s libstdc++ headers: catches glibc-only calls and declarations before an
-# Alpine user does. Not a musl build: Debian has no musl libstdc++ to link with (README, Portability).
+# Alpine user does. Not a musl build: Debian has no musl libstdc++ to link with (docs/install.md).
 # Usage: scripts/check-musl.sh   (needs g++ and musl-dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,8 @@
 # The package as a sidecar installs it: `npm pack`, then the tarball installed into fresh projects with no compiler
 # on PATH — by npm (install script runs), by npm --ignore-scripts, and by pnpm 10 (whose default skips dependencies'
 # build scripts) — and in each, allocate/clone/dispose through require, import and a worker thread, each of which
-# must have loaded the prebuild (never a source build). Needs prebuilds/ (npm run prebuild).
+# must have loaded the prebuild (never a source build). Then the tarball without prebuilds: the install and the
+# require fail with vmspace's messages. Needs prebuilds/ (npm run build:prebuilds; npm pack refuses without them).
 # As root, the npm project then runs on glibc 2.31 (x64, the Debian 11 root of scripts/sysroot.sh) and on arm64
 # (qemu-user with Debian's arm64 nodejs, scripts/arm64-root.sh).
 # Usage: scripts/smoke.sh   (prints "smoke: N passed, N failed")
@@ -67,6 +68,27 @@ consumer() {
 consumer npm npm install --no-audit --no-fund "$tgz"
 consumer npm-ignore-scripts npm install --no-audit --no-fund --ignore-scripts "$tgz"
 consumer pnpm pnpm add "$tgz"
+
+# The same tarball without its prebuilds (as on a platform none fits), no compiler: npm's install fails with
+# vmspace's own message (what to install, `npm rebuild vmspace`), and after --ignore-scripts the first require does.
+mkdir -p "$work/bare"
+tar -xzf "$tgz" -C "$work/bare" && rm -rf "$work/bare/package/prebuilds" && tar -czf "$work/bare.tgz" -C "$work/bare" package
+bare_consumer() {  # $1: label; the rest: npm install arguments
+  local label=$1 dir=$work/$1
+  shift
+  mkdir -p "$dir"
+  (cd "$dir" && echo '{"name":"consumer","version":"1.0.0","private":true}' >package.json)
+  (cd "$dir" && PATH=$nocc HOME=$work/home npm install --no-audit --no-fund "$@" "$work/bare.tgz") >"$dir.log" 2>&1
+}
+if bare_consumer bare-npm; then bad "no prebuild, no compiler: npm install succeeded"
+elif grep -q 'vmspace: no prebuilt binary fits this machine' "$work/bare-npm.log" && grep -q 'npm rebuild vmspace' "$work/bare-npm.log"; then
+  ok "no prebuild, no compiler: npm install fails with vmspace's message"
+else bad "no prebuild, no compiler: npm install's output lacks vmspace's message"; tail -20 "$work/bare-npm.log"; fi
+if ! bare_consumer bare-ignore-scripts --ignore-scripts; then bad "no prebuild: npm install --ignore-scripts"; tail -20 "$work/bare-ignore-scripts.log"
+elif out=$(cd "$work/bare-ignore-scripts" && PATH=$nocc node -e "require('vmspace')" 2>&1); then bad "no prebuild: require succeeded"
+elif grep -q 'vmspace: no native binary could be loaded' <<<"$out" && grep -q 'npm rebuild vmspace' <<<"$out"; then
+  ok "no prebuild: require fails with vmspace's message"
+else bad "no prebuild: require's error lacks vmspace's message: $out"; fi
 
 # The npm project on other hosts (root: chroot, bind mounts). Each runs the same three consumers.
 # $1: label; the rest: the command prefix that runs node there.

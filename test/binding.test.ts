@@ -4,6 +4,7 @@
  * (allocatePlain, dispose, clonePathBeneath) are positional and check each argument; the release addon has no test
  * seams.
  */
+import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
@@ -76,5 +77,29 @@ describe('test seams', () => {
     expect(typeof release.exports.openPool).toBe('function')
     expect(release.exports.setTestIds).toBeUndefined()
     expect(release.exports.setSweepFaultsForTest).toBeUndefined()
+  })
+})
+
+describe('loading', () => {
+  test('where no binary loads, the error names vmspace, the platform, the reason and both ways out', () => {
+    // node-gyp-build looks only in VMSPACE_PREBUILD (and beside node), as in an install that has no binary.
+    const empty = freshDir()
+    const probe = "try { require('vmspace'); console.log('loaded') } catch (e) { console.log(JSON.stringify({ code: e.code, message: e.message, cause: e.cause.message })) }"
+    const r = spawnSync(process.execPath, ['-e', probe], { cwd: repoRoot, env: { ...process.env, VMSPACE_PREBUILD: empty }, encoding: 'utf8' })
+    expect(r.stderr).toBe('')
+    const got = JSON.parse(r.stdout) as { code: string; message: string; cause: string }
+    const glibc = (process.report.getReport() as { header: { glibcVersionRuntime?: string } }).header.glibcVersionRuntime
+    const reason = got.cause.split('\n')[0]
+    expect(reason).toMatch(/^No native build was found for platform=linux arch=/)
+    expect(got.code).toBe('ERR_VMSPACE_NO_BINARY')
+    expect(got.message).toBe(
+      `vmspace: no native binary could be loaded on this machine (linux-${process.arch}, glibc ${glibc}, Node ${process.versions.node}).\n` +
+        `  Reason: ${reason}\n` +
+        '  Two ways out:\n' +
+        '  - build it from source: install a C++17 compiler, make and python3 (Debian/Ubuntu: apt-get install g++ make\n' +
+        '    python3; Alpine: apk add build-base python3 linux-headers), then run `npm rebuild vmspace`;\n' +
+        '  - or run where a prebuilt binary ships: linux-x64 or linux-arm64 with glibc >= 2.28.',
+    )
+    expect(fs.readdirSync(empty)).toEqual([])
   })
 })

@@ -527,7 +527,7 @@ describe('vmspace demo', () => {
 
 describe('vmspace demo --boot', () => {
   // The boot demo makes its pool one level below --root (DIR/vmspace-boot-<random>/pool), so a missing DIR was
-  // mkdtemp's ENOENT, where the README promises that a missing DIR is made. Booting needs QEMU: these tests stop
+  // mkdtemp's ENOENT, where docs/demo.md promises that a missing DIR is made. Booting needs QEMU: these tests stop
   // before it (the directory step on its own, and arguments refused before anything runs).
   test('a missing --root DIR is made (0755) and the run directory (0700, with console/) made inside it', async () => {
     const root = path.join(freshDir(), 'missing')

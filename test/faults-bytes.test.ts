@@ -1,5 +1,5 @@
 /**
- * Fault handling of the data path (issue 8, items 1, 4, 5): what each copy_file_range/read/write/FICLONE returns
+ * Fault handling of the data path: what each copy_file_range/read/write/FICLONE returns
  * is checked, kernel answers that some file systems give (copy_file_range returning 0 before the end, EAGAIN from
  * OpenZFS) are played by a seccomp filter (inject-helpers.ts), and set-id bits follow the owner. Real file
  * systems throughout: ext4 for copies, XFS for FICLONE.

@@ -1,5 +1,5 @@
 /**
- * Faults wave 2 (issue 8, items 2, 6 and 9): bounded resources for any tree a guest can make, every call settles
+ * Faults of depth and limits: bounded resources for any tree a guest can make, every call settles
  * under RLIMIT_AS / RLIMIT_NPROC / RLIMIT_NOFILE, and the first errno is the one reported. Each case runs in a
  * child (test/fixtures/faults-child.cjs) that sets its own limits with prlimit(1), so that the limit, the RSS it
  * measures (ru_maxrss growth over the call) and the uid are its own.
@@ -157,7 +157,7 @@ describe('a low RLIMIT_NOFILE', () => {
   })
 
   // The walk raises its thread limit when its threads wait for a CPU (native/core/tree.cc, CpuWait), but not with
-  // few fds: four threads' open frames failed with EMFILE at `ulimit -n 64` where two never did (cold review).
+  // few fds: four threads' open frames failed with EMFILE at `ulimit -n 64` where two never did.
   test('44 free fds, one busy loop per CPU: clone() of 300 small directories and a chain 120 deep is exact, 5 times', { timeout: 120_000 }, async () => {
     const dir = freshDir()
     const src = path.join(dir, 'src')

@@ -1,5 +1,5 @@
 /**
- * Lock faults (issue 8, wave 2): a lock file deleted or replaced under waiters never gives two holders, an index
+ * Lock faults: a lock file deleted or replaced under waiters never gives two holders, an index
  * deleted or replaced while an update holds it loses no update, and the temp files of index writers killed
  * mid-write are removed by the next writer of that index, and only those.
  * Who holds or waits is read from /proc/locks and the holders' own log, never guessed with a sleep.
@@ -91,7 +91,7 @@ describe('a lock file replaced under its waiters never gives two holders', () =>
       a.command({ op: 'release', log, name: 'A' })
       await a.expect('released')
       // A's release grants B the old inode; B must see it is no longer the file at the path and wait on the new
-      // one. (Before the fix, B reported 'locked' here, beside C.)
+      // one (reporting 'locked' here would make B a second holder, beside C).
       await eventually(() => bLocked.state !== 'pending' || flockWaiters(file, b.pid) === 1)
       expect(bLocked.state).toBe('pending')
       expect(locksOn(file)).toEqual([

@@ -1,5 +1,5 @@
 /**
- * Faults of the pool (issue 8, wave 2): openPool refuses a pool that another user could write (ERR_POOL_UNSAFE,
+ * Faults of the pool: openPool refuses a pool that another user could write (ERR_POOL_UNSAFE,
  * nothing made) unless a shared group is named, and makes its directories with exact modes whatever the umask;
  * a sweep reports each entry's failure in that entry and goes on, and reports only real failures (an entry a
  * concurrent dispose or allocate finished is none).

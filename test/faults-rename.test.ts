@@ -1,6 +1,6 @@
 /**
- * File systems without renameat2(RENAME_NOREPLACE) (FUSE without rename2, some network file systems; issue 8,
- * item 8), played by a seccomp filter that answers EINVAL or ENOSYS to renameat2 with that flag
+ * File systems without renameat2(RENAME_NOREPLACE) (FUSE without rename2, some network file
+ * systems), played by a seccomp filter that answers EINVAL or ENOSYS to renameat2 with that flag
  * (inject-helpers.ts). Files publish by link + unlink, which never replaces; a directory (a workspace, a tree
  * clone) has no such path and fails with ERR_RENAME_NOREPLACE_UNSUPPORTED, changing nothing.
  */

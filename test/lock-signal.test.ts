@@ -1,5 +1,5 @@
 /**
- * The lock-wait signal (README, "The lock-wait signal"): a waiting lockFile is interrupted by a real-time signal
+ * The lock-wait signal (docs/locks.md, "The lock-wait signal"): a waiting lockFile is interrupted by a real-time signal
  * whose handler vmspace installs at the first wait; VMSPACE_LOCK_SIGNAL chooses it (N) or turns it off (0: waits
  * poll). Each case runs in a child process (the choice is read once per process) and reads the caught-signal mask
  * the kernel reports (/proc/self/status, SigCgt).

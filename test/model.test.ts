@@ -14,7 +14,7 @@
  *
  * Single commands run one at a time, so no build is in flight during a sweep and the model is deterministic: any
  * `graceMs` must give the same report (0 and the default are both drawn). The commands that run one operation in
- * each process at once accept exactly the outcomes the README allows (one adopt wins; each orphan is reclaimed
+ * each process at once accept exactly the outcomes docs/lifecycle.md allows (one adopt wins; each orphan is reclaimed
  * once; a sweep never takes a new workspace; no index update is lost), whichever process comes first.
  * VMSPACE_MODEL_SEED=<n> replays the command sequences (the seed is printed on failure, with fast-check's shrunk
  * counterexample), VMSPACE_MODEL_RUNS=<n> sets the number of runs per file system (default 8).
@@ -740,8 +740,8 @@ type Failed = { id: string; from: string; code: string }[]
 
 /**
  * A sweep racing the other process's dispose, build or sweep reports no failure at all: an entry that vanished
- * between the sweep's listing and its open (ENOENT) is not a failure (issue 8, "failed holds real failures only";
- * found first by this test). `vanishing` names the entries the other process was removing or publishing, kept for
+ * between the sweep's listing and its open (ENOENT) is not a failure ("failed holds real failures
+ * only", docs/lifecycle.md). `vanishing` names the entries the other process was removing or publishing, kept for
  * the message only.
  */
 function expectNoFailures(failed: Failed, vanishing: Set<string>, what: string): void {

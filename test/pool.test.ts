@@ -186,8 +186,7 @@ describe('list', () => {
   })
 
   test('list() racing disposes of this process never lists a disposed workspace with its metadata missing', async () => {
-    // Cold review: a workspace disposed between list()'s open and its metadata read came back with error ENOENT on
-    // .vmspace/meta/<name>.json (116 in 43k list() calls of this loop before the fix).
+    // A workspace disposed between list()'s open and its record's read must not be listed with error ENOENT.
     const pool = await openPool(path.join(freshDir(), 'pool'))
     let stop = false
     const errors: string[] = []

@@ -1,5 +1,5 @@
 /**
- * Per-workspace quotas, the free-space floor and space accounting (issue 13), on real file systems as root:
+ * Per-workspace quotas, the free-space floor and space accounting, on real file systems as root:
  * a btrfs of this suite's own with quotas enabled (qgroups slow btrfs down: the shared btrfs mount stays without),
  * and, wherever the kernel mounts them, XFS with prjquota and ext4 with project quotas (skipped here with the
  * reason printed otherwise).
@@ -211,7 +211,7 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
-  test('allocate({ from, quota }) from a template (issue 14): a writable snapshot of its read-only subvolume, with the qgroup limit; a guest past it gets EDQUOT; nothing left after', async () => {
+  test('allocate({ from, quota }) from a template: a writable snapshot of its read-only subvolume, with the qgroup limit; a guest past it gets EDQUOT; nothing left after', async () => {
     const root = freshDir(mnt)
     const pool = await openPool(root)
     const src = await pool.allocate({ quota: { bytes: QUOTA } })

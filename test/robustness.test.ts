@@ -133,8 +133,8 @@ describe('a worker thread ending with batched calls in flight', () => {
 
 describe('a worker thread terminated while handles and leases are being made', () => {
   test('warm reserves being built, pools being opened, leases being released: after 24 terminates no fd of the pool stays open, and a sweep leaves the pool empty', async () => {
-    // Before the fix a warm entry finished during the teardown kept its lease (37 of 50 terminates in the cold
-    // review), an openPool finishing then kept the pool's 5 directory fds, and a release() could keep its lease.
+    // What finishes during the teardown is still let go of: a warm entry's lease, an openPool's 5 directory fds,
+    // a release()'s lease.
     const poolRoot = path.join(dir, 'pool')
     const image = path.join(dir, 'image')
     fs.writeFileSync(image, Buffer.alloc(1 << 20, 3))

@@ -1,5 +1,5 @@
 /**
- * The library's surface (issue 9): removeTree's `force`, updateJsonFile's `signal`, `await using` on a pool, strict
+ * The library's surface: removeTree's `force`, updateJsonFile's `signal`, `await using` on a pool, strict
  * option keys, and the codes a VmspaceError can carry.
  */
 import { spawn, spawnSync } from 'node:child_process'

@@ -1,5 +1,5 @@
 /**
- * Templates (issue 14): commit a workspace into the pool, allocate and fork from it, replace and remove it,
+ * Templates: commit a workspace into the pool, allocate and fork from it, replace and remove it,
  * corrupt metadata, and sweep after SIGKILL. On real file systems: the scratch ext4 (copies), and the
  * loop-mounted XFS (reflinks) and btrfs (a template is a read-only subvolume, children are snapshots) where the
  * setup made them.
@@ -766,7 +766,7 @@ describe('templates of deep trees', () => {
   }, 300_000)
 })
 
-// Races between processes on one name (README, "Templates"): a reader never sees a replaced name missing, prune
+// Races between processes on one name (docs/templates.md): a reader never sees a replaced name missing, prune
 // never removes the template a name points to, and a sweep with graceMs 0 never breaks a live build.
 const RACE_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_RACE_ROUNDS ?? 200)
 const raceDir = mounts.xfs ?? mounts.scratch

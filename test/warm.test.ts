@@ -1,5 +1,5 @@
 /**
- * The warm reserve (README, "Warm reserve") and the copy path's writeback option, on the scratch file system (ext4
+ * The warm reserve (docs/warm.md) and the copy path's writeback option, on the scratch file system (ext4
  * on the dev machines: the copy fallback, whose clones the reserve writes back before handing them out).
  */
 import { spawn } from 'node:child_process'
@@ -15,7 +15,7 @@ async function ready(pool: Pool, n: number): Promise<void> {
 
 /**
  * Applies a change to `file` until its ctime shows it: a change within the same timestamp tick as the one before
- * (and of the same size, on the same inode) is one the reserve cannot see (README), and no test relies on timing.
+ * (and of the same size, on the same inode) is one the reserve cannot see (docs/warm.md), and no test relies on timing.
  */
 function change(file: string, apply: () => void): void {
   const before = fs.statSync(file, { bigint: true }).ctimeNs

@@ -3,10 +3,11 @@
  * each), the guest kernel and its modules, and a static busybox. Nothing here changes the machine: a missing piece
  * is a BootUnavailableError naming the package to install.
  */
-import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { which as whichOf } from '../util.js'
+
+export { run, runOk, type CommandResult } from '../util.js'
 
 /** The packages the boot demo needs, as `apt-get install --no-install-recommends` takes them (Debian 12). */
 export const BOOT_PACKAGES = ['qemu-system-x86', 'linux-image-amd64', 'busybox-static', 'e2fsprogs', 'cpio'] as const
@@ -138,37 +139,4 @@ export function findBootTools(): BootTools {
         `Install with: apt-get install --no-install-recommends ${BOOT_PACKAGES.join(' ')}`,
     )
   return { qemu, mke2fs, e2fsck, debugfs, filefrag, cpio, busybox, kernel }
-}
-
-export interface RunResult {
-  code: number | null
-  signal: NodeJS.Signals | null
-  stdout: string
-  stderr: string
-}
-
-/** Runs a command to completion (no shell), optionally feeding `input`; never rejects for a non-zero exit. */
-export function run(cmd: string, args: string[], input?: string | Buffer, cwd?: string): Promise<RunResult> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'], cwd })
-    const out: Buffer[] = []
-    const err: Buffer[] = []
-    child.stdout.on('data', (b: Buffer) => out.push(b))
-    child.stderr.on('data', (b: Buffer) => err.push(b))
-    child.on('error', reject)
-    child.on('close', (code, signal) =>
-      resolve({ code, signal, stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() }),
-    )
-    // EPIPE when the command exits without reading all input: its exit status tells what went wrong.
-    child.stdin.on('error', () => {})
-    child.stdin.end(input)
-  })
-}
-
-/** Like run(), but rejects with the command's stderr unless it exits 0. */
-export async function runOk(cmd: string, args: string[], input?: string | Buffer, cwd?: string): Promise<string> {
-  const r = await run(cmd, args, input, cwd)
-  if (r.code !== 0)
-    throw new Error(`${path.basename(cmd)} ${args.join(' ')} failed (${r.signal ?? `exit ${r.code}`}): ${r.stderr.trim()}`)
-  return r.stdout
 }

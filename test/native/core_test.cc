@@ -314,7 +314,7 @@ static void lockFollowsAFileReplacedAtItsPath() {
   removeTreeNoFollow(d);
 }
 
-// ---- Issue 11: the helpers the core's functions share, and the core's passes on hand-built directories ----
+// ---- The helpers the core's functions share, and the core's passes on hand-built directories ----
 
 // The names in directory `path` (without "." and ".."), sorted: what a check expects to be left.
 static std::set<std::string> namesIn(const std::string& path) {

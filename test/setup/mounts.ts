@@ -93,7 +93,7 @@ export function removeScratch(dir: string): void {
     fs.rmSync(dir, { recursive: true, force: true })
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code !== 'EROFS') throw e
-    // A template left published on btrfs is a read-only subvolume (issue 14): made writable, then removed.
+    // A template left published on btrfs is a read-only subvolume: made writable, then removed.
     for (const sub of readOnlySubvolumesBelow(dir)) spawnSync('btrfs', ['property', 'set', '-ts', sub, 'ro', 'false'])
     fs.rmSync(dir, { recursive: true, force: true })
   }
