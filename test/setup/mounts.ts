@@ -92,9 +92,11 @@ export function removeScratch(dir: string): void {
   try {
     fs.rmSync(dir, { recursive: true, force: true })
   } catch (e) {
-    if ((e as NodeJS.ErrnoException).code !== 'EROFS') throw e
-    // A template left published on btrfs is a read-only subvolume: made writable, then removed.
-    for (const sub of readOnlySubvolumesBelow(dir)) spawnSync('btrfs', ['property', 'set', '-ts', sub, 'ro', 'false'])
+    // A template left published on btrfs is a read-only subvolume: made writable, then removed. (Node 24's rmSync
+    // reports that EROFS without a `code`, so any failure with such a subvolume below is taken as it.)
+    const readOnly = readOnlySubvolumesBelow(dir)
+    if (readOnly.length === 0) throw e
+    for (const sub of readOnly) spawnSync('btrfs', ['property', 'set', '-ts', sub, 'ro', 'false'])
     fs.rmSync(dir, { recursive: true, force: true })
   }
 }
