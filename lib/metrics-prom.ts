@@ -75,6 +75,7 @@ export interface PrometheusMetrics {
 function loadClient(): PromClient {
   try {
     // A lazy require: prom-client is an optional peer dependency, loaded only by a caller who asks for it.
+    // eslint-disable-next-line @typescript-eslint/no-require-imports
     return require('prom-client') as PromClient
   } catch (e) {
     const err = new Error('registerPrometheus needs prom-client (npm install prom-client), or pass it as `options.client`', { cause: e })
