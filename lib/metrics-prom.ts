@@ -5,13 +5,14 @@
  */
 import { func, invalidType, optionsObject } from './args.js'
 import {
-  durationBuckets,
   operationFamilies,
+  operationSamples,
   poolFamilies,
   poolSamples,
   readPools,
   startMetrics,
   type Metrics,
+    type MetricsSnapshot,
   type OperationRecord,
   type PoolGauges,
 } from './metrics.js'
@@ -19,6 +20,7 @@ import type { Pool } from './pool.js'
 
 /** The members of a prom-client `Registry` that registerPrometheus() uses. */
 export interface PromRegistry {
+  registerMetric(metric: object): void
   getSingleMetric(name: string): unknown
   removeSingleMetric(name: string): void
 }
@@ -32,15 +34,11 @@ interface PromCounter extends PromMetric {
 interface PromGauge extends PromMetric {
   set(labels: Record<string, string>, value: number): void
 }
-interface PromHistogram extends PromMetric {
-  observe(labels: Record<string, string>, value: number): void
-}
 interface MetricConfig {
   name: string
   help: string
   labelNames: readonly string[]
   registers: PromRegistry[]
-  buckets?: readonly number[]
   collect?: () => void | Promise<void>
 }
 
@@ -48,7 +46,6 @@ interface MetricConfig {
 export interface PromClient {
   Counter: new (config: MetricConfig) => PromCounter
   Gauge: new (config: MetricConfig) => PromGauge
-  Histogram: new (config: MetricConfig) => PromHistogram
 }
 
 /** Options of {@link registerPrometheus}. */
@@ -113,9 +110,9 @@ export function registerPrometheus(registry: PromRegistry, options?: PrometheusO
   }
   let metrics: Metrics | undefined
   try {
-    const onOperation = operationInstruments(client, config, o.onOperation)
+    operationInstruments(client, registry, config, () => metrics?.snapshot())
     if (o.pools) poolInstruments(client, config, o.pools)
-    metrics = startMetrics({ onOperation })
+    metrics = startMetrics({ onOperation: o.onOperation })
   } catch (e) {
     unregister()
     throw e
@@ -132,40 +129,46 @@ export function registerPrometheus(registry: PromRegistry, options?: PrometheusO
 
 type Configure = (f: (typeof operationFamilies)[number], extra?: Partial<MetricConfig>) => MetricConfig
 
-/** The operation counters and histogram, at zero for every operation and method; the callback that feeds them. */
-function operationInstruments(client: PromClient, config: Configure, also: ((r: OperationRecord) => void) | undefined) {
-  const family = (name: string) => operationFamilies.find((f) => f.name === name)!
-  const ops = new client.Counter(config(family('vmspace_operations_total')))
-  const errors = new client.Counter(config(family('vmspace_operation_errors_total')))
-  const duration = new client.Histogram(config(family('vmspace_operation_duration_seconds'), { buckets: durationBuckets }))
-  const files = new client.Counter(config(family('vmspace_cloned_files_total')))
-  const bytes = new client.Counter(config(family('vmspace_cloned_bytes_total')))
-  const reclaimed = new client.Counter(config(family('vmspace_sweep_reclaimed_total')))
-  const freed = new client.Counter(config(family('vmspace_sweep_freed_bytes_total')))
-  const sweepFailures = new client.Counter(config(family('vmspace_sweep_failures_total')))
-  // Series at 0 from the start, so that a query of rate() or increase() sees the first call.
-  for (const operation of ['allocate', 'clone', 'dispose', 'sweep', 'lock']) ops.inc({ operation }, 0)
-  for (const operation of ['allocate', 'clone']) {
-    for (const method of ['reflink', 'copy', 'mixed', 'snapshot']) {
-      files.inc({ operation, method }, 0)
-      bytes.inc({ operation, method }, 0)
-    }
+/**
+ * The operation families, read at collect time from the snapshot of `metrics`: nothing runs per call beyond
+ * startMetrics()'s own counting. Counters are prom-client Counters set in collect(); the duration histogram,
+ * whose buckets prom-client's Histogram cannot be given, is registered as a metric object of the shape prom-client's
+ * own Histogram.get() returns (registry.registerMetric: name, help, type, aggregator, get(), reset()).
+ */
+function operationInstruments(client: PromClient, registry: PromRegistry, config: Configure, snapshot: () => MetricsSnapshot | undefined): void {
+  const samples = (name: string) => {
+    const s = snapshot()
+    return s ? operationSamples(s).filter((x) => x.name === name || x.name.startsWith(name + '_')) : []
   }
-  for (const c of [reclaimed, freed, sweepFailures]) c.inc({}, 0)
-  return (r: OperationRecord) => {
-    ops.inc({ operation: r.operation })
-    duration.observe({ operation: r.operation }, r.seconds)
-    if (r.code !== undefined) errors.inc({ operation: r.operation, code: r.code })
-    if (r.method !== undefined) {
-      files.inc({ operation: r.operation, method: r.method }, r.files ?? 0)
-      bytes.inc({ operation: r.operation, method: r.method }, r.bytes ?? 0)
+  for (const f of operationFamilies) {
+    if (f.type === 'histogram') {
+      config(f) // for unregister()
+      const metric = {
+        name: f.name,
+        help: f.help,
+        type: f.type,
+        aggregator: 'sum',
+        get: async () => ({
+          name: metric.name,
+          help: f.help,
+          type: f.type,
+          aggregator: 'sum',
+          values: samples(f.name).map((x) => ({ labels: x.labels, value: x.value, metricName: x.name })),
+        }),
+        reset() {},
+      }
+      if (registry.getSingleMetric(f.name)) throw new Error(`A metric with the name ${f.name} has already been registered.`)
+      registry.registerMetric(metric)
+      continue
     }
-    if (r.operation === 'sweep' && r.code === undefined) {
-      reclaimed.inc({}, r.reclaimed ?? 0)
-      freed.inc({}, r.bytes ?? 0)
-      sweepFailures.inc({}, r.failed ?? 0)
-    }
-    also?.(r)
+    const counter: PromCounter = new client.Counter(
+      config(f, {
+        collect() {
+          counter.reset()
+          for (const x of samples(f.name)) counter.inc(x.labels, x.value)
+        },
+      }),
+    )
   }
 }
 
