@@ -37,8 +37,10 @@ const want = (s) => !args.only || args.only.split(',').includes(s)
 const load = () => os.loadavg().map((x) => x.toFixed(2)).join(' ')
 const base = fs.mkdtempSync(path.join(args.dir, 'vmspace-metrics-'))
 
+// Pairs per second, and the process's CPU time (all threads) per pair: the second moves less with other load.
 async function loop(pool, inflight, ms) {
   let done = 0
+  const cpu0 = process.cpuUsage()
   const until = performance.now() + ms
   await Promise.all(
     Array.from({ length: inflight }, async () => {
@@ -48,7 +50,8 @@ async function loop(pool, inflight, ms) {
       }
     }),
   )
-  return done / (ms / 1000)
+  const cpu = process.cpuUsage(cpu0)
+  return { rate: done / (ms / 1000), cpuUs: (cpu.user + cpu.system) / done }
 }
 
 async function throughput() {
@@ -64,12 +67,15 @@ async function throughput() {
     },
   ]
   const samples = variants.map(() => [])
+  const cpu = variants.map(() => [])
   await loop(pool, Number(args.inflight), 500) // warm-up
   for (let round = 0; round < Number(args.rounds); round++) {
     for (let k = 0; k < variants.length; k++) {
       const i = (k + round) % variants.length
       variants[i].on()
-      samples[i].push(await loop(pool, Number(args.inflight), Number(args.time)))
+      const r = await loop(pool, Number(args.inflight), Number(args.time))
+      samples[i].push(r.rate)
+      cpu[i].push(r.cpuUs)
       variants[i].off()
     }
   }
@@ -82,6 +88,8 @@ async function throughput() {
       '/ disabled': (median(samples[i]) / off).toFixed(3),
       // Each round's ratio to the disabled run of the same round: less of the drift of a shared machine.
       'median of per-round ratios': median(samples[i].map((x, r) => x / samples[0][r])).toFixed(3),
+      'CPU µs/pair': median(cpu[i]).toFixed(1),
+      'disabled CPU / this CPU': (median(cpu[0]) / median(cpu[i])).toFixed(3),
       'rounds (pairs/s)': samples[i].map((x) => x.toFixed(0)).join(' '),
     })),
   )
