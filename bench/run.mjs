@@ -5,6 +5,7 @@
 //   npm run bench [-- --dir DIR] [-- --iterations N]
 //   npm run bench -- --only allocate,throughput,trace,clone,tree [--baseline DIR]   DIR: a checkout of an earlier version,
 //   built (`npm ci` in it); its pools are format 3 where it has formats (bench/baseline.mjs)
+//   npm run bench -- --only metrics [--dir DIR]   metrics disabled vs enabled, and a gauge scrape of 10,000 workspaces
 //   npm run bench -- --only tree [--load 0,2]   the tree section once per count of busy-loop processes (default: 0 and the CPUs)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
@@ -28,7 +29,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | warm | templates-btrfs
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -529,6 +530,16 @@ if (want('json-file')) {
   const t = targets[0]
   console.log(`\nlocked JSON index on ${t.fs}`)
   process.stdout.write(execFileSync(process.execPath, [path.join(here, 'json-file.mjs'), '--dir', t.dir]))
+}
+
+// Metrics (bench/metrics.mjs): allocate+dispose throughput with metrics disabled, startMetrics() and
+// registerPrometheus() interleaved in one run; the cost of a gauge scrape of a 10,000-workspace pool.
+if (want('metrics')) {
+  const t = targets[0]
+  console.log(`\nmetrics on ${t.fs}`)
+  process.stdout.write(
+    execFileSync(process.execPath, [path.join(here, 'metrics.mjs'), '--dir', t.dir, '--time', String(timeMs), '--rounds', args.rounds]),
+  )
 }
 
 // 5. Tracing costs nothing unless someone listens: allocate+dispose with no subscriber, with a subscriber on the

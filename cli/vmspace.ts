@@ -44,7 +44,7 @@ function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
 }
 
 configure(program)
-  .description('Private per-VM workspace directories: list, inspect, sweep, run in, clone, probe.')
+  .description('Private per-VM workspace directories: list, inspect, sweep, metrics, run in, clone, probe.')
   .enablePositionalOptions()
   .version((require('../../package.json') as { version: string }).version, '-V, --version')
   .addHelpText(
@@ -76,6 +76,14 @@ program
   .option('--grace <ms>', 'leave staging entries and metadata younger than this alone (default 60000)', parser(nonNegativeInt('--grace', 2 ** 31 - 1)))
   .option('--json', 'JSON output')
   .action(action(async (root: string, o: { dryRun?: boolean; grace?: number; json?: boolean }) => (await import('./sweep.js')).sweep(root, o)))
+
+program
+  .command('metrics')
+  .description("the pool's gauges in the Prometheus text format: on stdout, into FILE atomically (textfile collector), or served at /metrics")
+  .argument('<root>', 'pool directory')
+  .option('--output <file>', 'write FILE atomically (a temp file in its directory, renamed over it)')
+  .option('--listen <[host:]port>', 'serve GET /metrics at HOST:PORT until SIGINT/SIGTERM (host default 127.0.0.1)')
+  .action(action(async (root: string, o: { output?: string; listen?: string }) => (await import('./metrics.js')).metrics(root, o)))
 
 program
   .command('commit')

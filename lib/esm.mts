@@ -20,6 +20,11 @@ export {
   updateJsonFile,
   FileLock,
   probeQuota,
+  startMetrics,
+  poolGauges,
+  metricsText,
+  durationBuckets,
+  registerPrometheus,
 } from './index.js'
 export type * from './index.js'
 

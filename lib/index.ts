@@ -36,6 +36,20 @@ export type { LockOptions } from './lock.js'
 export { updateJsonFile } from './json-file.js'
 export type { UpdateJsonOptions } from './json-file.js'
 export type { Template, TemplateUsage, CommitResult, PruneOptions } from './template.js'
+export { startMetrics, poolGauges, metricsText, durationBuckets } from './metrics.js'
+export type {
+  Metrics,
+  MetricsOptions,
+  MetricsSnapshot,
+  MetricsTextOptions,
+  MetricsOperation,
+  OperationFigures,
+  OperationRecord,
+  PoolGauges,
+  CloneMethod,
+} from './metrics.js'
+export { registerPrometheus } from './metrics-prom.js'
+export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry } from './metrics-prom.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'
 
 // The module's own namespace (its exports object, complete by the time the line below runs): the default object is
