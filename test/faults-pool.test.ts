@@ -111,11 +111,11 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     fs.rmSync(path.join(root, '.vmspace', 'leases'), { recursive: true })
     fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o777)
     await expectUnsafe(root, path.join(root, '.vmspace', 'trash'))
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'staging', 'trash', 'version'])
     // A pool that lost a directory of its own is never initialised again.
     fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o700)
     await expect(openPool(root)).rejects.toMatchObject({ code: 'ERR_POOL_FORMAT', path: path.join(root, '.vmspace', 'leases') })
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'staging', 'trash', 'version'])
   })
 
   test('a directory above the root writable by others (not sticky): refused, the missing root is not made', async () => {
