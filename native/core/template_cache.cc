@@ -131,7 +131,13 @@ bool TemplateCache::fill(int src, const struct stat& st, int dst, const std::str
     UniqueFd lock = lockKey(dirFd_.get(), key, shown_, progress);
     entry = openEntry(key, size);  // published while we waited: another's copy serves us
     if (!entry) {
-      entry = copyIn(src, st, key, srcPath, progress);
+      try {
+        entry = copyIn(src, st, key, srcPath, progress);
+      } catch (...) {
+        // Nothing published: the lock file goes too (a waiter granted it finds it unlinked and makes a new one).
+        unlinkat(dirFd_.get(), (kLockPrefix + key).c_str(), 0);
+        throw;
+      }
       use = CacheUse::Miss;
     }
   }
