@@ -431,8 +431,8 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   pool->stagingFd_ = own(pool->stateFd_.get(), "staging", state + "/staging");
   pool->trashFd_ = own(pool->stateFd_.get(), "trash", state + "/trash");
   pool->leasesFd_ = own(pool->stateFd_.get(), "leases", state + "/leases");
-  pool->cache_ = std::make_unique<TemplateCache>(own(pool->stateFd_.get(), "cache", state + "/cache"),
-                                                 state + "/cache", kDefaultCacheBytes);
+  pool->cache_ = std::make_unique<TemplateCache>(own(pool->stateFd_.get(), "cache", state + "/cache"), state + "/cache",
+                                                 kDefaultCacheBytes);
   for (int i = 0; i < kStagingShards; i++)
     pool->shardFds_[i] = own(pool->stagingFd_.get(), shardName(i), state + "/staging/" + shardName(i));
   // The lease shards are checked here and then named relative to leases/ ("<x>/<name>"): no fd kept for each.

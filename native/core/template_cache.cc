@@ -55,7 +55,8 @@ UniqueFd lockKey(int dirFd, const std::string& key, const std::string& shown, Cl
     if (!fd) throwErrno(errno, "open", shown + "/" + name);
     while (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK && errno != EINTR) throwErrno(errno, "flock", shown + "/" + name);
-      if (progress && progress->cancel.load(std::memory_order_relaxed)) throwErrno(ECANCELED, "flock", shown + "/" + name);
+      if (progress && progress->cancel.load(std::memory_order_relaxed))
+        throwErrno(ECANCELED, "flock", shown + "/" + name);
       pause(5000000L);
     }
     struct stat held, now;
@@ -255,7 +256,8 @@ void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     if (startsWith(name, kTmpPrefix) || startsWith(name, kLockPrefix)) {
       const bool isTemp = startsWith(name, kTmpPrefix);
       // A lock file goes with its entry: kept while the entry exists (the next miss of its key would remake it).
-      if (dryRun || (!isTemp && faccessat(dirFd_.get(), name.c_str() + strlen(kLockPrefix), F_OK, AT_SYMLINK_NOFOLLOW) == 0))
+      if (dryRun ||
+          (!isTemp && faccessat(dirFd_.get(), name.c_str() + strlen(kLockPrefix), F_OK, AT_SYMLINK_NOFOLLOW) == 0))
         continue;
       UniqueFd held = takeLeftover(dirFd_.get(), name, graceMs, isTemp);
       if (held) unlinkat(dirFd_.get(), name.c_str(), 0);  // quietly: another sweep may remove it first
