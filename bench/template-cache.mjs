@@ -23,7 +23,7 @@ function denseFile(file, size) {
   fs.closeSync(fd)
 }
 
-export async function benchTemplateCache({ vmspace, dir, src, size = 2 << 30, count = 50 }) {
+export async function benchTemplateCache({ vmspace, dir, src, size = 2 * 2 ** 30, count = 50 }) {
   const image = path.join(src, 'rootfs.ext4')
   denseFile(image, size)
   const template = { 'rootfs.ext4': image }
