@@ -34,7 +34,7 @@ const NOBODY = 65534
 const stagingShards = Array.from({ length: 8 }, (_, i) => `.vmspace/staging/s${i}`)
 const leaseShards = Array.from({ length: 16 }, (_, i) => `.vmspace/leases/${i.toString(16)}`)
 /** The pool's own directories, relative to its root ('' is the root). */
-const poolDirs = ['', '.vmspace', '.vmspace/staging', ...stagingShards, '.vmspace/trash', '.vmspace/leases', ...leaseShards]
+const poolDirs = ['', '.vmspace', '.vmspace/staging', ...stagingShards, '.vmspace/trash', '.vmspace/leases', ...leaseShards, '.vmspace/cache']
 
 /** The lease file of workspace `name` as poolState() lists it ("<shard>/<name>"). */
 function leaseEntry(root: string, name: string): string {
