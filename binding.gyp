@@ -28,6 +28,7 @@
         "native/core/process.cc",
         "native/core/io.cc",
         "native/core/template.cc",
+        "native/core/template_cache.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",
         "native/core/usage.cc"

@@ -29,7 +29,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -58,7 +58,7 @@ function loopMount(kind, sizeMb) {
   fs.mkdirSync(mnt)
   fs.closeSync(fs.openSync(img, 'w'))
   fs.truncateSync(img, sizeMb * 1024 * 1024)
-  if (kind === 'xfs') sh('mkfs.xfs', ['-q', '-f', '-m', 'reflink=1', img])
+  if (kind.startsWith('xfs')) sh('mkfs.xfs', ['-q', '-f', '-m', 'reflink=1', img])
   else if (kind === 'btrfs') sh('mkfs.btrfs', ['-q', '-f', img])
   else sh('mkfs.ext4', ['-q', '-F', img])
   sh('mount', ['-o', 'loop', img, mnt])
@@ -523,6 +523,16 @@ if (want('templates-btrfs')) {
   }
   if (!mnt) console.log('\ntemplates on btrfs: skipped (needs root and mkfs.btrfs for a loop mount)')
   else await (await import('./template.mjs')).benchTemplatesBtrfs({ vmspace, dir: mnt, load, sizes: args['template-files'].split(',').map(Number) })
+}
+
+// The template cache (bench/template-cache.mjs): a dense 2 GiB image on the host file system into a loop XFS pool.
+if (want('template-cache')) {
+  let mnt = null
+  if (process.getuid?.() === 0) {
+    try { mnt = loopMount('xfs-cache', 6144) } catch (e) { console.error(`no xfs: ${e.message}`) }
+  }
+  if (!mnt) console.log('\ntemplate cache: skipped (needs root and mkfs.xfs for a loop mount)')
+  else await (await import('./template-cache.mjs')).benchTemplateCache({ vmspace, dir: mnt, src: work })
 }
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/json-file.mjs).

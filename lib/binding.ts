@@ -1,16 +1,17 @@
 /** The native addon (native/binding/, one file per capability), loaded once per thread; its functions take checked arguments only. */
 import * as path from 'node:path'
-import type { CloneResult, Reflink, Writeback } from './clone.js'
+import type { CloneResult, Reflink, TemplateCacheUse, Writeback } from './clone.js'
 import type { WorkspaceUsage } from './quota.js'
 
 /** A clone's result as the binding returns it: the public CloneResult without `path`, which lib/ adds. */
 export type NativeCloneResult = Omit<CloneResult, 'path'>
 
 /**
- * A clone's summary as clonePathBeneath resolves it: kind, method, files, bytes, reflinked, copied, and for a tree
- * dirs, symlinks, hardlinks, fifos, devices, skipped sockets, skipped devices (native/binding/clone.cc summaryArray).
+ * A clone's summary as clonePathBeneath resolves it: kind, method, files, bytes, reflinked, copied (and for a file
+ * the template cache served, its `cache`), and for a tree dirs, symlinks, hardlinks, fifos, devices, skipped
+ * sockets, skipped devices (native/binding/clone.cc summaryArray).
  */
-export type NativeCloneArray = [kind: CloneResult['kind'], method: CloneResult['method'], ...counts: number[]]
+export type NativeCloneArray = [kind: CloneResult['kind'], method: CloneResult['method'], ...rest: (number | TemplateCacheUse)[]]
 
 export type ProgressHandle = { readonly __brand: 'ProgressHandle' }
 
@@ -116,6 +117,10 @@ export interface OpenPoolOptions {
   minFreeBytes?: number
   projectIdFirst: number
   projectIdLast: number
+  /** Clone single-file sources of another file system through .vmspace/cache/ (default true). */
+  templateCache?: boolean
+  /** What a sweep keeps of the cache, in allocated bytes. */
+  templateCacheBytes?: number
 }
 
 /** A workspace's shape: what a warm entry is built from and allocate matches it against. */

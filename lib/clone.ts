@@ -64,6 +64,13 @@ export interface CloneOptions {
   signal?: AbortSignal
 }
 
+/**
+ * Where a file's data came from when the pool's template cache served it ({@link CloneResult.cache}): `'hit'` a
+ * reflink of a copy made before (by this or another process), `'miss'` a reflink of the copy this clone made first
+ * (the one copy of that version of the source).
+ */
+export type TemplateCacheUse = 'hit' | 'miss'
+
 /** What a clone made. */
 export interface CloneResult {
   /** A regular file or a directory tree. */
@@ -83,6 +90,13 @@ export interface CloneResult {
   reflinked: number
   /** Regular files whose data was copied. */
   copied: number
+  /**
+   * A single file from another file system than the pool, cloned into a workspace (allocate's `template` entries,
+   * Workspace.clone): served by the pool's template cache, `method` `'reflink'` (README, "Template cache"). Absent
+   * where the cache did not serve it (same file system: a reflink from the source itself; trees; ext4 pools;
+   * `reflink` other than `'auto'`; the standalone clone()).
+   */
+  cache?: TemplateCacheUse
   /** Trees: entries recreated by kind. */
   dirs?: number
   /** Trees: symlinks recreated. */
@@ -130,10 +144,12 @@ export function cloneOptions(value: unknown, defaultReflink: Reflink = 'auto'): 
 
 /** clonePathBeneath's array as the CloneResult of destination `dest` (the members in toResult's order). */
 export function cloneResultOf(a: NativeCloneArray, dest: string): CloneResult {
+  const n = a as unknown as number[]
   const r: CloneResult =
     a[0] === 'tree'
-      ? { kind: a[0], method: a[1], files: a[2], bytes: a[3], reflinked: a[4], copied: a[5], dirs: a[6], symlinks: a[7], hardlinks: a[8], fifos: a[9], devices: a[10], skipped: { sockets: a[11], devices: a[12] }, path: dest }
-      : { kind: a[0], method: a[1], files: a[2], bytes: a[3], reflinked: a[4], copied: a[5], path: dest }
+      ? { kind: a[0], method: a[1], files: n[2], bytes: n[3], reflinked: n[4], copied: n[5], dirs: n[6], symlinks: n[7], hardlinks: n[8], fifos: n[9], devices: n[10], skipped: { sockets: n[11], devices: n[12] }, path: dest }
+      : { kind: a[0], method: a[1], files: n[2], bytes: n[3], reflinked: n[4], copied: n[5], path: dest }
+  if (a.length === 7) r.cache = a[6] as TemplateCacheUse
   return r
 }
 

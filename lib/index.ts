@@ -15,6 +15,7 @@ export type {
   SweepEntry,
   SweepFailure,
   TemplateSource,
+  TemplateCacheOptions,
   JsonObject,
   JsonValue,
   ListOptions,
@@ -28,7 +29,7 @@ export { clone } from './clone.js'
 export { removeTree } from './remove.js'
 export { renameNoReplace, exchange } from './rename.js'
 export type { RemoveTreeOptions } from './remove.js'
-export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, Writeback } from './clone.js'
+export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, TemplateCacheUse, Writeback } from './clone.js'
 export { VmspaceError, AbortError } from './errors.js'
 export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, FileLock } from './lock.js'

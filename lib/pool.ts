@@ -100,7 +100,7 @@ export interface PoolOptions {
    */
   projectIds?: [number, number]
   /**
-   * An image-backed pool (README, "Image-backed pools"): `root` is the mount of a btrfs made in the file
+   * An image-backed pool (docs/image-pool.md): `root` is the mount of a btrfs made in the file
    * `image.path` ({@link ImageOptions}), made and mounted by this call where it is not yet (sparse file, loop
    * device with direct I/O, mount at `root`); an existing mount of that image is just opened. Needs root.
    * Throws, besides openPool's own errors, `ERR_IMAGE_NOT_PERMITTED`, `ERR_IMAGE_TOOL_MISSING`,
@@ -108,6 +108,16 @@ export interface PoolOptions {
    * DESIGN.md, "The image-backed pool".
    */
   image?: ImageOptions
+  /**
+   * The template cache (docs/templates-cache.md): a single-file template source on another file system than the
+   * pool (allocate's `template` entries, Workspace.clone) is copied once into `.vmspace/cache/`, keyed by its
+   * version (device, inode, size, mtime, ctime), and every later clone of that version is a reflink of the copy
+   * (CloneResult `cache`). Only where the pool's file system reflinks (XFS `reflink=1`, btrfs): on ext4 a cache would
+   * only add a copy, and none is made. `false` turns it off (every such allocate copies, as before). `maxBytes`:
+   * what {@link Pool.sweep} keeps, in allocated bytes of the cached copies, least recently used reclaimed first
+   * (copies whose source is gone or changed are reclaimed whatever the budget). Default `{ maxBytes: 8 GiB }`.
+   */
+  templateCache?: false | TemplateCacheOptions
 }
 
 /**
@@ -258,6 +268,12 @@ export interface WorkspaceInfo {
   usage?: WorkspaceUsage
 }
 
+/** Options of the pool's template cache ({@link PoolOptions.templateCache}). */
+export interface TemplateCacheOptions {
+  /** What a sweep keeps of the cache: allocated bytes of its copies (an integer ≥ 0). Default 8 GiB (8 * 2 ** 30). */
+  maxBytes?: number
+}
+
 /** Options of {@link Pool.sweep}. */
 export interface SweepOptions {
   /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
@@ -279,7 +295,9 @@ export interface SweepEntry {
   /**
    * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
    * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`);
-   * `'lease'` for a failure on a lease file whose workspace was gone.
+   * `'lease'` for a failure on a lease file whose workspace was gone; `'template-cache'` a cached copy of a template
+   * source (name: its key, `<dev>-<ino>-<size>-<mtime>-<ctime>`) whose source is gone or changed, or beyond the
+   * cache's budget ({@link PoolOptions.templateCache}).
    */
   from: SweepSource
   /**
@@ -322,7 +340,7 @@ export interface SweepReport {
 }
 
 /** Where a swept entry was found ({@link SweepEntry.from}). */
-export type SweepSource = 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging'
+export type SweepSource = 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging' | 'template-cache'
 
 /** Counters of {@link Pool.stats}. */
 export interface PoolStats {
@@ -432,7 +450,7 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const dir = absolutePath('root', root)
   const o = optionsObject<PoolOptions>('options', options, {
     create: true, nonEmpty: true, prefix: true, reflink: true, durable: true, sharedGroup: true, warm: true,
-    minFreeBytes: true, projectIds: true, image: true,
+    minFreeBytes: true, projectIds: true, image: true, templateCache: true,
   })
   const create = boolean('options.create', o.create, true)
   const nonEmpty = boolean('options.nonEmpty', o.nonEmpty, false)
@@ -446,13 +464,25 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const minFreeBytes = integerIn('options.minFreeBytes', o.minFreeBytes, 0, Number.MAX_SAFE_INTEGER, 0)
   const [projectFirst, projectLast] = projectIdRange(o.projectIds)
   const image = imageOptions(o.image)
+  const cache = templateCacheOptions(o.templateCache)
   const open = async () => {
-    const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast }))
+    const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast, ...cache }))
     const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId)
     if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
     return pool
   }
   return image ? withImage(dir, image, create, open) : open()
+}
+
+/** The default size budget of a pool's template cache: 8 GiB (native/core/template_cache.h, kDefaultCacheBytes). */
+const TEMPLATE_CACHE_BYTES = 8 * 2 ** 30
+
+function templateCacheOptions(value: unknown): { templateCache: boolean; templateCacheBytes: number } {
+  if (value === false) return { templateCache: false, templateCacheBytes: TEMPLATE_CACHE_BYTES }
+  if (value !== undefined && (typeof value !== 'object' || value === null)) throw invalidType('options.templateCache', 'false or an object', value)
+  const c = optionsObject<TemplateCacheOptions>('options.templateCache', value, { maxBytes: true })
+  const maxBytes = integerIn('options.templateCache.maxBytes', c.maxBytes, 0, Number.MAX_SAFE_INTEGER, TEMPLATE_CACHE_BYTES)
+  return { templateCache: true, templateCacheBytes: maxBytes }
 }
 
 function warmOptions(value: unknown) {

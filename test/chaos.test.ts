@@ -214,12 +214,12 @@ async function chaos(dir: string, rounds: number) {
     // The next batch may be inside openPool right now: its RENAME_NOREPLACE probe file is a live opener's. Those
     // are checked once no process opens the pool any more (below).
     const isProbe = (n: string) => n.startsWith('.noreplace-probe-')
-    expect(fs.readdirSync(path.join(root, '.vmspace')).filter((n) => !isProbe(n)).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).filter((n) => !isProbe(n)).sort()).toEqual(['cache', 'leases', 'staging', 'trash', 'version'])
     expect(fs.readFileSync(basePath).equals(base)).toBe(true)
   }
   // No opener is left: one sweep removes the probe files killed openers left, and .vmspace holds only the pool.
   expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
-  expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
+  expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'leases', 'staging', 'trash', 'version'])
 
   const after = fs.statSync(basePath)
   expect({ ino: after.ino, size: after.size, mtimeMs: after.mtimeMs, mode: after.mode }).toEqual({

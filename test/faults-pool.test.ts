@@ -34,7 +34,7 @@ const NOBODY = 65534
 const stagingShards = Array.from({ length: 8 }, (_, i) => `.vmspace/staging/s${i}`)
 const leaseShards = Array.from({ length: 16 }, (_, i) => `.vmspace/leases/${i.toString(16)}`)
 /** The pool's own directories, relative to its root ('' is the root). */
-const poolDirs = ['', '.vmspace', '.vmspace/staging', ...stagingShards, '.vmspace/trash', '.vmspace/leases', ...leaseShards]
+const poolDirs = ['', '.vmspace', '.vmspace/staging', ...stagingShards, '.vmspace/trash', '.vmspace/leases', ...leaseShards, '.vmspace/cache']
 
 /** The lease file of workspace `name` as poolState() lists it ("<shard>/<name>"). */
 function leaseEntry(root: string, name: string): string {
@@ -111,11 +111,11 @@ describe.skipIf(!mounts.root)(`openPool refuses a pool another user could write 
     fs.rmSync(path.join(root, '.vmspace', 'leases'), { recursive: true })
     fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o777)
     await expectUnsafe(root, path.join(root, '.vmspace', 'trash'))
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'staging', 'trash', 'version'])
     // A pool that lost a directory of its own is never initialised again.
     fs.chmodSync(path.join(root, '.vmspace', 'trash'), 0o700)
     await expect(openPool(root)).rejects.toMatchObject({ code: 'ERR_POOL_FORMAT', path: path.join(root, '.vmspace', 'leases') })
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'staging', 'trash', 'version'])
   })
 
   test('a directory above the root writable by others (not sticky): refused, the missing root is not made', async () => {

@@ -40,6 +40,7 @@ export function treeListing(dir: string): string[] {
 /** The listing (treeListing) of a new, empty pool's root: `.vmspace/` and nothing else. */
 export const newPoolListing = [
   '.vmspace d 0755',
+  '.vmspace/cache d 0700',
   '.vmspace/leases d 0700',
   ...leaseShards.map((s) => `.vmspace/leases/${s} d 0700`),
   '.vmspace/staging d 0700',

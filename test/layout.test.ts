@@ -1,7 +1,7 @@
 /**
  * The pool on disk (DESIGN.md, "The pool on disk"; native/core/pool.h): one layout, `vmspace-pool 1`.
  *
- *   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/}   and   <root>/<prefix>-<32 hex> per workspace
+ *   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/, cache/}   and   <root>/<prefix>-<32 hex> per workspace
  *
  * A new pool is exactly that tree (built under `.vmspace.init-<hex>` and renamed into place, so concurrent first
  * opens make one pool), made only in an empty or missing directory unless `nonEmpty`. Anything else under
@@ -27,7 +27,7 @@ function umaskForTest(mask: number): void {
 
 describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
   describe.skipIf(base === null)(`a new pool ${needs(label, base === null && (missing ?? 'not made'))}`, () => {
-    test('is exactly .vmspace/{version "vmspace-pool 1\\n" 0644, staging/s0..s7, trash, leases/0..f}: .vmspace 0755, the rest 0700, the root 0755, nothing else', async () => {
+    test('is exactly .vmspace/{version "vmspace-pool 1\\n" 0644, staging/s0..s7, trash, leases/0..f, cache}: .vmspace 0755, the rest 0700, the root 0755, nothing else', async () => {
       umaskForTest(0o022)
       const root = path.join(freshDir(base!), 'a', 'pool')
       const pool = await openPool(root)
@@ -137,6 +137,7 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
       ['the staging shard staging/s0', () => 'staging/s0'],
       ['the staging shard staging/s7', () => 'staging/s7'],
       ['trash/', () => 'trash'],
+      ['cache/', () => 'cache'],
     ])('without %s: never made again, the tree is byte-for-byte unchanged', async (_, entry) => {
       const { root, name } = await populatedPool()
       const removed = path.join(root, '.vmspace', entry(name))

@@ -26,7 +26,7 @@ describe('openPool', () => {
     const root = path.join(freshDir(), 'a', 'pool')
     const pool = await openPool(root)
     expect(pool.root).toBe(root)
-    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['leases', 'staging', 'trash', 'version'])
+    expect(fs.readdirSync(path.join(root, '.vmspace')).sort()).toEqual(['cache', 'leases', 'staging', 'trash', 'version'])
     expect(fs.readFileSync(path.join(root, '.vmspace', 'version'), 'utf8')).toBe('vmspace-pool 1\n')
     expect(poolState(root)).toEqual(emptyPoolState)
   })

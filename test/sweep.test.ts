@@ -342,12 +342,12 @@ describe('what a killed openPool leaves', () => {
     fs.writeFileSync(path.join(state, 'unrelated'), 'keep')
     await pool.sweep()  // default grace: an opener may still be probing
     expect(fs.readdirSync(state).sort()).toEqual(
-      ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b', 'leases', 'staging', 'trash', 'unrelated', 'version'].sort(),
+      ['.noreplace-probe-0123456789ab', '.noreplace-probe-0123456789ab-b', 'cache', 'leases', 'staging', 'trash', 'unrelated', 'version'].sort(),
     )
     await pool.sweep({ dryRun: true, graceMs: 0 })
     expect(fs.readdirSync(state)).toContain('.noreplace-probe-0123456789ab')
     await pool.sweep({ graceMs: 0 })
-    expect(fs.readdirSync(state).sort()).toEqual(['leases', 'staging', 'trash', 'unrelated', 'version'])
+    expect(fs.readdirSync(state).sort()).toEqual(['cache', 'leases', 'staging', 'trash', 'unrelated', 'version'])
     await pool.close()
   })
 })

@@ -42,7 +42,9 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
       [pool, name = std::move(name), basePath = std::move(basePath), src = std::move(src), rel = std::move(rel), opts,
        progress] {
         vmspace::UniqueFd base = pool->openWorkspaceDir(name);
-        return vmspace::clonePathBeneath(src, base.get(), basePath, rel, opts, progress.get());
+        vmspace::CloneOptions withCache = opts;
+        withCache.cache = pool->templateCache();  // a file from another file system: reflinked from its cached copy
+        return vmspace::clonePathBeneath(src, base.get(), basePath, rel, withCache, progress.get());
       },
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryArray(env, s, opts.reflink); });
 }
@@ -94,13 +96,26 @@ ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i) {
 }
 
 Napi::Array summaryArray(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
-  Napi::Array a = Napi::Array::New(env, s.tree ? 13 : 6);
+  const char* cache = cacheName(s.cache);
+  Napi::Array a = Napi::Array::New(env, s.tree ? 13 : cache ? 7 : 6);
   a.Set(0u, s.tree ? "tree" : "file");
   a.Set(1u, vmspace::methodName(s, reflink));
   const uint64_t counts[] = {s.files,     s.bytes, s.reflinked, s.copied,         s.dirs,          s.symlinks,
                              s.hardlinks, s.fifos, s.devices,   s.skippedSockets, s.skippedDevices};
   for (uint32_t i = 0; i < (s.tree ? 11u : 4u); i++) a.Set(i + 2, static_cast<double>(counts[i]));
+  if (cache) a.Set(6u, cache);
   return a;
+}
+
+const char* cacheName(vmspace::CacheUse use) {
+  switch (use) {
+    case vmspace::CacheUse::Hit:
+      return "hit";
+    case vmspace::CacheUse::Miss:
+      return "miss";
+    default:
+      return nullptr;
+  }
 }
 
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
@@ -111,6 +126,7 @@ Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspac
   o.Set(propertyKey(env, "bytes"), static_cast<double>(s.bytes));
   o.Set(propertyKey(env, "reflinked"), static_cast<double>(s.reflinked));
   o.Set(propertyKey(env, "copied"), static_cast<double>(s.copied));
+  if (const char* cache = cacheName(s.cache)) o.Set(propertyKey(env, "cache"), cache);
   if (s.tree) {
     o.Set(propertyKey(env, "dirs"), static_cast<double>(s.dirs));
     o.Set(propertyKey(env, "symlinks"), static_cast<double>(s.symlinks));

@@ -145,9 +145,12 @@ vmspace::CloneOptions cloneOptionsOf(const Options& o);
 ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i);
 ProgressRef progressOf(const Options& o);  // the key "progress"
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
-// The same as an array: [kind, method, files, bytes, reflinked, copied], and for a tree dirs, symlinks, hardlinks,
+// The same as an array: [kind, method, files, bytes, reflinked, copied] (a file the template cache served: and its
+// cache, "hit" or "miss"), and for a tree dirs, symlinks, hardlinks,
 // fifos, devices, skipped sockets, skipped devices (lib/clone.ts, cloneResultOf).
 Napi::Array summaryArray(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
+// The result's `cache` ("hit", "miss"), nullptr where the template cache did not serve the clone.
+const char* cacheName(vmspace::CacheUse use);
 // pool.cc: allocate's request and result, which a warm entry shares.
 // The workspace's shape: prefix, mode, templateDir, entries, reflink, durable (warmBuild takes these only);
 // allocate adds info, progress, writeback, quotaBytes, quotaInodes, fromTemplate.

@@ -13,7 +13,8 @@ namespace vmspace::binding {
 
 namespace {
 
-// openPool({root, create, sharedGid, nonEmpty, minFreeBytes, projectIdFirst, projectIdLast})
+// openPool({root, create, sharedGid, nonEmpty, minFreeBytes, projectIdFirst, projectIdLast, templateCache,
+// templateCacheBytes})
 Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   Options o(info, 0, "openPool");
   std::string root = o.string("root");
@@ -23,11 +24,14 @@ Napi::Value OpenPool(const Napi::CallbackInfo& info) {
   // quota: minFreeBytes, project id range
   uint64_t minFreeBytes = static_cast<uint64_t>(o.int64Or("minFreeBytes", 0));
   vmspace::ProjectIdRange projectIds{o.uint32("projectIdFirst"), o.uint32("projectIdLast")};
+  bool cache = o.booleanOr("templateCache", true);
+  auto cacheBytes = static_cast<uint64_t>(o.int64Or("templateCacheBytes", vmspace::kDefaultCacheBytes));
   return Work<std::shared_ptr<vmspace::Pool>>::StartHandle(
       info.Env(),
-      [root, create, sharedGid, nonEmpty, minFreeBytes, projectIds] {
+      [root, create, sharedGid, nonEmpty, minFreeBytes, projectIds, cache, cacheBytes] {
         auto pool = vmspace::Pool::open(root, create, sharedGid, nonEmpty);
         pool->setSpaceConfig(minFreeBytes, projectIds);
+        pool->setCacheConfig(cache, cacheBytes);
         vmspace::bootId();  // read once, here on the pool thread
         return pool;
       },

@@ -19,6 +19,7 @@
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
+#include "template_cache.h"
 #include "tree.h"
 
 namespace vmspace {
@@ -307,7 +308,8 @@ bool tmpfileLinkRefusedErr(int err) {
          err == EINVAL;
 }
 
-// Gives the unnamed file `fd` the name `name` in `dirFd`; linkat never replaces (EEXIST). 0 or the errno.
+}  // namespace
+
 int linkTmpfile(int fd, int dirFd, const char* name) {
   if (!emptyPathRefused.load(std::memory_order_relaxed)) {
     if (linkat(fd, "", dirFd, name, AT_EMPTY_PATH) == 0) return 0;
@@ -321,14 +323,20 @@ int linkTmpfile(int fd, int dirFd, const char* name) {
   return 0;
 }
 
+namespace {
+
 // Fills the new file `dst` from `src` (stat `st`): data, checked to be of the version `st` names (else
 // ERR_SOURCE_CHANGED), mode, writeback, fsync for `durable`. Fills `identity` (when given) from the stat after the
 // data.
 CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOptions& options,
                           const std::string& srcPath, const std::string& dstPath, CloneProgress* progress,
                           SourceIdentity* identity) {
-  CloneFileResult result =
-      cloneData(src, dst, static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, progress);
+  CloneFileResult result{};
+  // The template cache serves a source on another file system by a reflink of its cached copy; 'always' keeps its
+  // promise of failing there, 'never' of copying.
+  if (!(options.cache && options.reflink == Reflink::Auto &&
+        options.cache->fill(src, st, dst, srcPath, dstPath, progress, &result)))
+    result = cloneData(src, dst, static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, progress);
   struct stat after;
   checkSourceUnchanged(src, st, srcPath, dstPath, &after);
   fillIdentity(identity, after);
@@ -497,6 +505,7 @@ CloneSummary cloneOneFile(int src, const struct stat& st, const std::string& src
   CloneSummary s;
   s.files = 1;
   s.bytes = r.bytes;
+  s.cache = r.cache;
   (r.method == CloneMethod::Reflink ? s.reflinked : s.copied) = 1;
   if (progress) progress->files.fetch_add(1, std::memory_order_relaxed);  // its bytes came with its data (cloneData)
   return s;
@@ -533,6 +542,8 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
     return cloneOneFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
   fillIdentity(identity, st);
   checkSameFs(st, dstDirFd, options, srcPath, dstPath);
+  CloneOptions treeOptions = options;
+  treeOptions.cache = nullptr;  // trees are cloned as they are (the cache keeps single files)
 
   // The tree is built under a private temp name (0700 until its own metadata is applied, last).
   std::string tmp = ".vmspace-tmp-" + randomHex(8);
@@ -543,7 +554,7 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   try {
     UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
     if (!root) throwErrno(errno, "open", dstPath);
-    CloneSummary summary = cloneTreeAs(src.get(), st, root.get(), srcPath, dstPath, options, progress);
+    CloneSummary summary = cloneTreeAs(src.get(), st, root.get(), srcPath, dstPath, treeOptions, progress);
     if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
     publishTree(dstDirFd, tmp, tmpPath, dstName, srcPath, dstPath, options);
     if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);

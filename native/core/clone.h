@@ -14,6 +14,11 @@ namespace vmspace {
 
 enum class Reflink { Always, Auto, Never };
 enum class CloneMethod { Reflink, Copy };
+// Whether the template cache (template_cache.h) served a file's data: no (None), from an entry made before (Hit), or
+// from the entry this clone copied first (Miss).
+enum class CacheUse { None, Hit, Miss };
+
+class TemplateCache;
 
 // What a copy (not a reflink: its extents are the source's, already on disk) does about the dirty pages it leaves.
 // A copied image is all dirty page cache, and the first fsync after the clone (the VM's) pays for writing all of
@@ -26,6 +31,8 @@ struct CloneOptions {
   bool overwrite = false;                 // replace an existing destination (atomically, by rename) instead of EEXIST
   bool durable = false;                   // fsync the file before publish and the directory after
   Writeback writeback = Writeback::None;  // for copied files only
+  // A single-file source on another file system is reflinked from its cached copy (reflink Auto only; trees never).
+  TemplateCache* cache = nullptr;
 };
 
 // Applies `writeback` to the copied file `fd` (a no-op for None). Errors: the errno of sync_file_range (EIO,
@@ -34,7 +41,8 @@ void writeBack(int fd, Writeback writeback, const std::string& path);
 
 struct CloneFileResult {
   CloneMethod method;
-  uint64_t bytes;  // logical size of the file as published
+  uint64_t bytes;                   // logical size of the file as published
+  CacheUse cache = CacheUse::None;  // the template cache served it (method Reflink)
 };
 
 // Identity of a clone source, recorded in workspace metadata.
@@ -63,6 +71,10 @@ void checkSourceUnchanged(int src, const struct stat& before, const std::string&
                           struct stat* after = nullptr);
 
 struct CloneProgress;
+
+// Gives the unnamed (O_TMPFILE) file `fd` the name `name` in `dirFd`: linkat(2) with AT_EMPTY_PATH where the caller
+// may, else through /proc/self/fd. Never replaces (EEXIST). 0 or the errno.
+int linkTmpfile(int fd, int dirFd, const char* name);
 
 // Fills the empty regular file `dst` with the data of `src` (`size` bytes by its stat): ioctl(FICLONE) unless
 // `reflink` is Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
@@ -122,9 +134,10 @@ struct CloneSummary {
   uint64_t reflinked = 0;  // regular files whose extents are shared with the source
   uint64_t copied = 0;     // regular files copied (reflink refused, or 'never')
   uint64_t dirs = 0, symlinks = 0, hardlinks = 0, fifos = 0, devices = 0;
-  uint64_t skippedSockets = 0;  // sockets cannot be recreated meaningfully
-  uint64_t skippedDevices = 0;  // device nodes where mknod is not permitted (not root)
-  bool snapshot = false;        // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
+  uint64_t skippedSockets = 0;      // sockets cannot be recreated meaningfully
+  uint64_t skippedDevices = 0;      // device nodes where mknod is not permitted (not root)
+  bool snapshot = false;            // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
+  CacheUse cache = CacheUse::None;  // a single file: whether the template cache served it
 };
 
 // What happened: "snapshot" (a btrfs subvolume snapshot), "reflink" (every regular file shares its extents), "copy"

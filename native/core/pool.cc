@@ -302,7 +302,8 @@ bool makeState(int rootFd, const std::string& root, long long gid) {
     UniqueFd state(openat(rootFd, tmp.c_str(), kDirFlags));
     if (!state) throwErrno(errno, "open", shown);
     writeFileNoReplace(state.get(), "version", std::string(kLayoutVersion) + "\n", false, shown + "/version");
-    const std::pair<const char*, int> subs[] = {{"staging", kStagingShards}, {"trash", 0}, {"leases", kLeaseShards}};
+    const std::pair<const char*, int> subs[] = {
+        {"staging", kStagingShards}, {"trash", 0}, {"leases", kLeaseShards}, {"cache", 0}};
     for (auto [sub, shards] : subs) {
       std::string subShown = shown + "/" + sub;
       makeDirExact(state.get(), sub, subMode, gid, subShown);
@@ -430,6 +431,8 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   pool->stagingFd_ = own(pool->stateFd_.get(), "staging", state + "/staging");
   pool->trashFd_ = own(pool->stateFd_.get(), "trash", state + "/trash");
   pool->leasesFd_ = own(pool->stateFd_.get(), "leases", state + "/leases");
+  pool->cache_ = std::make_unique<TemplateCache>(own(pool->stateFd_.get(), "cache", state + "/cache"), state + "/cache",
+                                                 kDefaultCacheBytes);
   for (int i = 0; i < kStagingShards; i++)
     pool->shardFds_[i] = own(pool->stagingFd_.get(), shardName(i), state + "/staging/" + shardName(i));
   // The lease shards are checked here and then named relative to leases/ ("<x>/<name>"): no fd kept for each.
@@ -756,6 +759,7 @@ class PoolStage {
       c.result = cloneTreeInto(req_.templateDir, wsFd, stagingPath, opts, req_.progress, &c.identity);
       res_.clones.push_back(std::move(c));
     }
+    opts.cache = pool_.templateCache();  // single files from another file system: reflinked from their cached copy
     for (const TemplateEntry& entry : req_.entries) {
       std::string leaf;
       ParentDir parent = openParentBeneath(wsFd, entry.dest, &leaf, stagingPath, true);
@@ -1101,6 +1105,7 @@ class PoolSweep {
     stagingPass();
     // Half-built templates, retired templates no one reads, names of commits that died.
     if (TemplateStore* store = pool_.templates(false)) store->sweep(dryRun_, graceMs_, report_);
+    pool_.cache_->sweep(dryRun_, graceMs_, report_);  // copies no source needs, and beyond the size budget
     leasePass();
     leftoverPass();
     pool_.sweepProjectClaims(dryRun_, graceMs_);  // quota: project ids of workspaces gone without releasing them

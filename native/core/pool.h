@@ -1,5 +1,5 @@
 // A pool of workspaces under one root directory (DESIGN.md, "The pool on disk"):
-//   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/<name>}, and <root>/<prefix>-<32 hex> per
+//   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/<name>, cache/}, and <root>/<prefix>-<32 hex> per
 //   workspace. A workspace is vmspace's own only while its lease file exists (lease.h): made before its directory,
 //   removed after it; anything else in the root is foreign and never touched.
 // Thread-safe: a Pool's fds are opened once and only read by concurrent operations; close() is called by the
@@ -23,6 +23,7 @@
 #include "lease.h"
 #include "quota.h"
 #include "template.h"
+#include "template_cache.h"
 #include "tree.h"
 #include "usage.h"
 
@@ -104,7 +105,8 @@ struct AdoptResult {
 
 struct SweepEntry {
   std::string name;
-  const char* from;    // "published", "staging", "trash" or "lease" (a lease file whose workspace is gone)
+  const char* from;    // "published", "staging", "trash", "lease" (a lease file whose workspace is gone),
+                       // "template", "template-staging" or "template-cache" (a cached copy, template_cache.h)
   uint64_t bytes = 0;  // space the file system got back: allocated less shared extents; 0 in a dry run
   Error error;         // for failures
 };
@@ -189,6 +191,14 @@ class Pool {
     minFreeBytes_ = minFreeBytes;
     projectIds_ = projectIds;
   }
+  // The template cache (template_cache.h): `enabled` false clones every source as it is (a copy per workspace
+  // where it is on another file system); `maxBytes` is what a sweep keeps of it. Set once, right after open.
+  void setCacheConfig(bool enabled, uint64_t maxBytes) {
+    cacheEnabled_ = enabled;
+    cache_->setMaxBytes(maxBytes);
+  }
+  // The cache single-file sources are cloned through; nullptr when disabled.
+  TemplateCache* templateCache() { return cacheEnabled_ ? cache_.get() : nullptr; }
   // Space accounting of the published workspace `name` (ENOENT when there is none); `cancel` stops it.
   UsageReport usage(const std::string& name, const std::atomic<bool>* cancel);
   FsSpace space() { return fsSpace(rootFd_.get(), root_); }
@@ -259,6 +269,8 @@ class Pool {
   // allocate then fails with ERR_RENAME_NOREPLACE_UNSUPPORTED; files still publish by link + unlink.
   int noReplaceErr_ = 0;
   long long sharedGid_ = -1;
+  std::unique_ptr<TemplateCache> cache_;  // .vmspace/cache/
+  bool cacheEnabled_ = true;
   std::mutex templatesMu_;  // guards templates_ while it is made
   std::unique_ptr<TemplateStore> templates_;
   uint64_t minFreeBytes_ = 0;

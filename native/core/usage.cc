@@ -198,6 +198,14 @@ class Walker {
 
 }  // namespace
 
+uint64_t exclusiveBytesOfFile(int fd, const std::string& shown) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) throwErrno(errno, "fstat", shown);
+  UsageReport r;
+  addExtents(fd, static_cast<uint64_t>(st.st_blocks) * 512, &r, shown);
+  return r.exclusiveBytes;
+}
+
 UsageReport workspaceUsage(int wsFd, const std::string& shown, const QuotaRef& ref, const std::atomic<bool>* cancel) {
   UsageReport r;
   struct statx self;

@@ -23,6 +23,10 @@ struct UsageReport {
 
 // Walks the workspace directory `wsFd` (never following a symlink, never entering another mount). `cancel`
 // (optional) stops it with ECANCELED. `ref`: its quota, whose limits and use are added.
+// The bytes of the regular file `fd` that no other file shares (its extents not flagged FIEMAP_EXTENT_SHARED): what
+// the file system gets back when it is removed.
+uint64_t exclusiveBytesOfFile(int fd, const std::string& shown);
+
 UsageReport workspaceUsage(int wsFd, const std::string& shown, const QuotaRef& ref, const std::atomic<bool>* cancel);
 
 }  // namespace vmspace
