@@ -103,6 +103,14 @@ elsewhere() {
     fi
   done
 }
+# The same project under each other Node binary given in VMSPACE_SMOKE_NODES (paths, space-separated: CI passes
+# Node 22, 24 and 26): the prebuilt binary loads on every version users run.
+if [ -d "$work/npm/node_modules/vmspace" ]; then
+  arch=$(node -p process.arch)
+  for bin in ${VMSPACE_SMOKE_NODES:-}; do
+    elsewhere "node $("$bin" -v)" env -C "$work/npm" "$bin"
+  done
+fi
 if [ "$(id -u)" != 0 ]; then
   echo "smoke: skipped (not root): the glibc 2.31 and arm64 runs"
 elif [ -d "$work/npm/node_modules/vmspace" ]; then
