@@ -92,7 +92,7 @@ export interface CloneResult {
   copied: number
   /**
    * A single file from another file system than the pool, cloned into a workspace (allocate's `template` entries,
-   * Workspace.clone): served by the pool's template cache, `method` `'reflink'` (README, "Template cache"). Absent
+   * Workspace.clone): served by the pool's template cache, `method` `'reflink'` (docs/templates-cache.md). Absent
    * where the cache did not serve it (same file system: a reflink from the source itself; trees; ext4 pools;
    * `reflink` other than `'auto'`; the standalone clone()).
    */
