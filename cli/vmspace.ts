@@ -31,7 +31,12 @@ function parser<T>(fn: (value: string) => T) {
   }
 }
 
-const parseSizeArg = parseSize('--size')
+const parseSizeArg = (value: string): number => {
+  const n = parseSize('--size')(value)
+  // openPool's own rule for options.image.size, checked here so that a bad --size is a usage error (exit 2).
+  if (n < 128 * 1024 * 1024 || n % 4096 !== 0) throw new UsageError(`--size must be at least 128M and a multiple of 4K, got ${JSON.stringify(value)}`)
+  return n
+}
 
 const reflinkOption = () => new Option('--reflink <mode>', 'reflink: share extents, else copy (auto), or fail (always), or always copy (never)').choices(['always', 'auto', 'never'])
 

@@ -9,6 +9,7 @@
  * first calls of several processes make one image, one loop device and one mount.
  */
 import { execFile } from 'node:child_process'
+import * as crypto from 'node:crypto'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
@@ -16,6 +17,7 @@ import { absolutePath, integerIn, invalidType, invalidValue, optionsObject } fro
 import { native } from './binding.js'
 import { call, errnoError, vmspaceError } from './errors.js'
 import { lockFile } from './lock.js'
+import { renameNoReplace } from './rename.js'
 
 /** The image of an image-backed pool ({@link PoolOptions.image}). */
 export interface ImageOptions {
@@ -175,6 +177,8 @@ function statOrUndefined(p: string): fs.BigIntStats | undefined {
 
 /** What one attach made, undone in reverse order when a later step fails. */
 class Made {
+  /** The image being made under a temporary name, until it is complete and renamed to its own. */
+  making: string | undefined
   image = false
   lock = false
   loop: string | undefined
@@ -187,6 +191,7 @@ class Made {
     if (this.mount && (await run('umount', [root])).status !== 0) return
     if (this.loop && (await run('losetup', ['--detach', this.loop])).status !== 0) return
     if (this.dir) removeEmptyDirs(this.dir, root)
+    if (this.making) fs.rmSync(this.making, { force: true })
     if (this.image) fs.rmSync(image, { force: true })
     if (this.lock) fs.rmSync(`${image}.lock`, { force: true })
   }
@@ -237,6 +242,7 @@ async function attachLocked<T>(root: string, image: Image, create: boolean, open
   made.lock = !fs.existsSync(`${image.path}.lock`)
   const lock = await lockFile(`${image.path}.lock`)
   try {
+    removeStaleMaking(image.path)
     try {
       await ensureMounted(root, image, create, made)
       return await open()
@@ -272,10 +278,25 @@ async function ensureMounted(root: string, image: Image, create: boolean, made: 
   }
   await runOk('mount', ['-t', 'btrfs', '-o', MOUNT_OPTIONS, loop, root], root)
   made.mount = true
-  if (made.image) {
-    await enableQuota(root)
-    // The file system's root is the pool's root: 0755 as openPool makes it.
-    fs.chmodSync(root, 0o755)
+  // At every mount, not only the first: a first call killed between mkfs and here left an image without quotas
+  // (enabling them where they are on is a no-op: fs/btrfs/qgroup.c, btrfs_quota_enable).
+  await enableQuota(root)
+  // The file system's root is the pool's root: 0755 as openPool makes it.
+  if (made.image) fs.chmodSync(root, 0o755)
+}
+
+/** The temporary name an image is made under: `<image>.making-<hex>`, renamed to `<image>` once mkfs is done. */
+const makingPrefix = (imagePath: string) => `${path.basename(imagePath)}.making-`
+
+/**
+ * Removes what a call killed while making this image left (`<image>.making-<hex>`): under the image's lock no
+ * other call is making one, so any such file is a dead call's.
+ */
+function removeStaleMaking(imagePath: string): void {
+  const prefix = makingPrefix(imagePath)
+  for (const name of fs.readdirSync(path.dirname(imagePath))) {
+    if (name.startsWith(prefix) && /^[0-9a-f]{16}$/.test(name.slice(prefix.length)))
+      fs.rmSync(path.join(path.dirname(imagePath), name), { force: true })
   }
 }
 
@@ -306,14 +327,21 @@ async function makeImage(image: Image, made: Made): Promise<void> {
     e.message += ` (an image of ${image.size} bytes; ${available} available)`
     throw e
   }
-  const fd = fs.openSync(image.path, fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_EXCL | fs.constants.O_NOFOLLOW, 0o600)
-  made.image = true
+  // Made whole under a temporary name, then renamed to its own: a call killed on the way leaves no image without a
+  // file system at the image path (which every later call would refuse as foreign), only a temporary file that
+  // the next call removes.
+  const making = path.join(path.dirname(image.path), makingPrefix(image.path) + crypto.randomBytes(8).toString('hex'))
+  const fd = fs.openSync(making, fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_EXCL | fs.constants.O_NOFOLLOW, 0o600)
+  made.making = making
   try {
     fs.ftruncateSync(fd, image.size)
   } finally {
     fs.closeSync(fd)
   }
-  await runOk('mkfs.btrfs', ['-q', '-L', IMAGE_LABEL, image.path], image.path)
+  await runOk('mkfs.btrfs', ['-q', '-L', IMAGE_LABEL, making], image.path)
+  await renameNoReplace(making, image.path)
+  made.making = undefined
+  made.image = true
 }
 
 /** The mount point: made when missing (with `create`), else an empty directory (a mount would hide entries). */

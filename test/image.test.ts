@@ -210,6 +210,24 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     await pool.close()
   })
 
+  test('a first call killed while making the image leaves only <image>.making-<hex>, which the next call removes; quotas turned off are on again at the next mount', async () => {
+    const { root, image } = paths('killed')
+    const stale = `${image}.making-0123456789abcdef`
+    fs.writeFileSync(stale, Buffer.alloc(4096)) // what a call SIGKILLed during mkfs leaves: no file system yet
+    const other = path.join(path.dirname(image), 'other.img.making-0123456789abcdef') // another image's: not ours
+    fs.writeFileSync(other, 'x')
+    const pool = await open(root, image)
+    expect(fs.readdirSync(path.dirname(image)).sort()).toEqual(['other.img.making-0123456789abcdef', 'pool', 'pool.img', 'pool.img.lock'])
+    await pool.close()
+    // A call killed between mkfs and the quota ioctl leaves an image without quotas.
+    runCommand('btrfs', ['quota', 'disable', root])
+    await unmountImage(root)
+    const again = await open(root, image)
+    const ws = await again.allocate({ quota: { bytes: 16 * MiB } })
+    await ws.dispose()
+    await again.close()
+  })
+
   test('unmountImage unmounts and detaches, keeping the image; a root that is not an image mount is ERR_IMAGE_NOT_MOUNTED', async () => {
     const { root, image } = paths('unmount')
     const pool = await open(root, image)
@@ -224,10 +242,12 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
   test('vmspace mount and unmount: exit 0 and one line each; a bad --size is exit 2 with nothing made', () => {
     const { root, image } = paths('cli')
     const cli = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
-    const bad = runCommand(process.execPath, [cli, 'mount', root, '--image', image, '--size', 'lots'])
-    expect(bad.status).toBe(2)
-    expect(bad.stderr.trim().split('\n')).toHaveLength(1)
-    expectNothingMade(root, image)
+    for (const size of ['lots', '100', '127M', '200000000']) {
+      const bad = runCommand(process.execPath, [cli, 'mount', root, '--image', image, '--size', size])
+      expect(bad.status, size).toBe(2)
+      expect(bad.stderr.trim().split('\n'), size).toHaveLength(1)
+      expectNothingMade(root, image)
+    }
     const m = runCommand(process.execPath, [cli, 'mount', root, '--image', image, '--size', '256M'])
     expect(m.stderr).toBe('')
     expect(m.status).toBe(0)

@@ -61,6 +61,34 @@ describe('openPool', () => {
   })
 })
 
+describe('close', () => {
+  test.skipIf(!mounts.xfs)(
+    `leaves no fd of this process open below the root, after allocates that used the template cache ${needs('XFS', mounts.missing.xfs)}`,
+    async () => {
+      const base = path.join(freshDir(), 'base.img') // on the scratch file system: another than the pool's
+      fs.writeFileSync(base, Buffer.alloc(64 * 1024, 7))
+      const root = path.join(freshDir(mounts.xfs!), 'pool')
+      const openBelow = () =>
+        fs
+          .readdirSync('/proc/self/fd')
+          .map((fd) => {
+            try {
+              return fs.readlinkSync(`/proc/self/fd/${fd}`)
+            } catch {
+              return ''
+            }
+          })
+          .filter((target) => target === root || target.startsWith(root + '/'))
+      const pool = await openPool(root)
+      const ws = await pool.allocate({ template: { 'rootfs.img': base } })
+      expect(ws.template[0]).toMatchObject({ method: 'reflink', cache: 'miss' })
+      await ws.dispose()
+      await pool.close()
+      expect(openBelow()).toEqual([])
+    },
+  )
+})
+
 describe('allocate', () => {
   test('publishes a directory <root>/<prefix>-<32 hex> with its lease file holding its record, nothing left in staging', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'), { prefix: 'sbx' })

@@ -1376,6 +1376,12 @@ std::vector<ListEntry> Pool::list() {
 
 void Pool::close() {
   templates_.reset();
+  cacheEnabled_ = false;
+  cache_.reset();  // its directory fd too: a closed pool holds nothing open (an image-backed one must unmount)
+  {
+    std::lock_guard<std::mutex> lock(projectsMu_);
+    projectsFd_.reset();
+  }
   for (Spare& spare : spares_) unlinkat(leasesFd_.get(), spare.rel.c_str(), 0);
   spares_.clear();
   leasesFd_.reset();
