@@ -25,6 +25,7 @@ export {
   metricsText,
   durationBuckets,
   registerPrometheus,
+  unmountImage,
 } from './index.js'
 export type * from './index.js'
 

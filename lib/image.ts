@@ -25,7 +25,7 @@ export interface ImageOptions {
   path: string
   /**
    * Size in bytes of an image made here (a sparse file: host blocks are taken as the pool's file system writes
-   * them, and given back as it frees them). At least {@link IMAGE_MIN_BYTES}, a multiple of 4096, and no more
+   * them, and given back as it frees them). At least 128 MiB (134217728), a multiple of 4096, and no more
    * than the host file system has available. Ignored when the image exists.
    */
   size: number

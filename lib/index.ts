@@ -50,7 +50,7 @@ export type {
   CloneMethod,
 } from './metrics.js'
 export { registerPrometheus } from './metrics-prom.js'
-export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry } from './metrics-prom.js'
+export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry, PromMetric, PromCounter, PromGauge, PromMetricConfig, PromCounterClass, PromGaugeClass } from './metrics-prom.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'
 
 // The module's own namespace (its exports object, complete by the time the line below runs): the default object is

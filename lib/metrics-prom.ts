@@ -20,32 +20,60 @@ import type { Pool } from './pool.js'
 
 /** The members of a prom-client `Registry` that registerPrometheus() uses. */
 export interface PromRegistry {
+  /** Adds a metric object (prom-client's Registry.registerMetric). */
   registerMetric(metric: object): void
+  /** The metric of that name, or undefined. */
   getSingleMetric(name: string): unknown
+  /** Removes the metric of that name. */
   removeSingleMetric(name: string): void
 }
 
-interface PromMetric {
+/** What registerPrometheus() uses of a prom-client metric. */
+export interface PromMetric {
+  /** Sets every series back to zero. */
   reset(): void
 }
-interface PromCounter extends PromMetric {
+/** What registerPrometheus() uses of a prom-client Counter. */
+export interface PromCounter extends PromMetric {
+  /** Adds `value` (default 1) to the series of `labels`. */
   inc(labels: Record<string, string>, value?: number): void
 }
-interface PromGauge extends PromMetric {
+/** What registerPrometheus() uses of a prom-client Gauge. */
+export interface PromGauge extends PromMetric {
+  /** Sets the series of `labels`. */
   set(labels: Record<string, string>, value: number): void
 }
-interface MetricConfig {
+/** The configuration registerPrometheus() gives a prom-client Counter or Gauge. */
+export interface PromMetricConfig {
+  /** The metric's name (`vmspace_…`). */
   name: string
+  /** Its HELP text. */
   help: string
+  /** Its label names. */
   labelNames: readonly string[]
+  /** The registry it is registered in. */
   registers: PromRegistry[]
+  /** Called at each scrape, to set the values. */
   collect?: () => void | Promise<void>
+}
+
+/** prom-client's Counter class, as registerPrometheus() constructs it. */
+export interface PromCounterClass {
+  /** A counter with that configuration, registered in its `registers`. */
+  new (config: PromMetricConfig): PromCounter
+}
+/** prom-client's Gauge class, as registerPrometheus() constructs it. */
+export interface PromGaugeClass {
+  /** A gauge with that configuration, registered in its `registers`. */
+  new (config: PromMetricConfig): PromGauge
 }
 
 /** The members of the prom-client module that registerPrometheus() uses (prom-client 14 and 15). */
 export interface PromClient {
-  Counter: new (config: MetricConfig) => PromCounter
-  Gauge: new (config: MetricConfig) => PromGauge
+  /** prom-client's Counter class. */
+  Counter: PromCounterClass
+  /** prom-client's Gauge class. */
+  Gauge: PromGaugeClass
 }
 
 /** Options of {@link registerPrometheus}. */
@@ -101,7 +129,7 @@ export function registerPrometheus(registry: PromRegistry, options?: PrometheusO
   const o = checkOptions(registry, options)
   const client = o.client ?? loadClient()
   const names: string[] = []
-  const config = (f: (typeof operationFamilies)[number], extra: Partial<MetricConfig> = {}): MetricConfig => {
+  const config = (f: (typeof operationFamilies)[number], extra: Partial<PromMetricConfig> = {}): PromMetricConfig => {
     names.push(f.name)
     return { name: f.name, help: f.help, labelNames: f.labels, registers: [registry], ...extra }
   }
@@ -127,7 +155,7 @@ export function registerPrometheus(registry: PromRegistry, options?: PrometheusO
   }
 }
 
-type Configure = (f: (typeof operationFamilies)[number], extra?: Partial<MetricConfig>) => MetricConfig
+type Configure = (f: (typeof operationFamilies)[number], extra?: Partial<PromMetricConfig>) => PromMetricConfig
 
 /**
  * The operation families, read at collect time from the snapshot of `metrics`: nothing runs per call beyond

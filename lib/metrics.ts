@@ -30,6 +30,7 @@ export const durationBuckets: readonly number[] = [0.0005, 0.001, 0.0025, 0.005,
 
 /** One finished operation, as {@link MetricsOptions.onOperation} gets it. */
 export interface OperationRecord {
+  /** The operation that finished. */
   operation: MetricsOperation
   /** Seconds from the call to its settling (a lock: to the grant). */
   seconds: number
@@ -61,11 +62,30 @@ export interface OperationFigures {
 
 /** What {@link Metrics.snapshot} returns: plain numbers, a copy. */
 export interface MetricsSnapshot {
+  /** Calls, failures by code and durations, per operation. */
   operations: Record<MetricsOperation, OperationFigures>
   /** Files and logical bytes cloned, by the operation that cloned them and by how their data arrived. */
-  cloned: Record<'allocate' | 'clone', Record<CloneMethod, { files: number; bytes: number }>>
+  cloned: Record<
+    'allocate' | 'clone',
+    Record<
+      CloneMethod,
+      {
+        /** Regular files cloned. */
+        files: number
+        /** Their logical bytes. */
+        bytes: number
+      }
+    >
+  >
   /** What successful sweeps did: entries reclaimed, the bytes that freed, entries that failed. */
-  sweep: { reclaimed: number; reclaimedBytes: number; failed: number }
+  sweep: {
+    /** Entries reclaimed. */
+    reclaimed: number
+    /** The bytes those reclaims freed. */
+    reclaimedBytes: number
+    /** Entries that failed (SweepReport.failed). */
+    failed: number
+  }
 }
 
 /** Options of {@link startMetrics}. */
@@ -204,15 +224,46 @@ export interface PoolGauges {
    * Workspaces by state: published with a held lease (`live`) or without (`free`: reclaimable by a sweep),
    * entries being built in the staging shards (warm reserve entries included) and entries in the trash.
    */
-  workspaces: { live: number; free: number; staging: number; trash: number }
+  workspaces: {
+    /** Published, lease held by a process. */
+    live: number
+    /** Published, lease held by no process: a sweep reclaims it. */
+    free: number
+    /** Being built in the staging shards (warm reserve entries included). */
+    staging: number
+    /** In the trash, being removed. */
+    trash: number
+  }
   /** Published workspaces whose record could not be read (their `error` in Pool.list()). */
   unreadable: number
   /** Published workspaces allocated with a `quota`. */
   quota: number
   /** The pool file system's space (statfs(2)): free (f_bfree), available to unprivileged users (f_bavail), size. */
-  fs: { freeBytes: number; availableBytes: number; sizeBytes: number }
+  fs: {
+    /** Free bytes (f_bfree × f_bsize). */
+    freeBytes: number
+    /** Bytes available to unprivileged users (f_bavail × f_bsize). */
+    availableBytes: number
+    /** The file system's size in bytes (f_blocks × f_bsize). */
+    sizeBytes: number
+  }
   /** This process's warm reserve of that pool (Pool.warmStats()), or undefined without one. */
-  warm?: { size: number; ready: number; hits: number; misses: number; stale: number; built: number; buildFailures: number }
+  warm?: {
+    /** The reserve's target size (entries). */
+    size: number
+    /** Entries built and ready to hand out. */
+    ready: number
+    /** allocate() calls served from the reserve. */
+    hits: number
+    /** allocate() calls of the reserve's template that found it empty. */
+    misses: number
+    /** Entries dropped because their template sources changed. */
+    stale: number
+    /** Entries built so far. */
+    built: number
+    /** Builds that failed. */
+    buildFailures: number
+  }
 }
 
 async function entriesIn(dir: string): Promise<number> {
