@@ -20,348 +20,38 @@ import {
   relativePath,
 } from './args.js'
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import {
-  cloneOptions,
-  cloneResultOf,
-  reflinkValues,
-  toResult,
-  withProgress,
-  writebackValues,
-  type CloneOptions,
-  type CloneResult,
-  type Reflink,
-  type Writeback,
-} from './clone.js'
+import { cloneOptions, cloneResultOf, reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
 import type { NativeAllocateResult, NativeCloneArray, NativeCloneResult } from './binding.js'
-import { projectIdRange, quotaLimits, toQuotaSupport, toUsage, type QuotaOptions, type QuotaSupport, type WorkspaceUsage } from './quota.js'
-import { WarmReserve, type WarmStats } from './warm.js'
-import { imageOptions, withImage, type ImageOptions } from './image.js'
-import {
-  listTemplates,
-  parseTemplateMeta,
-  pruneCandidates,
-  TEMPLATE_ID,
-  TEMPLATE_NAME,
-  templateInfo,
-  type CommitResult,
-  type PruneOptions,
-  type Template,
-} from './template.js'
-
-export type { WarmStats } from './warm.js'
+import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
+import { WarmReserve } from './warm.js'
+import { imageOptions, withImage } from './image.js'
+import { listTemplates, parseTemplateMeta, pruneCandidates, TEMPLATE_ID, TEMPLATE_NAME, templateInfo } from './template.js'
+import type {
+  AllocateOptions,
+  CloneOptions,
+  CloneResult,
+  CommitResult,
+  JsonObject,
+  ListOptions,
+  PoolOptions,
+  PoolStats,
+  PoolUsage,
+  PruneOptions,
+  QuotaOptions,
+  Reflink,
+  SweepEntry,
+  SweepOptions,
+  SweepReport,
+  Template,
+  TemplateCacheOptions,
+  TemplateSource,
+  WarmOptions,
+  WarmStats,
+  WorkspaceInfo,
+  WorkspaceUsage,
+  Writeback,
+} from './types.js'
 import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
-
-/** A value JSON can hold (what `JSON.parse` returns). */
-export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
-/** A JSON object: workspace metadata (`meta`) and the like. */
-export type JsonObject = { [key: string]: JsonValue }
-
-/** Options of {@link openPool}. */
-export interface PoolOptions {
-  /**
-   * Make the pool when `root` is not one yet: the directory (and its parents) when missing, and `.vmspace/`,
-   * built whole under a temp name and renamed into place, so concurrent first calls make one pool. Default true.
-   */
-  create?: boolean
-  /**
-   * Make the pool in a directory that already holds other entries. Default false: such a directory is refused
-   * with `ERR_POOL_NOT_EMPTY` (nothing made), so that a typo never turns a directory of other files into a pool.
-   * Entries that are not vmspace's are never touched: a sweep reports ones named like workspaces in `foreign`.
-   */
-  nonEmpty?: boolean
-  /** Workspace names are `${prefix}-${id}`: 1–64 of `[A-Za-z0-9_-]`, starting with a letter or digit. Default `'vm'`. */
-  prefix?: string
-  /** Default reflink mode of template clones (see CloneOptions.reflink). Default `'auto'`. */
-  reflink?: Reflink
-  /** fsync clones, metadata and directories before a workspace is published. Default false. */
-  durable?: boolean
-  /**
-   * A group id whose members share the pool. By default openPool refuses (`ERR_POOL_UNSAFE`) a pool directory, or
-   * a directory or symlink on the path to it, that a user other than this process's (or root) owns or could
-   * write; a sticky directory above the pool (as /tmp) is fine. With `sharedGroup`, an entry whose group is this
-   * gid may be owned by any user and be group-writable, and the directories openPool makes get this group and
-   * mode 0o2770. Default: none.
-   */
-  sharedGroup?: number
-  /**
-   * A warm reserve (docs/warm.md): `count` workspaces of `template` built ahead of time, so that an
-   * allocate() of that template only publishes one. Default: none.
-   */
-  warm?: WarmOptions
-  /**
-   * Free-space floor in bytes: allocate() refuses with `ENOSPC` (syscall `'statvfs'`, nothing made) while the
-   * pool's file system has fewer bytes available to unprivileged users (f_bavail) than this. Default 0 (none).
-   */
-  minFreeBytes?: number
-  /**
-   * The project ids (XFS/ext4 project quotas) this pool's quota'd workspaces may take, `[first, last]`: keep it
-   * clear of the ids the host uses (/etc/projid), and give pools on one file system ranges of their own. Default
-   * `[0x40000000, 0x4fffffff]`.
-   */
-  projectIds?: [number, number]
-  /**
-   * An image-backed pool (docs/image-pool.md): `root` is the mount of a btrfs made in the file
-   * `image.path` ({@link ImageOptions}), made and mounted by this call where it is not yet (sparse file, loop
-   * device with direct I/O, mount at `root`); an existing mount of that image is just opened. Needs root.
-   * Throws, besides openPool's own errors, `ERR_IMAGE_NOT_PERMITTED`, `ERR_IMAGE_TOOL_MISSING`,
-   * `ERR_IMAGE_FOREIGN`, `ERR_IMAGE_ROOT_MOUNTED`, `ERR_IMAGE_TOOL_FAILED`, `ENOSPC` (nothing made); see
-   * DESIGN.md, "The image-backed pool".
-   */
-  image?: ImageOptions
-  /**
-   * The template cache (docs/templates-cache.md): a single-file template source on another file system than the
-   * pool (allocate's `template` entries, Workspace.clone) is copied once into `.vmspace/cache/`, keyed by its
-   * version (device, inode, size, mtime, ctime), and every later clone of that version is a reflink of the copy
-   * (CloneResult `cache`). Only where the pool's file system reflinks (XFS `reflink=1`, btrfs): on ext4 a cache would
-   * only add a copy, and none is made. `false` turns it off (every such allocate copies, as before). `maxBytes`:
-   * what {@link Pool.sweep} keeps, in allocated bytes of the cached copies, least recently used reclaimed first
-   * (copies whose source is gone or changed are reclaimed whatever the budget). Default `{ maxBytes: 8 GiB }`.
-   */
-  templateCache?: false | TemplateCacheOptions
-}
-
-/**
- * A warm reserve ({@link PoolOptions.warm}): `count` workspaces built ahead from `template`, leased by this process,
- * so that an allocate() of that template only publishes one (metadata write and one rename). Entries are ordinary
- * staging entries with lease files: a sweep reclaims them once their process is gone. An entry whose template
- * sources changed since it was built is never handed out.
- */
-export interface WarmOptions {
-  /** As AllocateOptions.template. allocate() calls with this template (a map's entries in any order) and `mode`
-   * are served from the reserve; any other allocate() builds its workspace as without a reserve. */
-  template: string | Record<string, string>
-  /** Workspaces kept built: 1–64. */
-  count: number
-  /** As AllocateOptions.mode. Default 0o700. */
-  mode?: number
-}
-
-/** Options of {@link Pool.allocate}. */
-export interface AllocateOptions {
-  /**
-   * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
-   * whose contents become the workspace's contents, or a map from workspace-relative paths to source files or
-   * directories (`{ 'rootfs.ext4': '/images/base.ext4' }`; missing parent directories are made).
-   */
-  template?: string | Record<string, string>
-  /**
-   * The id or name of a committed template (Pool.commit) whose tree becomes the workspace's contents,
-   * before `template` entries. `ERR_TEMPLATE_NOT_FOUND` for none (nothing made); `ERR_CORRUPT_METADATA` (with
-   * `path`) when its template.json does not parse (nothing left). A replace or removal of the template meanwhile
-   * waits for this clone: the workspace gets the whole old tree or the whole new one.
-   */
-  from?: string
-  /**
-   * A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list() exactly as given:
-   * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, -0, a Map, a class instance, a function, an array
-   * hole) is `ERR_INVALID_ARG_VALUE` naming where it is, e.g. `options.meta["when"]`.
-   */
-  meta?: JsonObject
-  /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
-  mode?: number
-  /**
-   * Aborting rolls back: a template clone stops between entries, whatever was built is removed, and the call
-   * rejects with an AbortError (also when the abort comes just after the workspace was published).
-   */
-  signal?: AbortSignal
-  /**
-   * For template files that are copied (no reflink): start their writeback as they are copied, `'start'`, or
-   * also wait for it, `'wait'` (see CloneOptions.writeback). Default `'none'`. A workspace from the warm reserve
-   * is always written back already.
-   */
-  writeback?: Writeback
-  /**
-   * A limit of the workspace's own, enforced by the kernel (writes past it fail with `EDQUOT`); see
-   * {@link QuotaOptions}. On btrfs the workspace is a subvolume with a qgroup limit (quotas must be enabled:
-   * `btrfs quota enable`); on XFS/ext4 with project quotas it gets a project id inherited by everything inside.
-   * Elsewhere, or without CAP_SYS_ADMIN, allocate fails with `ERR_QUOTA_UNSUPPORTED` and makes nothing (see
-   * probeQuota()). `inodes` on btrfs: `ERR_QUOTA_UNSUPPORTED`.
-   */
-  quota?: QuotaOptions
-}
-
-/** Options of {@link Pool.list}. */
-export interface ListOptions {
-  /** Add each workspace's `usage` (a walk of its tree per workspace: see Workspace.usage()). Default false. */
-  usage?: boolean
-  /** Stops the usage walks: the call rejects with an AbortError. */
-  signal?: AbortSignal
-}
-
-/** The pool's totals (`pool.usage()`). Bytes throughout. */
-export interface PoolUsage {
-  /** Published workspaces counted. */
-  workspaces: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.allocatedBytes}. */
-  allocatedBytes: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.exclusiveBytes}. */
-  exclusiveBytes: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.sharedBytes}. */
-  sharedBytes: number
-  /** Regular files in all workspaces. */
-  files: number
-  /** Directories in all workspaces. */
-  dirs: number
-  /** Of the pool's file system (statvfs): available to unprivileged users, free, total. */
-  availableBytes: number
-  /** Free bytes of the pool's file system (statvfs f_bfree), including those reserved for root. */
-  freeBytes: number
-  /** Size of the pool's file system in bytes. */
-  totalBytes: number
-  /** Whether workspace quotas can be enforced on the pool's file system. */
-  quota: QuotaSupport
-}
-
-/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
-export interface TemplateSource {
-  /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
-  dest: string
-  /** Absolute path of the source file or directory. */
-  source: string
-  /** A regular file or a directory tree. */
-  kind: 'file' | 'tree'
-  /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
-  dev: string
-  /** The source's inode number (decimal string). */
-  ino: string
-  /** The source's size in bytes (a tree: its directory's st_size). */
-  size: number
-  /** The source's modification time in ns since the epoch (decimal string). */
-  mtimeNs: string
-  /** How its data arrived in the workspace. */
-  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
-}
-
-/** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */
-export interface WorkspaceInfo {
-  /** 32 lowercase hex characters (the whole name when it does not have the `<prefix>-<id>` shape). */
-  id: string
-  /** The directory's name in the pool root. */
-  name: string
-  /** Absolute path of the workspace directory. */
-  path: string
-  /** True while some process holds the lease (judged by F_OFD_GETLK on its lease file, which takes no lock). */
-  live: boolean
-  /** ms since the epoch. */
-  createdAt?: number
-  /** The `meta` given to allocate(). */
-  meta?: JsonObject
-  /** What the template cloned into it, with each source's identity at that time. */
-  template?: TemplateSource[]
-  /** The template it was allocated from (`allocate({ from })`). */
-  templateId?: string
-  /** Process id of the allocating process. */
-  pid?: number
-  /** Host name of the allocating machine. */
-  hostname?: string
-  /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
-  bootId?: string
-  /**
-   * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
-   * `syscall: 'fcntl(F_OFD_GETLK)'` (or `'open'` of the lease file), when the lease probe failed with an unexpected errno (`live` is then true: undecided
-   * entries are never reported reclaimable).
-   */
-  error?: VmspaceError
-  /** The quota asked for at allocate. */
-  quota?: QuotaOptions
-  /** list({ usage: true }) only (absent for a workspace disposed during the walk; `error` set where the walk failed). */
-  usage?: WorkspaceUsage
-}
-
-/** Options of the pool's template cache ({@link PoolOptions.templateCache}). */
-export interface TemplateCacheOptions {
-  /** What a sweep keeps of the cache: allocated bytes of its copies (an integer ≥ 0). Default 8 GiB (8 * 2 ** 30). */
-  maxBytes?: number
-}
-
-/** Options of {@link Pool.sweep}. */
-export interface SweepOptions {
-  /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
-  dryRun?: boolean
-  /**
-   * What has no lease is left alone while younger than this (ms, by birth time): half-built templates, temp files
-   * of a write or a pool being made. Workspaces need none: a build's lease is held from before its directory
-   * exists, so none in progress is ever taken. Default 60000.
-   */
-  graceMs?: number
-}
-
-/** One entry a sweep reclaimed (or failed to). */
-export interface SweepEntry {
-  /** The workspace's id (the whole name for an entry without the `<prefix>-<id>` shape). */
-  id: string
-  /** The entry's directory name. */
-  name: string
-  /**
-   * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
-   * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`);
-   * `'lease'` for a failure on a lease file whose workspace was gone; `'template-cache'` a cached copy of a template
-   * source (name: its key, `<dev>-<ino>-<size>-<mtime>-<ctime>`) whose source is gone or changed, or beyond the
-   * cache's budget ({@link PoolOptions.templateCache}).
-   */
-  from: SweepSource
-  /**
-   * Space the file system got back, in bytes: the allocated blocks of what was removed less the extents it shared
-   * with other files (FIEMAP_EXTENT_SHARED: reflinked template data stays allocated). Where the tree could not be
-   * read for that, its allocated blocks. 0 with `dryRun` (nothing is removed) and for an entry in `failed`.
-   */
-  bytes: number
-}
-
-/** An entry whose handling failed in a sweep ({@link SweepReport.failed}). */
-export interface SweepFailure extends SweepEntry {
-  /** `error.code`. */
-  code: VmspaceError['code']
-  /** Why the entry failed. */
-  error: VmspaceError
-}
-
-/** What {@link Pool.sweep} did. */
-export interface SweepReport {
-  /** Entries removed (with `dryRun`: that would be removed). */
-  reclaimed: SweepEntry[]
-  /** Published workspaces left alone because a process holds their lease. */
-  live: number
-  /**
-   * Entries whose handling failed, one each; the sweep goes on with the others. `EBUSY` (a mount inside) and
-   * any other errno of the removal, `ENOMEM` (also a C++ allocation failure), `ERR_INTERNAL`; `error.syscall`
-   * `'fcntl(F_OFD_GETLK)'` when the lease probe failed (the entry's liveness is then unknown: it is neither
-   * counted `live` nor touched). What is left stays for a later sweep. An entry that a concurrent dispose,
-   * allocate or sweep finished meanwhile is not a failure (it is in no list).
-   */
-  failed: SweepFailure[]
-  /** Lease files removed because their workspace was gone (a build or dispose that died between two steps). */
-  leasesRemoved: number
-  /**
-   * Paths of entries in the root, staging or trash named like workspaces but without a lease file: vmspace did
-   * not make them (or no longer owns them), so they are left as they are.
-   */
-  foreign: string[]
-}
-
-/** Where a swept entry was found ({@link SweepEntry.from}). */
-export type SweepSource = 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging' | 'template-cache'
-
-/** Counters of {@link Pool.stats}. */
-export interface PoolStats {
-  /** Workspaces allocated. */
-  allocated: number
-  /** Workspaces disposed. */
-  disposed: number
-  /** allocate calls that failed (and rolled back). */
-  failed: number
-  /** Names drawn again because the one drawn existed. */
-  nameRetries: number
-  /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
-  clones: {
-    /** Files whose extents are shared with their source. */
-    reflink: number
-    /** Files whose data was copied. */
-    copy: number
-  }
-  /** Their logical bytes. */
-  bytesCloned: number
-}
 
 const MAX_META_BYTES = 64 * 1024
 /** Where a workspace's lease file (and record) is: `.vmspace/leases/<the id's first hex digit>/<name>`. */

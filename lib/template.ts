@@ -3,79 +3,10 @@
  * workspaces with `allocate({ from })` and `fork()`. The on-disk layout and its rules: native/core/template.h.
  */
 import * as path from 'node:path'
-import { native, type PoolHandle } from './binding.js'
+import { native, type NativeTemplateListing, type PoolHandle } from './binding.js'
 import { isPlainObject } from './args.js'
 import { call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import type { CloneResult } from './clone.js'
-
-import type { JsonObject } from './pool.js'
-
-/** The space a template holds, measured at commit. Bytes. */
-export interface TemplateUsage {
-  /** st_blocks × 512 over the template's tree at commit (hard links once): the space the template holds. */
-  allocatedBytes: number
-  /** Regular files, and their logical bytes. */
-  files: number
-  /** Logical bytes of the regular files (sum of their sizes). */
-  bytes: number
-}
-
-/**
- * A committed template (`pool.commit`, `pool.templates()`, `pool.template()`): a read-only tree in the pool that
- * `allocate({ from })` and `fork()` clone into new workspaces.
- */
-export interface Template {
-  /** 32 lowercase hex characters (128 random bits). */
-  id: string
-  /** The name it was committed under (null: unnamed). */
-  name: string | null
-  /** Whether the name resolves to this template now (false once replaced or removed). */
-  current: boolean
-  /** Absolute path of the committed tree (read-only: no write bits). Clone it, never write it. */
-  path: string
-  /** ms since the epoch. */
-  createdAt?: number
-  /** The template the committed workspace was allocated from (its id), or null. */
-  parent: string | null
-  /** The JSON object given to commit() as `meta`. */
-  meta?: JsonObject
-  /** How the tree arrived from the workspace: 'snapshot' is a read-only btrfs subvolume snapshot (no walk). */
-  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
-  /** btrfs: the tree is a read-only subvolume (kept modes; allocate and fork snapshot it). Absent elsewhere. */
-  subvolume?: true
-  /** What the template holds (at commit); absent when a snapshot made it (nothing was walked to measure). */
-  usage?: TemplateUsage
-  /** ms since the epoch of the last allocate from it (its commit until then). */
-  lastUsedAt: number | null
-  /** Replaced or removed while an allocate read it: removed by its last reader, or by a sweep. */
-  retired: boolean
-  /** `ERR_CORRUPT_METADATA` (with `path`), or the errno of reading template.json: the template cannot be used. */
-  error?: VmspaceError
-}
-
-/** What {@link Pool.commit} returns: the new template, how it was cloned, and what it replaced. */
-export interface CommitResult extends Template {
-  /** How the workspace's tree was cloned. */
-  clone: CloneResult
-  /** With `replace: true`: the template the name pointed to before, and whether it is gone already (false:
-   * allocates were reading it; the last of them, or a sweep, removes it). */
-  replaced?: {
-    /** The replaced template's id. */
-    id: string
-    /** Whether it was removed at once (false: still being read; its last reader or a sweep removes it). */
-    removed: boolean
-  }
-}
-
-export interface NativeTemplateListing {
-  id: string
-  currentName: string
-  lastUsedMs: number
-  retired: boolean
-  metaPath: string
-  metaText?: string
-  metaError?: unknown
-}
+import type { JsonObject, Template, TemplateUsage } from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -134,18 +65,6 @@ export async function listTemplates(handle: PoolHandle, root: string): Promise<T
 /** Template names: 1–128 of `[A-Za-z0-9._-]`, starting with a letter or digit, and not 32 hex (an id's shape). */
 export const TEMPLATE_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/
 export const TEMPLATE_ID = /^[0-9a-f]{32}$/
-
-/** Options of {@link Pool.pruneTemplates}: which templates to remove. */
-export interface PruneOptions {
-  /** Keep the newest N templates (by createdAt) of each name; older ones of that name are removed. */
-  keepNewest?: number
-  /** Remove templates not used (allocated from, or committed) for this long, in ms. */
-  unusedForMs?: number
-  /** Only templates of this name. */
-  name?: string
-  /** Report, remove nothing. */
-  dryRun?: boolean
-}
 
 /** Which templates a prune removes: outside the newest `keepNewest` of their name, or unused for `unusedForMs`. */
 export function pruneCandidates(all: Template[], o: { keepNewest?: number; unusedForMs?: number; name?: string }, now: number): Template[] {
