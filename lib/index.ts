@@ -1,7 +1,8 @@
 /**
  * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md.
  */
-export { openPool, Pool, Workspace } from './pool.js'
+export { openPool, Pool } from './pool.js'
+export { Workspace } from './workspace.js'
 export type {
   PoolOptions,
   SweepSource,

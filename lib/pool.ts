@@ -3,33 +3,31 @@
  * sequence (lease file, mkdir, clones, record, publish) runs in one hop on the libuv pool.
  */
 import * as fs from 'node:fs'
-import * as os from 'node:os'
 import * as path from 'node:path'
-import { jsonMembers, native, type JsonMembers, type PoolHandle, type ProgressHandle } from './binding.js'
+import { jsonMembers, native, type JsonMembers, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
   boolean,
-  exactJson,
   integerIn,
   invalidType,
   invalidValue,
-  isPlainObject,
   oneOf,
   optionsObject,
   relativePath,
 } from './args.js'
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import { cloneOptions, cloneResultOf, reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
-import type { NativeAllocateResult, NativeCloneArray, NativeCloneResult } from './binding.js'
+import { reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
+import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
 import { WarmReserve } from './warm.js'
+import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
+import { newWorkspace, Workspace } from './workspace.js'
+import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
 import { imageOptions, withImage } from './image.js'
 import { listTemplates, parseTemplateMeta, pruneCandidates, TEMPLATE_ID, TEMPLATE_NAME, templateInfo } from './template.js'
 import type {
   AllocateOptions,
-  CloneOptions,
-  CloneResult,
   CommitResult,
   JsonObject,
   ListOptions,
@@ -37,90 +35,24 @@ import type {
   PoolStats,
   PoolUsage,
   PruneOptions,
-  QuotaOptions,
   Reflink,
   SweepEntry,
   SweepOptions,
   SweepReport,
   Template,
   TemplateCacheOptions,
-  TemplateSource,
   WarmOptions,
   WarmStats,
   WorkspaceInfo,
   WorkspaceUsage,
   Writeback,
 } from './types.js'
-import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
+import { allocateChannel, allocateResult, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
-const MAX_META_BYTES = 64 * 1024
-/** Where a workspace's lease file (and record) is: `.vmspace/leases/<the id's first hex digit>/<name>`. */
-const leasePath = (root: string, name: string) => path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
 const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
-const NAME = /^(.+)-([0-9a-f]{32})$/
-const constructing = Symbol('vmspace.internal')
-
-// The constructors of Pool and Workspace, which their types declare private.
+// The constructor of Pool, which its type declares private.
 const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
-const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
 type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
-// hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
-type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
-interface DisposeHints {
-  /** It may hold a project id claim (false: made here without a quota). */
-  claim: boolean
-}
-const unknownHints: DisposeHints = { claim: true }
-
-/**
- * Calls still running, so that close()/dispose() wait for them before the fds they use are closed. A count, not a
- * set of promises: begin()/end() cost no promise reaction on the hot path (mapNative folds them into the call's
- * own reaction).
- */
-class InFlight {
-  #count = 0
-  #waiters: (() => void)[] = []
-  get busy(): boolean {
-    return this.#count > 0
-  }
-  begin(): void {
-    this.#count++
-  }
-  end(): void {
-    if (--this.#count > 0) return
-    const waiters = this.#waiters
-    this.#waiters = []
-    for (const wake of waiters) wake()
-  }
-  track<T>(p: Promise<T>): Promise<T> {
-    this.begin()
-    const done = () => this.end()
-    p.then(done, done)
-    return p
-  }
-  /**
-   * A native call's promise `p`, counted until it settles, its value mapped by `map` and its rejection named by
-   * fromNative, all in one promise reaction (track() plus call() take two; this is the hot path of an
-   * empty allocate and of Workspace.clone).
-   */
-  mapNative<T, R>(p: Promise<T>, map: (value: T) => R): Promise<R> {
-    this.begin()
-    return p.then(
-      (value) => {
-        this.end()
-        return map(value)
-      },
-      (e: unknown) => {
-        this.end()
-        throw fromNative(e)
-      },
-    )
-  }
-  /** Resolves once no call is running (calls begun meanwhile included). */
-  idle(): Promise<void> {
-    return this.#count === 0 ? Promise.resolve() : new Promise((resolve) => this.#waiters.push(resolve))
-  }
-}
 
 /**
  * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default): missing
@@ -202,7 +134,7 @@ export class Pool implements AsyncDisposable {
 
   /** The metadata record's pid, hostname and bootId members as JSON text (each read once per process). */
   #ownerMembers(): string {
-    this.#owner ??= jsonMembers({ pid: process.pid, hostname: hostname(), bootId: this.#bootId })
+    this.#owner ??= ownerMembers(this.#bootId)
     return this.#owner
   }
   readonly #inFlight = new InFlight()
@@ -263,13 +195,7 @@ export class Pool implements AsyncDisposable {
     const mode = workspaceMode('options.mode', o.mode)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
-    // The record's members in this order: format, createdAt, pid, hostname, bootId, quota, meta; the core appends
-    // name and template and writes the object once. The caller's meta goes in as the JSON text its checks
-    // produced, not parsed and serialised again; the owner's members are serialised once per pool.
-    const quota = quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined
-    const info =
-      '"format":1,"createdAt":' + Date.now() + ',' + this.#ownerMembers() +
-      (quota ? ',"quota":' + JSON.stringify(quota) : '') + ',"meta":' + metaText(o.meta)
+    const info = recordMembers(this.#ownerMembers(), quotaBytes, quotaInodes, metaText(o.meta))
     return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
   }
 
@@ -372,7 +298,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
     const infos = entries.map((e) => {
-      const info = this.#info(e.name, e.live, e.metaText, e.metaError)
+      const info = readRecord(this.root, e.name, e.live, e.metaText, e.metaError)
       // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
       // entry's error, before any metadata problem.
       if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
@@ -432,36 +358,6 @@ export class Pool implements AsyncDisposable {
     return toUsage(await this.#inFlight.track(withProgress({ signal }, (p) => native.usage(this.#handle, name, p))))
   }
 
-  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
-    const id = NAME.exec(name)?.[2] ?? name
-    const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
-    if (metaText === undefined) {
-      info.error = fromNative(metaError) as VmspaceError
-      return info
-    }
-    let parsed: unknown
-    try {
-      parsed = JSON.parse(metaText)
-    } catch {
-      parsed = undefined
-    }
-    if (!isPlainObject(parsed)) {
-      info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
-        path: leasePath(this.root, name),
-      })
-      return info
-    }
-    const p = parsed
-    if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
-    if (isPlainObject(p.meta)) info.meta = p.meta as JsonObject
-    if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
-    if (typeof p.templateId === 'string') info.templateId = p.templateId
-    if (typeof p.pid === 'number') info.pid = p.pid
-    if (typeof p.hostname === 'string') info.hostname = p.hostname
-    if (typeof p.bootId === 'string') info.bootId = p.bootId
-    if (isPlainObject(p.quota)) info.quota = p.quota as QuotaOptions
-    return info
-  }
 
   /**
    * Takes over the workspace `id` (of this pool's prefix) whose lease is free, e.g. after its sidecar
@@ -484,7 +380,7 @@ export class Pool implements AsyncDisposable {
       throw e
     }
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd, unknownHints)
-    ws.info = this.#info(name, true, r.metaText, r.metaError)
+    ws.info = readRecord(this.root, name, true, r.metaText, r.metaError)
     ws.templateId = ws.info.templateId
     return ws
   }
@@ -507,7 +403,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const r = await call(this.#inFlight.track(native.sweep(this.#handle, { dryRun, graceMs })))
     const entry = (e: { name: string; from: SweepEntry['from']; bytes: number }): SweepEntry => ({
-      id: NAME.exec(e.name)?.[2] ?? e.name,
+      id: workspaceId(e.name),
       name: e.name,
       from: e.from,
       bytes: e.bytes,
@@ -837,211 +733,6 @@ export class Pool implements AsyncDisposable {
   }
 }
 
-/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
-export class Workspace implements AsyncDisposable {
-  /** 32 lowercase hex characters: 128 bits from getrandom(2). */
-  readonly id: string
-  /** `${prefix}-${id}`, the directory's name in the pool root. */
-  readonly name: string
-  /** Absolute path of the workspace directory. */
-  readonly path: string
-  /**
-   * The lease to hand to the sandbox's process (spawn's `stdio`, `crun run --preserve-fds`, a VMM's inherited
-   * fd): the workspace stays live, and no dispose or sweep removes it, while any process holds it (DESIGN.md,
-   * "Leases"). An fd of the workspace's lease file, opened on first access (close-on-exec in this process):
-   * a read-only regular file in the pool's `.vmspace/leases/`, not the workspace directory, so a holder can open
-   * nothing through it (no `openat`, `fchdir` or `/proc/self/fd/N/..`), cannot write it, and cannot chmod it
-   * when root made the pool (it belongs to uid 4294967294 then). After the hand-over, release() this process's
-   * hold, or dispose() once the child exited (dispose() rejects with `ERR_LEASE_HELD` while it runs). -1 after
-   * dispose() and release(): the number itself may be reused by the next fd this process opens, so a stale copy
-   * must never be handed to a child. Throws the errno of the open (`EMFILE`, ...).
-   */
-  get leaseFd(): number {
-    if (this.#leaseFd < 0 || this.#disposing) return -1
-    if (this.#handoverFd < 0) this.#handoverFd = this.#pool._openHandover(this.name, this.#leaseFd)
-    return this.#handoverFd
-  }
-  // The owner's hold of the lease (never handed out) and the description handed over (-1 until asked for).
-  #leaseFd: number
-  #handoverFd = -1
-  /** What the template cloned into the workspace (allocate only). */
-  template: CloneResult[] = []
-  /** The id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
-  templateId?: string
-  /** Metadata as recorded on disk (adopt only). */
-  info?: WorkspaceInfo
-  #status: 'ready' | 'disposed' | 'unrecoverable' | 'released' = 'ready'
-  #cause: unknown
-  #disposing: Promise<void> | undefined
-  readonly #pool: Pool
-  readonly #inFlight = new InFlight()
-  readonly #hints: DisposeHints
-
-  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
-  private constructor(...[token, pool, id, name, wsPath, leaseFd, hints]: WorkspaceArgs) {
-    if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
-    this.#pool = pool
-    this.id = id
-    this.name = name
-    this.path = wsPath
-    this.#leaseFd = leaseFd
-    this.#hints = hints
-  }
-
-  /**
-   * `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash and a
-   * sweep finishes it. `'released'` after release().
-   */
-  get status(): 'ready' | 'disposed' | 'unrecoverable' | 'released' {
-    return this.#status
-  }
-
-  /** Why dispose failed, for status `'unrecoverable'`. */
-  get cause(): unknown {
-    return this.#cause
-  }
-
-  /**
-   * Clones `source` (a file or a directory tree) into the workspace at `dest` (workspace-relative, default: the
-   * source's basename).
-   * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
-   * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
-   * clone() does, and `ERR_DISPOSED` after dispose().
-   */
-  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
-    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
-    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
-  }
-
-  // Not an async function, and one promise reaction between the native call and the caller when there is neither
-  // progress nor a signal: the in-flight count, the clone counters, the result and the error conversion are all
-  // done in it (against copyFile, each promise step more shows in `npm run bench -- --only clone`). A throw before
-  // the native call (bad arguments, ERR_DISPOSED) still rejects, as an async function's would.
-  #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
-    let run: Promise<NativeCloneArray>
-    let destPath: string
-    try {
-      const src = absolutePath('source', source)
-      const rel = relativePath('dest', dest ?? path.basename(src))
-      const opts = cloneOptions(options)
-      if (this.#status !== 'ready' || this.#disposing)
-        throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
-      // `rel` is normalised (no "." or ".." component, no slash at either end) and this.path absolute: the same
-      // string path.join would give, without its normalising pass.
-      destPath = this.path + '/' + rel
-      const start = (p: ProgressHandle | undefined) =>
-        native.clonePathBeneath(
-          this.#pool._handle, this.name, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
-          writebackValues.indexOf(opts.writeback), p,
-        )
-      run = opts.onProgress || opts.signal ? withProgress(opts, start) : start(undefined)
-    } catch (e) {
-      return Promise.reject(e)
-    }
-    return this.#inFlight.mapNative(run, (a) => {
-      const r = cloneResultOf(a, destPath)
-      this.#pool._countClone(r)
-      return r
-    })
-  }
-
-  /**
-   * Removes the workspace: removed at its name (or renamed into the pool's trash and removed there) without
-   * following symlinks or entering mounts, then its lease file; the name is never reused. Waits for clones still
-   * running. While another process holds the lease (a child given {@link Workspace.leaseFd} that still runs),
-   * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
-   * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
-   * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
-   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
-   * `'unrecoverable'` and what is left stays in trash for a sweep.
-   */
-  dispose(): Promise<void> {
-    if (this.#disposing) return this.#disposing
-    // Set before anything runs: a vmspace:dispose subscriber (its start event is published synchronously below)
-    // that reaches this workspace must find it disposing (else a second dispose runs, and the pool's open
-    // count goes negative).
-    let resolve!: () => void
-    let reject!: (e: unknown) => void
-    this.#disposing = new Promise<void>((res, rej) => {
-      resolve = res
-      reject = rej
-    })
-    if (this.#inFlight.busy) void this.#inFlight.idle().then(() => this.#disposeNow(resolve, reject))
-    else this.#disposeNow(resolve, reject)
-    return this.#disposing
-  }
-
-  // Not an async function: one promise reaction between the native call's and the caller's.
-  #disposeNow(resolve: () => void, reject: (e: unknown) => void): void {
-    let run: Promise<void>
-    try {
-      const pool = this.#pool
-      const fd = this.#leaseFd
-      const handover = this.#handoverFd
-      // The native dispose owns the fds from here on (closed whatever happens): their numbers are no longer ours.
-      this.#leaseFd = this.#handoverFd = -1
-      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, handover, this.#hints))
-    } catch (e) {
-      run = Promise.reject(e)
-    }
-    run.then(
-      () => {
-        this.#status = 'disposed'
-        resolve()
-      },
-      (e: unknown) => {
-        // ERR_LEASE_HELD: nothing was removed and this process no longer holds it: released, not broken.
-        this.#status = (e as { code?: string }).code === 'ERR_LEASE_HELD' ? 'released' : 'unrecoverable'
-        this.#cause = e
-        reject(e)
-      },
-    )
-  }
-
-  /**
-   * Drops this process's hold of the lease (its fds closed) without removing the workspace: after handing
-   * {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long as that child (and
-   * any other holder); once the lease is free, a sweep reclaims it or another process adopts it. Later calls to
-   * dispose()/clone() throw `ERR_DISPOSED`.
-   */
-  async release(): Promise<void> {
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${this.#status === 'released' ? 'released' : 'disposed'}`, { path: this.path })
-    this.#disposing = Promise.reject(
-      vmspaceError('ERR_DISPOSED', `workspace ${this.name} was released`, { path: this.path }),
-    )
-    this.#disposing.catch(() => {})
-    await this.#inFlight.idle()
-    const fd = this.#leaseFd
-    const handover = this.#handoverFd
-    this.#leaseFd = this.#handoverFd = -1  // close(2) frees the number even when it reports an error
-    if (handover >= 0) await call(native.releaseLease(handover))
-    await call(native.releaseLease(fd))
-    this.#status = 'released'
-    await this.#pool._forget()
-  }
-
-  /**
-   * Space accounting of this workspace ({@link WorkspaceUsage}): allocated, exclusive and shared bytes (FIEMAP
-   * per regular file), file and directory counts, and the quota's limits and use where one is set. Cost: a walk of
-   * the whole tree, an fstatat per entry and a FIEMAP per regular file (130–180 ms per 10,000 small files, see
-   * docs/filesystems.md); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
-   * dispose().
-   */
-  async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {
-    const o = optionsObject<{ signal?: AbortSignal }>('options', options, { signal: true })
-    const signal = abortSignal('options.signal', o.signal)
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
-    return this.#inFlight.track(this.#pool._usage(this.name, signal))
-  }
-
-  /** dispose(), for `await using ws = await pool.allocate()`. */
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.dispose()
-  }
-}
-
 /** allocate()'s options as checked, with the metadata record's members. */
 interface CheckedAllocate {
   quotaBytes: number
@@ -1077,23 +768,6 @@ function templateRef(name: string, value: unknown): string | undefined {
   if (typeof value !== 'string') throw invalidType(name, 'a template id or name', value)
   if (!TEMPLATE_NAME.test(value)) throw invalidValue(name, 'a template id (32 hex) or name (1-128 of [A-Za-z0-9._-])', value)
   return value
-}
-
-let cachedHostname: string | undefined
-// os.hostname() is a uname(2) per call; the name is recorded per workspace, so read it once.
-function hostname(): string {
-  return (cachedHostname ??= os.hostname())
-}
-
-/** `meta` as JSON text, checked: a JSON object of at most MAX_META_BYTES. */
-function metaText(meta: unknown): string {
-  if (meta === undefined) return '{}'
-  if (!isPlainObject(meta)) throw invalidType('options.meta', 'a JSON object', meta)
-  // Refused rather than changed by JSON.stringify (a Date, undefined, NaN...): list() gives back what was given.
-  const text = exactJson('options.meta', meta)
-  const bytes = Buffer.byteLength(text)
-  if (bytes > MAX_META_BYTES) throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON (it is ${bytes})`, meta, true)
-  return text
 }
 
 /**
