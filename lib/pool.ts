@@ -1,10 +1,12 @@
 /**
- * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
- * sequence (lease file, mkdir, clones, record, publish) runs in one hop on the libuv pool.
+ * Pools (DESIGN.md, "The pool on disk"): openPool and its options, and the Pool class: allocate, list, adopt,
+ * sweep, usage, stats, close, and the pool's side of templates (their logic is in lib/template.ts) and of the warm
+ * reserve (lib/warm.ts). One native call per operation: an allocate's whole sequence (lease file, mkdir, clones,
+ * record, publish) runs in one hop on the libuv pool. Elsewhere: the Workspace class (lib/workspace.ts), the
+ * workspace's metadata record (lib/metadata.ts), the public data shapes (lib/types.ts).
  */
-import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { jsonMembers, native, type JsonMembers, type PoolHandle } from './binding.js'
+import { native, type JsonMembers, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
@@ -22,10 +24,21 @@ import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
 import { WarmReserve } from './warm.js'
 import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
-import { newWorkspace, Workspace } from './workspace.js'
+import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
 import { imageOptions, withImage } from './image.js'
-import { listTemplates, parseTemplateMeta, pruneCandidates, TEMPLATE_ID, TEMPLATE_NAME, templateInfo } from './template.js'
+import {
+  commitOptions,
+  commitResult,
+  findTemplate,
+  forkFrom,
+  listTemplates,
+  parseTemplateMeta,
+  pruneTemplates,
+  readySource,
+  templateRecordMembers,
+  templateRef,
+} from './template.js'
 import type {
   AllocateOptions,
   CommitResult,
@@ -420,7 +433,7 @@ export class Pool implements AsyncDisposable {
     }
   }
 
-  // ---- templates (lib/template.ts, native/core/template.h) ----
+  // ---- templates (their logic: lib/template.ts; on disk: native/core/template.h) ----
 
   /**
    * Commits the current contents of `ws` as a template: a tree clone (reflink where possible, else a copy;
@@ -439,51 +452,32 @@ export class Pool implements AsyncDisposable {
     ws: Workspace | string,
     options?: { name?: string; meta?: JsonObject; replace?: boolean; signal?: AbortSignal; onProgress?: (p: { files: number; bytes: number }) => void },
   ): Promise<CommitResult> {
-    if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
-    if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
-    const o = optionsObject<NonNullable<typeof options>>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
-    let name = ''
-    if (o.name !== undefined) {
-      if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-      if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-        throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-      name = o.name
-    }
-    const replace = boolean('options.replace', o.replace, false)
-    const signal = abortSignal('options.signal', o.signal)
-    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-    const meta = metaText(o.meta)
+    const o = commitOptions(ws, options)
     this.#assertOpen()
-    let source: { path: string; templateId?: string }
-    if (typeof ws === 'string') {
-      // By id (the CLI, another process's workspace): a published workspace of this pool, live or not.
-      const name = `${this.prefix}-${ws}`
-      const found = (await this.list()).find((w) => w.name === name)
-      if (!found) throw errnoError(2, 'open', path.join(this.root, name))
-      source = { path: found.path, templateId: found.templateId }
-    } else {
-      if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
-      source = ws
-    }
-    const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }, ['meta', meta])
+    const source = typeof ws === 'string' ? await this.#publishedSource(ws) : readySource(ws)
     const r = await this.#inFlight.track(
-      withProgress({ signal, onProgress: o.onProgress }, (p) =>
+      withProgress({ signal: o.signal, onProgress: o.onProgress }, (p) =>
         native.commitTemplate(this.#handle, {
-          sourcePath: source.path, name, info, replace, reflink: this.#reflink, durable: this.#durable, progress: p,
+          sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta), replace: o.replace,
+          reflink: this.#reflink, durable: this.#durable, progress: p,
         }),
       ),
     )
     this._countClone(r.clone)
-    const metaPath = path.join(this.root, '.vmspace', 'templates', r.id, 'template.json')
-    const base = templateInfo(this.root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
-    base.lastUsedAt = base.createdAt ?? null
-    const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
-    if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
-    if (signal?.aborted) {
+    const result = commitResult(this.root, r, o.name)
+    if (o.signal?.aborted) {
       await this.removeTemplate(r.id).catch(() => {})
-      throw new AbortError(signal.reason)
+      throw new AbortError(o.signal.reason)
     }
     return result
+  }
+
+  /** The published workspace `id` of this pool, live or not, as commit() reads it (the CLI, another process's). */
+  async #publishedSource(id: string): Promise<{ path: string; templateId?: string }> {
+    const name = `${this.prefix}-${id}`
+    const found = (await this.list()).find((w) => w.name === name)
+    if (!found) throw errnoError(2, 'open', path.join(this.root, name))
+    return { path: found.path, templateId: found.templateId }
   }
 
   /**
@@ -497,35 +491,7 @@ export class Pool implements AsyncDisposable {
     count: number,
     options?: { meta?: JsonObject; mode?: number; signal?: AbortSignal; onProgress?: (p: { done: number; count: number }) => void },
   ): Promise<Workspace[]> {
-    const n = integerIn('count', count, 1, 4096, 1)
-    const o = optionsObject<NonNullable<typeof options>>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
-    const signal = abortSignal('options.signal', o.signal)
-    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-    metaText(o.meta)
-    workspaceMode('options.mode', o.mode)
-    const t = await this.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
-    const made: Workspace[] = []
-    let done = 0
-    try {
-      const results = await Promise.allSettled(
-        Array.from({ length: n }, async () => {
-          const child = await this.allocate({ from: t.id, meta: o.meta, mode: o.mode, signal })
-          made.push(child)
-          done++
-          o.onProgress?.({ done, count: n })
-          return child
-        }),
-      )
-      const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected')
-      if (failed) throw failed.reason
-      if (signal?.aborted) throw new AbortError(signal.reason)
-      return results.map((r) => (r as PromiseFulfilledResult<Workspace>).value)
-    } catch (e) {
-      await Promise.allSettled(made.map((w) => w.dispose()))
-      throw e
-    } finally {
-      await this.removeTemplate(t.id).catch(() => {})
-    }
+    return forkFrom(this, ws, count, options)
   }
 
   /** The pool's templates, oldest first. A template.json that cannot be read or parsed is in `error`, with its path. */
@@ -536,22 +502,7 @@ export class Pool implements AsyncDisposable {
 
   /** One template by id or current name; `ERR_TEMPLATE_NOT_FOUND` when there is none. */
   async template(idOrName: string): Promise<Template> {
-    const ref = templateRef('idOrName', idOrName)!
-    const byId = TEMPLATE_ID.test(ref)
-    const link = path.join(this.root, '.vmspace', 'templates', 'names', ref)
-    const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
-    let t: Template | undefined
-    // The listing reads names/ before the templates: a replace between the two shows the old id named and gone.
-    // Not found only when the name is missing, or still points where it did before the listing.
-    for (let tries = 0, before = await target(); tries < 16; tries++) {
-      const all = await this.templates()
-      t = byId ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
-      const after = await target()
-      if (t || after === null || after === before) break
-      before = after
-    }
-    if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(this.root, '.vmspace', 'templates') })
-    return t
+    return findTemplate(this.root, idOrName, () => this.templates())
   }
 
   /**
@@ -582,36 +533,10 @@ export class Pool implements AsyncDisposable {
     /** Templates retired but still being read (removed by their last reader, or a sweep). */
     deferred: Template[]
   }> {
-    const o = optionsObject<PruneOptions>('options', options, { keepNewest: true, unusedForMs: true, name: true, dryRun: true })
-    const keepNewest = o.keepNewest === undefined ? undefined : integerIn('options.keepNewest', o.keepNewest, 0, 2 ** 31 - 1, 0)
-    const unusedForMs = o.unusedForMs === undefined ? undefined : integerIn('options.unusedForMs', o.unusedForMs, 0, Number.MAX_SAFE_INTEGER, 0)
-    if (keepNewest === undefined && unusedForMs === undefined)
-      throw invalidValue('options', 'keepNewest and/or unusedForMs', options)
-    const name = o.name === undefined ? undefined : templateRef('options.name', o.name)
-    const dryRun = boolean('options.dryRun', o.dryRun, false)
-    const all = await this.templates()
-    const now = Date.now()
-    const chosen = pruneCandidates(all, { keepNewest, unusedForMs, name }, now)
-    // Chosen by age: removed even when current (its name goes). Chosen only as an older version: removed only
-    // while no name points to it and no commit or reader holds it (native unlessCurrent), else left for later.
-    const aged = new Set(unusedForMs === undefined ? [] : pruneCandidates(all, { unusedForMs, name }, now).map((t) => t.id))
-    const removed: Template[] = []
-    const deferred: Template[] = []
-    for (const t of chosen) {
-      if (dryRun) {
-        removed.push(t)
-        continue
-      }
-      try {
-        this.#assertOpen()
-        const r = await call(this.#inFlight.track(native.removeTemplate(this.#handle, t.id, !aged.has(t.id))))
-        if (r.kept) continue
-        ;(r.removed ? removed : deferred).push(t)
-      } catch (e) {
-        if ((e as VmspaceError).code !== 'ERR_TEMPLATE_NOT_FOUND') throw e // removed meanwhile by someone else
-      }
-    }
-    return { removed, deferred }
+    return pruneTemplates(options, () => this.templates(), (id, unlessCurrent) => {
+      this.#assertOpen()
+      return call(this.#inFlight.track(native.removeTemplate(this.#handle, id, unlessCurrent)))
+    })
   }
 
   /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */
@@ -760,24 +685,4 @@ function templateEntries(template: unknown, name = 'options.template'): { dir: s
     return [rel, absolutePath(`${name}[${JSON.stringify(dest)}]`, source)]
   })
   return { dir: '', entries }
-}
-
-/** An id or a name of a template (checked for shape; existence is the native side's). */
-function templateRef(name: string, value: unknown): string | undefined {
-  if (value === undefined) return undefined
-  if (typeof value !== 'string') throw invalidType(name, 'a template id or name', value)
-  if (!TEMPLATE_NAME.test(value)) throw invalidValue(name, 'a template id (32 hex) or name (1-128 of [A-Za-z0-9._-])', value)
-  return value
-}
-
-/**
- * A workspace directory's mode (default 0o700). Without root, a mode lacking the owner write bit (0o200) is
- * ERR_INVALID_ARG_VALUE: publishing and disposing move the directory to another parent, which rewrites its ".."
- * and needs write permission on it (EACCES otherwise), so such a workspace could not be published.
- */
-function workspaceMode(name: string, value: unknown): number {
-  const mode = integerIn(name, value, 0, 0o7777, 0o700)
-  if ((mode & 0o200) === 0 && process.geteuid?.() !== 0)
-    throw invalidValue(name, 'a mode with the owner write bit (0o200) when not root', value, true)
-  return mode
 }

@@ -1,11 +1,11 @@
 /**
  * Workspaces: the Workspace class (a workspace this process holds the lease of: its clone, dispose, release and
- * usage calls). Made by Pool.allocate and Pool.adopt (lib/pool.ts) through newWorkspace; what it needs of its pool
+ * usage calls), and the check of a workspace directory's mode. Made by Pool.allocate and Pool.adopt (lib/pool.ts) through newWorkspace; what it needs of its pool
  * is WorkspaceHost (lib/internal.ts).
  */
 import * as path from 'node:path'
 import { native, type NativeCloneArray, type ProgressHandle } from './binding.js'
-import { abortSignal, absolutePath, optionsObject, relativePath } from './args.js'
+import { abortSignal, absolutePath, integerIn, invalidValue, optionsObject, relativePath } from './args.js'
 import { call, vmspaceError } from './errors.js'
 import { cloneOptions, cloneResultOf, reflinkValues, withProgress, writebackValues } from './clone.js'
 import { cloneChannel, cloneResult, disposeChannel, traced } from './trace.js'
@@ -221,4 +221,16 @@ export class Workspace implements AsyncDisposable {
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
+}
+
+/**
+ * A workspace directory's mode (default 0o700). Without root, a mode lacking the owner write bit (0o200) is
+ * ERR_INVALID_ARG_VALUE: publishing and disposing move the directory to another parent, which rewrites its ".."
+ * and needs write permission on it (EACCES otherwise), so such a workspace could not be published.
+ */
+export function workspaceMode(name: string, value: unknown): number {
+  const mode = integerIn(name, value, 0, 0o7777, 0o700)
+  if ((mode & 0o200) === 0 && process.geteuid?.() !== 0)
+    throw invalidValue(name, 'a mode with the owner write bit (0o200) when not root', value, true)
+  return mode
 }
