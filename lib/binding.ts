@@ -1,7 +1,6 @@
 /** The native addon (native/binding/, one file per capability), loaded once per thread; its functions take checked arguments only. */
 import * as path from 'node:path'
-import type { CloneResult, Reflink, TemplateCacheUse, Writeback } from './clone.js'
-import type { WorkspaceUsage } from './quota.js'
+import type { CloneResult, Reflink, SweepSource, TemplateCacheUse, Writeback, WorkspaceUsage } from './types.js'
 
 /** A clone's result as the binding returns it: the public CloneResult without `path`, which lib/ adds. */
 export type NativeCloneResult = Omit<CloneResult, 'path'>
@@ -40,9 +39,20 @@ export interface NativeAllocateResult {
   templateMeta?: string
 }
 
+/** One template of native listTemplates(): its directory's state and its template.json text (or why not). */
+export interface NativeTemplateListing {
+  id: string
+  currentName: string
+  lastUsedMs: number
+  retired: boolean
+  metaPath: string
+  metaText?: string
+  metaError?: unknown
+}
+
 export interface NativeSweepEntry {
   name: string
-  from: 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging'
+  from: SweepSource
   bytes: number
   error?: unknown
 }
@@ -174,7 +184,7 @@ export interface Native {
     handle: PoolHandle,
     options: CommitTemplateOptions,
   ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
-  listTemplates(handle: PoolHandle): Promise<import('./template.js').NativeTemplateListing[]>
+  listTemplates(handle: PoolHandle): Promise<NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
   /**
    * Closes `handoverFd` (-1: none), then removes the workspace unless another description holds its lease

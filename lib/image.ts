@@ -18,18 +18,8 @@ import { native } from './binding.js'
 import { call, errnoError, vmspaceError } from './errors.js'
 import { lockFile } from './lock.js'
 import { renameNoReplace } from './rename.js'
+import type { ImageOptions } from './types.js'
 
-/** The image of an image-backed pool ({@link PoolOptions.image}). */
-export interface ImageOptions {
-  /** The image file on the host (resolved against the cwd). Its directory must exist. */
-  path: string
-  /**
-   * Size in bytes of an image made here (a sparse file: host blocks are taken as the pool's file system writes
-   * them, and given back as it frees them). At least 128 MiB (134217728), a multiple of 4096, and no more
-   * than the host file system has available. Ignored when the image exists.
-   */
-  size: number
-}
 
 /** The smallest image made: mkfs.btrfs refuses a device below ~109 MiB (btrfs-progs 6.2, DUP metadata). */
 export const IMAGE_MIN_BYTES = 128 * 1024 * 1024

@@ -1,7 +1,8 @@
 /**
  * vmspace: private per-VM workspace directories for sandbox sidecars (Linux). See README.md.
  */
-export { openPool, Pool, Workspace } from './pool.js'
+export { openPool, Pool } from './pool.js'
+export { Workspace } from './workspace.js'
 export type {
   PoolOptions,
   SweepSource,
@@ -20,23 +21,23 @@ export type {
   JsonValue,
   ListOptions,
   PoolUsage,
-} from './pool.js'
+} from './types.js'
 export { unmountImage } from './image.js'
-export type { ImageOptions } from './image.js'
+export type { ImageOptions } from './types.js'
 export { probeQuota } from './quota.js'
-export type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './quota.js'
+export type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './types.js'
 export { clone } from './clone.js'
 export { removeTree } from './remove.js'
 export { renameNoReplace, exchange } from './rename.js'
 export type { RemoveTreeOptions } from './remove.js'
-export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, TemplateCacheUse, Writeback } from './clone.js'
+export type { CloneOptions, CloneResult, CloneProgressEvent, Reflink, TemplateCacheUse, Writeback } from './types.js'
 export { VmspaceError, AbortError } from './errors.js'
 export type { VmspaceErrorCode, SystemErrorCode } from './errors.js'
 export { lockFile, FileLock } from './lock.js'
 export type { LockOptions } from './lock.js'
 export { updateJsonFile } from './json-file.js'
 export type { UpdateJsonOptions } from './json-file.js'
-export type { Template, TemplateUsage, CommitResult, PruneOptions } from './template.js'
+export type { Template, TemplateUsage, CommitResult, PruneOptions } from './types.js'
 export { startMetrics, poolGauges, metricsText, durationBuckets } from './metrics.js'
 export type {
   Metrics,
@@ -47,8 +48,8 @@ export type {
   OperationFigures,
   OperationRecord,
   PoolGauges,
-  CloneMethod,
 } from './metrics.js'
+export type { CloneMethod } from './types.js'
 export { registerPrometheus } from './metrics-prom.js'
 export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry, PromMetric, PromCounter, PromGauge, PromMetricConfig, PromCounterClass, PromGaugeClass } from './metrics-prom.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'

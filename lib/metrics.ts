@@ -13,11 +13,10 @@ import { performance } from 'node:perf_hooks'
 import { func, invalidType, optionsObject } from './args.js'
 import type { Pool } from './pool.js'
 import type { AllocateTrace, CloneTrace, SweepTrace } from './trace.js'
+import type { CloneMethod } from './types.js'
 
 /** The traced operations: allocate(), clone() and Workspace.clone(), dispose(), sweep(), lockFile(). */
 export type MetricsOperation = 'allocate' | 'clone' | 'dispose' | 'sweep' | 'lock'
-/** How a clone's data arrived (`'copy'`: the fallback where no reflink was possible). */
-export type CloneMethod = 'reflink' | 'copy' | 'mixed' | 'snapshot'
 
 const OPERATIONS: readonly MetricsOperation[] = ['allocate', 'clone', 'dispose', 'sweep', 'lock']
 const METHODS: readonly CloneMethod[] = ['reflink', 'copy', 'mixed', 'snapshot']

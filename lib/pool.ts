@@ -1,436 +1,71 @@
 /**
- * Pools and workspaces (DESIGN.md, "The pool on disk"). One native call per operation: an allocate's whole
- * sequence (lease file, mkdir, clones, record, publish) runs in one hop on the libuv pool.
+ * Pools (DESIGN.md, "The pool on disk"): openPool and its options, and the Pool class: allocate, list, adopt,
+ * sweep, usage, stats, close, and the pool's side of templates (their logic is in lib/template.ts) and of the warm
+ * reserve (lib/warm.ts). One native call per operation: an allocate's whole sequence (lease file, mkdir, clones,
+ * record, publish) runs in one hop on the libuv pool. Elsewhere: the Workspace class (lib/workspace.ts), the
+ * workspace's metadata record (lib/metadata.ts), the public data shapes (lib/types.ts).
  */
-import * as fs from 'node:fs'
-import * as os from 'node:os'
 import * as path from 'node:path'
-import { jsonMembers, native, type JsonMembers, type PoolHandle, type ProgressHandle } from './binding.js'
+import { native, type JsonMembers, type PoolHandle } from './binding.js'
 import {
   abortSignal,
   absolutePath,
   boolean,
-  exactJson,
   integerIn,
   invalidType,
   invalidValue,
-  isPlainObject,
   oneOf,
   optionsObject,
   relativePath,
 } from './args.js'
 import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
+import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
+import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
+import { WarmReserve } from './warm.js'
+import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
+import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
+import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
+import { imageOptions, withImage } from './image.js'
 import {
-  cloneOptions,
-  cloneResultOf,
-  reflinkValues,
-  toResult,
-  withProgress,
-  writebackValues,
-  type CloneOptions,
-  type CloneResult,
-  type Reflink,
-  type Writeback,
-} from './clone.js'
-import type { NativeAllocateResult, NativeCloneArray, NativeCloneResult } from './binding.js'
-import { projectIdRange, quotaLimits, toQuotaSupport, toUsage, type QuotaOptions, type QuotaSupport, type WorkspaceUsage } from './quota.js'
-import { WarmReserve, type WarmStats } from './warm.js'
-import { imageOptions, withImage, type ImageOptions } from './image.js'
-import {
+  commitOptions,
+  commitResult,
+  findTemplate,
+  forkFrom,
   listTemplates,
   parseTemplateMeta,
-  pruneCandidates,
-  TEMPLATE_ID,
-  TEMPLATE_NAME,
-  templateInfo,
-  type CommitResult,
-  type PruneOptions,
-  type Template,
+  pruneTemplates,
+  readySource,
+  templateRecordMembers,
+  templateRef,
 } from './template.js'
+import type {
+  AllocateOptions,
+  CommitResult,
+  JsonObject,
+  ListOptions,
+  PoolOptions,
+  PoolStats,
+  PoolUsage,
+  PruneOptions,
+  Reflink,
+  SweepEntry,
+  SweepOptions,
+  SweepReport,
+  Template,
+  TemplateCacheOptions,
+  WarmOptions,
+  WarmStats,
+  WorkspaceInfo,
+  WorkspaceUsage,
+  Writeback,
+} from './types.js'
+import { allocateChannel, allocateResult, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
 
-export type { WarmStats } from './warm.js'
-import { allocateChannel, allocateResult, cloneChannel, cloneResult, disposeChannel, sweepChannel, sweepResult, traced, type AllocateTrace } from './trace.js'
-
-/** A value JSON can hold (what `JSON.parse` returns). */
-export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue }
-/** A JSON object: workspace metadata (`meta`) and the like. */
-export type JsonObject = { [key: string]: JsonValue }
-
-/** Options of {@link openPool}. */
-export interface PoolOptions {
-  /**
-   * Make the pool when `root` is not one yet: the directory (and its parents) when missing, and `.vmspace/`,
-   * built whole under a temp name and renamed into place, so concurrent first calls make one pool. Default true.
-   */
-  create?: boolean
-  /**
-   * Make the pool in a directory that already holds other entries. Default false: such a directory is refused
-   * with `ERR_POOL_NOT_EMPTY` (nothing made), so that a typo never turns a directory of other files into a pool.
-   * Entries that are not vmspace's are never touched: a sweep reports ones named like workspaces in `foreign`.
-   */
-  nonEmpty?: boolean
-  /** Workspace names are `${prefix}-${id}`: 1–64 of `[A-Za-z0-9_-]`, starting with a letter or digit. Default `'vm'`. */
-  prefix?: string
-  /** Default reflink mode of template clones (see CloneOptions.reflink). Default `'auto'`. */
-  reflink?: Reflink
-  /** fsync clones, metadata and directories before a workspace is published. Default false. */
-  durable?: boolean
-  /**
-   * A group id whose members share the pool. By default openPool refuses (`ERR_POOL_UNSAFE`) a pool directory, or
-   * a directory or symlink on the path to it, that a user other than this process's (or root) owns or could
-   * write; a sticky directory above the pool (as /tmp) is fine. With `sharedGroup`, an entry whose group is this
-   * gid may be owned by any user and be group-writable, and the directories openPool makes get this group and
-   * mode 0o2770. Default: none.
-   */
-  sharedGroup?: number
-  /**
-   * A warm reserve (docs/warm.md): `count` workspaces of `template` built ahead of time, so that an
-   * allocate() of that template only publishes one. Default: none.
-   */
-  warm?: WarmOptions
-  /**
-   * Free-space floor in bytes: allocate() refuses with `ENOSPC` (syscall `'statvfs'`, nothing made) while the
-   * pool's file system has fewer bytes available to unprivileged users (f_bavail) than this. Default 0 (none).
-   */
-  minFreeBytes?: number
-  /**
-   * The project ids (XFS/ext4 project quotas) this pool's quota'd workspaces may take, `[first, last]`: keep it
-   * clear of the ids the host uses (/etc/projid), and give pools on one file system ranges of their own. Default
-   * `[0x40000000, 0x4fffffff]`.
-   */
-  projectIds?: [number, number]
-  /**
-   * An image-backed pool (docs/image-pool.md): `root` is the mount of a btrfs made in the file
-   * `image.path` ({@link ImageOptions}), made and mounted by this call where it is not yet (sparse file, loop
-   * device with direct I/O, mount at `root`); an existing mount of that image is just opened. Needs root.
-   * Throws, besides openPool's own errors, `ERR_IMAGE_NOT_PERMITTED`, `ERR_IMAGE_TOOL_MISSING`,
-   * `ERR_IMAGE_FOREIGN`, `ERR_IMAGE_ROOT_MOUNTED`, `ERR_IMAGE_TOOL_FAILED`, `ENOSPC` (nothing made); see
-   * DESIGN.md, "The image-backed pool".
-   */
-  image?: ImageOptions
-  /**
-   * The template cache (docs/templates-cache.md): a single-file template source on another file system than the
-   * pool (allocate's `template` entries, Workspace.clone) is copied once into `.vmspace/cache/`, keyed by its
-   * version (device, inode, size, mtime, ctime), and every later clone of that version is a reflink of the copy
-   * (CloneResult `cache`). Only where the pool's file system reflinks (XFS `reflink=1`, btrfs): on ext4 a cache would
-   * only add a copy, and none is made. `false` turns it off (every such allocate copies, as before). `maxBytes`:
-   * what {@link Pool.sweep} keeps, in allocated bytes of the cached copies, least recently used reclaimed first
-   * (copies whose source is gone or changed are reclaimed whatever the budget). Default `{ maxBytes: 8 GiB }`.
-   */
-  templateCache?: false | TemplateCacheOptions
-}
-
-/**
- * A warm reserve ({@link PoolOptions.warm}): `count` workspaces built ahead from `template`, leased by this process,
- * so that an allocate() of that template only publishes one (metadata write and one rename). Entries are ordinary
- * staging entries with lease files: a sweep reclaims them once their process is gone. An entry whose template
- * sources changed since it was built is never handed out.
- */
-export interface WarmOptions {
-  /** As AllocateOptions.template. allocate() calls with this template (a map's entries in any order) and `mode`
-   * are served from the reserve; any other allocate() builds its workspace as without a reserve. */
-  template: string | Record<string, string>
-  /** Workspaces kept built: 1–64. */
-  count: number
-  /** As AllocateOptions.mode. Default 0o700. */
-  mode?: number
-}
-
-/** Options of {@link Pool.allocate}. */
-export interface AllocateOptions {
-  /**
-   * What the workspace starts with, cloned (reflink where possible) before the workspace appears: a directory
-   * whose contents become the workspace's contents, or a map from workspace-relative paths to source files or
-   * directories (`{ 'rootfs.ext4': '/images/base.ext4' }`; missing parent directories are made).
-   */
-  template?: string | Record<string, string>
-  /**
-   * The id or name of a committed template (Pool.commit) whose tree becomes the workspace's contents,
-   * before `template` entries. `ERR_TEMPLATE_NOT_FOUND` for none (nothing made); `ERR_CORRUPT_METADATA` (with
-   * `path`) when its template.json does not parse (nothing left). A replace or removal of the template meanwhile
-   * waits for this clone: the workspace gets the whole old tree or the whole new one.
-   */
-  from?: string
-  /**
-   * A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list() exactly as given:
-   * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, -0, a Map, a class instance, a function, an array
-   * hole) is `ERR_INVALID_ARG_VALUE` naming where it is, e.g. `options.meta["when"]`.
-   */
-  meta?: JsonObject
-  /** Mode of the workspace directory, less the process umask as with mkdir(2). Default 0o700. */
-  mode?: number
-  /**
-   * Aborting rolls back: a template clone stops between entries, whatever was built is removed, and the call
-   * rejects with an AbortError (also when the abort comes just after the workspace was published).
-   */
-  signal?: AbortSignal
-  /**
-   * For template files that are copied (no reflink): start their writeback as they are copied, `'start'`, or
-   * also wait for it, `'wait'` (see CloneOptions.writeback). Default `'none'`. A workspace from the warm reserve
-   * is always written back already.
-   */
-  writeback?: Writeback
-  /**
-   * A limit of the workspace's own, enforced by the kernel (writes past it fail with `EDQUOT`); see
-   * {@link QuotaOptions}. On btrfs the workspace is a subvolume with a qgroup limit (quotas must be enabled:
-   * `btrfs quota enable`); on XFS/ext4 with project quotas it gets a project id inherited by everything inside.
-   * Elsewhere, or without CAP_SYS_ADMIN, allocate fails with `ERR_QUOTA_UNSUPPORTED` and makes nothing (see
-   * probeQuota()). `inodes` on btrfs: `ERR_QUOTA_UNSUPPORTED`.
-   */
-  quota?: QuotaOptions
-}
-
-/** Options of {@link Pool.list}. */
-export interface ListOptions {
-  /** Add each workspace's `usage` (a walk of its tree per workspace: see Workspace.usage()). Default false. */
-  usage?: boolean
-  /** Stops the usage walks: the call rejects with an AbortError. */
-  signal?: AbortSignal
-}
-
-/** The pool's totals (`pool.usage()`). Bytes throughout. */
-export interface PoolUsage {
-  /** Published workspaces counted. */
-  workspaces: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.allocatedBytes}. */
-  allocatedBytes: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.exclusiveBytes}. */
-  exclusiveBytes: number
-  /** Sum of the workspaces' {@link WorkspaceUsage.sharedBytes}. */
-  sharedBytes: number
-  /** Regular files in all workspaces. */
-  files: number
-  /** Directories in all workspaces. */
-  dirs: number
-  /** Of the pool's file system (statvfs): available to unprivileged users, free, total. */
-  availableBytes: number
-  /** Free bytes of the pool's file system (statvfs f_bfree), including those reserved for root. */
-  freeBytes: number
-  /** Size of the pool's file system in bytes. */
-  totalBytes: number
-  /** Whether workspace quotas can be enforced on the pool's file system. */
-  quota: QuotaSupport
-}
-
-/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
-export interface TemplateSource {
-  /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
-  dest: string
-  /** Absolute path of the source file or directory. */
-  source: string
-  /** A regular file or a directory tree. */
-  kind: 'file' | 'tree'
-  /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
-  dev: string
-  /** The source's inode number (decimal string). */
-  ino: string
-  /** The source's size in bytes (a tree: its directory's st_size). */
-  size: number
-  /** The source's modification time in ns since the epoch (decimal string). */
-  mtimeNs: string
-  /** How its data arrived in the workspace. */
-  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
-}
-
-/** A published workspace as {@link Pool.list} finds it (and {@link Workspace.info} after adopt). */
-export interface WorkspaceInfo {
-  /** 32 lowercase hex characters (the whole name when it does not have the `<prefix>-<id>` shape). */
-  id: string
-  /** The directory's name in the pool root. */
-  name: string
-  /** Absolute path of the workspace directory. */
-  path: string
-  /** True while some process holds the lease (judged by F_OFD_GETLK on its lease file, which takes no lock). */
-  live: boolean
-  /** ms since the epoch. */
-  createdAt?: number
-  /** The `meta` given to allocate(). */
-  meta?: JsonObject
-  /** What the template cloned into it, with each source's identity at that time. */
-  template?: TemplateSource[]
-  /** The template it was allocated from (`allocate({ from })`). */
-  templateId?: string
-  /** Process id of the allocating process. */
-  pid?: number
-  /** Host name of the allocating machine. */
-  hostname?: string
-  /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
-  bootId?: string
-  /**
-   * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
-   * `syscall: 'fcntl(F_OFD_GETLK)'` (or `'open'` of the lease file), when the lease probe failed with an unexpected errno (`live` is then true: undecided
-   * entries are never reported reclaimable).
-   */
-  error?: VmspaceError
-  /** The quota asked for at allocate. */
-  quota?: QuotaOptions
-  /** list({ usage: true }) only (absent for a workspace disposed during the walk; `error` set where the walk failed). */
-  usage?: WorkspaceUsage
-}
-
-/** Options of the pool's template cache ({@link PoolOptions.templateCache}). */
-export interface TemplateCacheOptions {
-  /** What a sweep keeps of the cache: allocated bytes of its copies (an integer ≥ 0). Default 8 GiB (8 * 2 ** 30). */
-  maxBytes?: number
-}
-
-/** Options of {@link Pool.sweep}. */
-export interface SweepOptions {
-  /** Report what would be reclaimed without touching anything (`bytes` are then 0). Default false. */
-  dryRun?: boolean
-  /**
-   * What has no lease is left alone while younger than this (ms, by birth time): half-built templates, temp files
-   * of a write or a pool being made. Workspaces need none: a build's lease is held from before its directory
-   * exists, so none in progress is ever taken. Default 60000.
-   */
-  graceMs?: number
-}
-
-/** One entry a sweep reclaimed (or failed to). */
-export interface SweepEntry {
-  /** The workspace's id (the whole name for an entry without the `<prefix>-<id>` shape). */
-  id: string
-  /** The entry's directory name. */
-  name: string
-  /**
-   * Where it was found: a published workspace whose owner is gone, a dead build, or trash; a retired template
-   * no one reads (`'template'`, name `template-<id>`) or a commit whose process died (`'template-staging'`);
-   * `'lease'` for a failure on a lease file whose workspace was gone; `'template-cache'` a cached copy of a template
-   * source (name: its key, `<dev>-<ino>-<size>-<mtime>-<ctime>`) whose source is gone or changed, or beyond the
-   * cache's budget ({@link PoolOptions.templateCache}).
-   */
-  from: SweepSource
-  /**
-   * Space the file system got back, in bytes: the allocated blocks of what was removed less the extents it shared
-   * with other files (FIEMAP_EXTENT_SHARED: reflinked template data stays allocated). Where the tree could not be
-   * read for that, its allocated blocks. 0 with `dryRun` (nothing is removed) and for an entry in `failed`.
-   */
-  bytes: number
-}
-
-/** An entry whose handling failed in a sweep ({@link SweepReport.failed}). */
-export interface SweepFailure extends SweepEntry {
-  /** `error.code`. */
-  code: VmspaceError['code']
-  /** Why the entry failed. */
-  error: VmspaceError
-}
-
-/** What {@link Pool.sweep} did. */
-export interface SweepReport {
-  /** Entries removed (with `dryRun`: that would be removed). */
-  reclaimed: SweepEntry[]
-  /** Published workspaces left alone because a process holds their lease. */
-  live: number
-  /**
-   * Entries whose handling failed, one each; the sweep goes on with the others. `EBUSY` (a mount inside) and
-   * any other errno of the removal, `ENOMEM` (also a C++ allocation failure), `ERR_INTERNAL`; `error.syscall`
-   * `'fcntl(F_OFD_GETLK)'` when the lease probe failed (the entry's liveness is then unknown: it is neither
-   * counted `live` nor touched). What is left stays for a later sweep. An entry that a concurrent dispose,
-   * allocate or sweep finished meanwhile is not a failure (it is in no list).
-   */
-  failed: SweepFailure[]
-  /** Lease files removed because their workspace was gone (a build or dispose that died between two steps). */
-  leasesRemoved: number
-  /**
-   * Paths of entries in the root, staging or trash named like workspaces but without a lease file: vmspace did
-   * not make them (or no longer owns them), so they are left as they are.
-   */
-  foreign: string[]
-}
-
-/** Where a swept entry was found ({@link SweepEntry.from}). */
-export type SweepSource = 'published' | 'staging' | 'trash' | 'lease' | 'template' | 'template-staging' | 'template-cache'
-
-/** Counters of {@link Pool.stats}. */
-export interface PoolStats {
-  /** Workspaces allocated. */
-  allocated: number
-  /** Workspaces disposed. */
-  disposed: number
-  /** allocate calls that failed (and rolled back). */
-  failed: number
-  /** Names drawn again because the one drawn existed. */
-  nameRetries: number
-  /** Regular files cloned into workspaces (templates and Workspace.clone) by how their data arrived. */
-  clones: {
-    /** Files whose extents are shared with their source. */
-    reflink: number
-    /** Files whose data was copied. */
-    copy: number
-  }
-  /** Their logical bytes. */
-  bytesCloned: number
-}
-
-const MAX_META_BYTES = 64 * 1024
-/** Where a workspace's lease file (and record) is: `.vmspace/leases/<the id's first hex digit>/<name>`. */
-const leasePath = (root: string, name: string) => path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
 const PREFIX = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/
-const NAME = /^(.+)-([0-9a-f]{32})$/
-const constructing = Symbol('vmspace.internal')
-
-// The constructors of Pool and Workspace, which their types declare private.
+// The constructor of Pool, which its type declares private.
 const newPool = (...args: PoolArgs) => new (Pool as unknown as new (...a: PoolArgs) => Pool)(...args)
-const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
 type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string, reflink: Reflink, durable: boolean, bootId: string]
-// hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
-type WorkspaceArgs = [token: symbol, pool: Pool, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
-interface DisposeHints {
-  /** It may hold a project id claim (false: made here without a quota). */
-  claim: boolean
-}
-const unknownHints: DisposeHints = { claim: true }
-
-/**
- * Calls still running, so that close()/dispose() wait for them before the fds they use are closed. A count, not a
- * set of promises: begin()/end() cost no promise reaction on the hot path (mapNative folds them into the call's
- * own reaction).
- */
-class InFlight {
-  #count = 0
-  #waiters: (() => void)[] = []
-  get busy(): boolean {
-    return this.#count > 0
-  }
-  begin(): void {
-    this.#count++
-  }
-  end(): void {
-    if (--this.#count > 0) return
-    const waiters = this.#waiters
-    this.#waiters = []
-    for (const wake of waiters) wake()
-  }
-  track<T>(p: Promise<T>): Promise<T> {
-    this.begin()
-    const done = () => this.end()
-    p.then(done, done)
-    return p
-  }
-  /**
-   * A native call's promise `p`, counted until it settles, its value mapped by `map` and its rejection named by
-   * fromNative, all in one promise reaction (track() plus call() take two; this is the hot path of an
-   * empty allocate and of Workspace.clone).
-   */
-  mapNative<T, R>(p: Promise<T>, map: (value: T) => R): Promise<R> {
-    this.begin()
-    return p.then(
-      (value) => {
-        this.end()
-        return map(value)
-      },
-      (e: unknown) => {
-        this.end()
-        throw fromNative(e)
-      },
-    )
-  }
-  /** Resolves once no call is running (calls begun meanwhile included). */
-  idle(): Promise<void> {
-    return this.#count === 0 ? Promise.resolve() : new Promise((resolve) => this.#waiters.push(resolve))
-  }
-}
 
 /**
  * Opens the pool at `root` (resolved against the cwd), making it when `create` is true (the default): missing
@@ -512,7 +147,7 @@ export class Pool implements AsyncDisposable {
 
   /** The metadata record's pid, hostname and bootId members as JSON text (each read once per process). */
   #ownerMembers(): string {
-    this.#owner ??= jsonMembers({ pid: process.pid, hostname: hostname(), bootId: this.#bootId })
+    this.#owner ??= ownerMembers(this.#bootId)
     return this.#owner
   }
   readonly #inFlight = new InFlight()
@@ -573,13 +208,7 @@ export class Pool implements AsyncDisposable {
     const mode = workspaceMode('options.mode', o.mode)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
-    // The record's members in this order: format, createdAt, pid, hostname, bootId, quota, meta; the core appends
-    // name and template and writes the object once. The caller's meta goes in as the JSON text its checks
-    // produced, not parsed and serialised again; the owner's members are serialised once per pool.
-    const quota = quotaBytes || quotaInodes ? { ...(quotaBytes ? { bytes: quotaBytes } : {}), ...(quotaInodes ? { inodes: quotaInodes } : {}) } : undefined
-    const info =
-      '"format":1,"createdAt":' + Date.now() + ',' + this.#ownerMembers() +
-      (quota ? ',"quota":' + JSON.stringify(quota) : '') + ',"meta":' + metaText(o.meta)
+    const info = recordMembers(this.#ownerMembers(), quotaBytes, quotaInodes, metaText(o.meta))
     return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
   }
 
@@ -682,7 +311,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
     const infos = entries.map((e) => {
-      const info = this.#info(e.name, e.live, e.metaText, e.metaError)
+      const info = readRecord(this.root, e.name, e.live, e.metaText, e.metaError)
       // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
       // entry's error, before any metadata problem.
       if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
@@ -742,36 +371,6 @@ export class Pool implements AsyncDisposable {
     return toUsage(await this.#inFlight.track(withProgress({ signal }, (p) => native.usage(this.#handle, name, p))))
   }
 
-  #info(name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
-    const id = NAME.exec(name)?.[2] ?? name
-    const info: WorkspaceInfo = { id, name, path: path.join(this.root, name), live }
-    if (metaText === undefined) {
-      info.error = fromNative(metaError) as VmspaceError
-      return info
-    }
-    let parsed: unknown
-    try {
-      parsed = JSON.parse(metaText)
-    } catch {
-      parsed = undefined
-    }
-    if (!isPlainObject(parsed)) {
-      info.error = vmspaceError('ERR_CORRUPT_METADATA', `metadata of ${name} is not a JSON object`, {
-        path: leasePath(this.root, name),
-      })
-      return info
-    }
-    const p = parsed
-    if (typeof p.createdAt === 'number') info.createdAt = p.createdAt
-    if (isPlainObject(p.meta)) info.meta = p.meta as JsonObject
-    if (Array.isArray(p.template)) info.template = p.template as TemplateSource[]
-    if (typeof p.templateId === 'string') info.templateId = p.templateId
-    if (typeof p.pid === 'number') info.pid = p.pid
-    if (typeof p.hostname === 'string') info.hostname = p.hostname
-    if (typeof p.bootId === 'string') info.bootId = p.bootId
-    if (isPlainObject(p.quota)) info.quota = p.quota as QuotaOptions
-    return info
-  }
 
   /**
    * Takes over the workspace `id` (of this pool's prefix) whose lease is free, e.g. after its sidecar
@@ -794,7 +393,7 @@ export class Pool implements AsyncDisposable {
       throw e
     }
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd, unknownHints)
-    ws.info = this.#info(name, true, r.metaText, r.metaError)
+    ws.info = readRecord(this.root, name, true, r.metaText, r.metaError)
     ws.templateId = ws.info.templateId
     return ws
   }
@@ -817,7 +416,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const r = await call(this.#inFlight.track(native.sweep(this.#handle, { dryRun, graceMs })))
     const entry = (e: { name: string; from: SweepEntry['from']; bytes: number }): SweepEntry => ({
-      id: NAME.exec(e.name)?.[2] ?? e.name,
+      id: workspaceId(e.name),
       name: e.name,
       from: e.from,
       bytes: e.bytes,
@@ -834,7 +433,7 @@ export class Pool implements AsyncDisposable {
     }
   }
 
-  // ---- templates (lib/template.ts, native/core/template.h) ----
+  // ---- templates (their logic: lib/template.ts; on disk: native/core/template.h) ----
 
   /**
    * Commits the current contents of `ws` as a template: a tree clone (reflink where possible, else a copy;
@@ -853,51 +452,32 @@ export class Pool implements AsyncDisposable {
     ws: Workspace | string,
     options?: { name?: string; meta?: JsonObject; replace?: boolean; signal?: AbortSignal; onProgress?: (p: { files: number; bytes: number }) => void },
   ): Promise<CommitResult> {
-    if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
-    if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
-    const o = optionsObject<NonNullable<typeof options>>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
-    let name = ''
-    if (o.name !== undefined) {
-      if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-      if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-        throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-      name = o.name
-    }
-    const replace = boolean('options.replace', o.replace, false)
-    const signal = abortSignal('options.signal', o.signal)
-    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-    const meta = metaText(o.meta)
+    const o = commitOptions(ws, options)
     this.#assertOpen()
-    let source: { path: string; templateId?: string }
-    if (typeof ws === 'string') {
-      // By id (the CLI, another process's workspace): a published workspace of this pool, live or not.
-      const name = `${this.prefix}-${ws}`
-      const found = (await this.list()).find((w) => w.name === name)
-      if (!found) throw errnoError(2, 'open', path.join(this.root, name))
-      source = { path: found.path, templateId: found.templateId }
-    } else {
-      if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
-      source = ws
-    }
-    const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: source.templateId ?? null }, ['meta', meta])
+    const source = typeof ws === 'string' ? await this.#publishedSource(ws) : readySource(ws)
     const r = await this.#inFlight.track(
-      withProgress({ signal, onProgress: o.onProgress }, (p) =>
+      withProgress({ signal: o.signal, onProgress: o.onProgress }, (p) =>
         native.commitTemplate(this.#handle, {
-          sourcePath: source.path, name, info, replace, reflink: this.#reflink, durable: this.#durable, progress: p,
+          sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta), replace: o.replace,
+          reflink: this.#reflink, durable: this.#durable, progress: p,
         }),
       ),
     )
     this._countClone(r.clone)
-    const metaPath = path.join(this.root, '.vmspace', 'templates', r.id, 'template.json')
-    const base = templateInfo(this.root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
-    base.lastUsedAt = base.createdAt ?? null
-    const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
-    if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
-    if (signal?.aborted) {
+    const result = commitResult(this.root, r, o.name)
+    if (o.signal?.aborted) {
       await this.removeTemplate(r.id).catch(() => {})
-      throw new AbortError(signal.reason)
+      throw new AbortError(o.signal.reason)
     }
     return result
+  }
+
+  /** The published workspace `id` of this pool, live or not, as commit() reads it (the CLI, another process's). */
+  async #publishedSource(id: string): Promise<{ path: string; templateId?: string }> {
+    const name = `${this.prefix}-${id}`
+    const found = (await this.list()).find((w) => w.name === name)
+    if (!found) throw errnoError(2, 'open', path.join(this.root, name))
+    return { path: found.path, templateId: found.templateId }
   }
 
   /**
@@ -911,35 +491,7 @@ export class Pool implements AsyncDisposable {
     count: number,
     options?: { meta?: JsonObject; mode?: number; signal?: AbortSignal; onProgress?: (p: { done: number; count: number }) => void },
   ): Promise<Workspace[]> {
-    const n = integerIn('count', count, 1, 4096, 1)
-    const o = optionsObject<NonNullable<typeof options>>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
-    const signal = abortSignal('options.signal', o.signal)
-    if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-    metaText(o.meta)
-    workspaceMode('options.mode', o.mode)
-    const t = await this.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
-    const made: Workspace[] = []
-    let done = 0
-    try {
-      const results = await Promise.allSettled(
-        Array.from({ length: n }, async () => {
-          const child = await this.allocate({ from: t.id, meta: o.meta, mode: o.mode, signal })
-          made.push(child)
-          done++
-          o.onProgress?.({ done, count: n })
-          return child
-        }),
-      )
-      const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected')
-      if (failed) throw failed.reason
-      if (signal?.aborted) throw new AbortError(signal.reason)
-      return results.map((r) => (r as PromiseFulfilledResult<Workspace>).value)
-    } catch (e) {
-      await Promise.allSettled(made.map((w) => w.dispose()))
-      throw e
-    } finally {
-      await this.removeTemplate(t.id).catch(() => {})
-    }
+    return forkFrom(this, ws, count, options)
   }
 
   /** The pool's templates, oldest first. A template.json that cannot be read or parsed is in `error`, with its path. */
@@ -950,22 +502,7 @@ export class Pool implements AsyncDisposable {
 
   /** One template by id or current name; `ERR_TEMPLATE_NOT_FOUND` when there is none. */
   async template(idOrName: string): Promise<Template> {
-    const ref = templateRef('idOrName', idOrName)!
-    const byId = TEMPLATE_ID.test(ref)
-    const link = path.join(this.root, '.vmspace', 'templates', 'names', ref)
-    const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
-    let t: Template | undefined
-    // The listing reads names/ before the templates: a replace between the two shows the old id named and gone.
-    // Not found only when the name is missing, or still points where it did before the listing.
-    for (let tries = 0, before = await target(); tries < 16; tries++) {
-      const all = await this.templates()
-      t = byId ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
-      const after = await target()
-      if (t || after === null || after === before) break
-      before = after
-    }
-    if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(this.root, '.vmspace', 'templates') })
-    return t
+    return findTemplate(this.root, idOrName, () => this.templates())
   }
 
   /**
@@ -996,36 +533,10 @@ export class Pool implements AsyncDisposable {
     /** Templates retired but still being read (removed by their last reader, or a sweep). */
     deferred: Template[]
   }> {
-    const o = optionsObject<PruneOptions>('options', options, { keepNewest: true, unusedForMs: true, name: true, dryRun: true })
-    const keepNewest = o.keepNewest === undefined ? undefined : integerIn('options.keepNewest', o.keepNewest, 0, 2 ** 31 - 1, 0)
-    const unusedForMs = o.unusedForMs === undefined ? undefined : integerIn('options.unusedForMs', o.unusedForMs, 0, Number.MAX_SAFE_INTEGER, 0)
-    if (keepNewest === undefined && unusedForMs === undefined)
-      throw invalidValue('options', 'keepNewest and/or unusedForMs', options)
-    const name = o.name === undefined ? undefined : templateRef('options.name', o.name)
-    const dryRun = boolean('options.dryRun', o.dryRun, false)
-    const all = await this.templates()
-    const now = Date.now()
-    const chosen = pruneCandidates(all, { keepNewest, unusedForMs, name }, now)
-    // Chosen by age: removed even when current (its name goes). Chosen only as an older version: removed only
-    // while no name points to it and no commit or reader holds it (native unlessCurrent), else left for later.
-    const aged = new Set(unusedForMs === undefined ? [] : pruneCandidates(all, { unusedForMs, name }, now).map((t) => t.id))
-    const removed: Template[] = []
-    const deferred: Template[] = []
-    for (const t of chosen) {
-      if (dryRun) {
-        removed.push(t)
-        continue
-      }
-      try {
-        this.#assertOpen()
-        const r = await call(this.#inFlight.track(native.removeTemplate(this.#handle, t.id, !aged.has(t.id))))
-        if (r.kept) continue
-        ;(r.removed ? removed : deferred).push(t)
-      } catch (e) {
-        if ((e as VmspaceError).code !== 'ERR_TEMPLATE_NOT_FOUND') throw e // removed meanwhile by someone else
-      }
-    }
-    return { removed, deferred }
+    return pruneTemplates(options, () => this.templates(), (id, unlessCurrent) => {
+      this.#assertOpen()
+      return call(this.#inFlight.track(native.removeTemplate(this.#handle, id, unlessCurrent)))
+    })
   }
 
   /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */
@@ -1147,211 +658,6 @@ export class Pool implements AsyncDisposable {
   }
 }
 
-/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
-export class Workspace implements AsyncDisposable {
-  /** 32 lowercase hex characters: 128 bits from getrandom(2). */
-  readonly id: string
-  /** `${prefix}-${id}`, the directory's name in the pool root. */
-  readonly name: string
-  /** Absolute path of the workspace directory. */
-  readonly path: string
-  /**
-   * The lease to hand to the sandbox's process (spawn's `stdio`, `crun run --preserve-fds`, a VMM's inherited
-   * fd): the workspace stays live, and no dispose or sweep removes it, while any process holds it (DESIGN.md,
-   * "Leases"). An fd of the workspace's lease file, opened on first access (close-on-exec in this process):
-   * a read-only regular file in the pool's `.vmspace/leases/`, not the workspace directory, so a holder can open
-   * nothing through it (no `openat`, `fchdir` or `/proc/self/fd/N/..`), cannot write it, and cannot chmod it
-   * when root made the pool (it belongs to uid 4294967294 then). After the hand-over, release() this process's
-   * hold, or dispose() once the child exited (dispose() rejects with `ERR_LEASE_HELD` while it runs). -1 after
-   * dispose() and release(): the number itself may be reused by the next fd this process opens, so a stale copy
-   * must never be handed to a child. Throws the errno of the open (`EMFILE`, ...).
-   */
-  get leaseFd(): number {
-    if (this.#leaseFd < 0 || this.#disposing) return -1
-    if (this.#handoverFd < 0) this.#handoverFd = this.#pool._openHandover(this.name, this.#leaseFd)
-    return this.#handoverFd
-  }
-  // The owner's hold of the lease (never handed out) and the description handed over (-1 until asked for).
-  #leaseFd: number
-  #handoverFd = -1
-  /** What the template cloned into the workspace (allocate only). */
-  template: CloneResult[] = []
-  /** The id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
-  templateId?: string
-  /** Metadata as recorded on disk (adopt only). */
-  info?: WorkspaceInfo
-  #status: 'ready' | 'disposed' | 'unrecoverable' | 'released' = 'ready'
-  #cause: unknown
-  #disposing: Promise<void> | undefined
-  readonly #pool: Pool
-  readonly #inFlight = new InFlight()
-  readonly #hints: DisposeHints
-
-  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
-  private constructor(...[token, pool, id, name, wsPath, leaseFd, hints]: WorkspaceArgs) {
-    if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
-    this.#pool = pool
-    this.id = id
-    this.name = name
-    this.path = wsPath
-    this.#leaseFd = leaseFd
-    this.#hints = hints
-  }
-
-  /**
-   * `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash and a
-   * sweep finishes it. `'released'` after release().
-   */
-  get status(): 'ready' | 'disposed' | 'unrecoverable' | 'released' {
-    return this.#status
-  }
-
-  /** Why dispose failed, for status `'unrecoverable'`. */
-  get cause(): unknown {
-    return this.#cause
-  }
-
-  /**
-   * Clones `source` (a file or a directory tree) into the workspace at `dest` (workspace-relative, default: the
-   * source's basename).
-   * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
-   * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
-   * clone() does, and `ERR_DISPOSED` after dispose().
-   */
-  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
-    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
-    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
-  }
-
-  // Not an async function, and one promise reaction between the native call and the caller when there is neither
-  // progress nor a signal: the in-flight count, the clone counters, the result and the error conversion are all
-  // done in it (against copyFile, each promise step more shows in `npm run bench -- --only clone`). A throw before
-  // the native call (bad arguments, ERR_DISPOSED) still rejects, as an async function's would.
-  #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
-    let run: Promise<NativeCloneArray>
-    let destPath: string
-    try {
-      const src = absolutePath('source', source)
-      const rel = relativePath('dest', dest ?? path.basename(src))
-      const opts = cloneOptions(options)
-      if (this.#status !== 'ready' || this.#disposing)
-        throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
-      // `rel` is normalised (no "." or ".." component, no slash at either end) and this.path absolute: the same
-      // string path.join would give, without its normalising pass.
-      destPath = this.path + '/' + rel
-      const start = (p: ProgressHandle | undefined) =>
-        native.clonePathBeneath(
-          this.#pool._handle, this.name, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
-          writebackValues.indexOf(opts.writeback), p,
-        )
-      run = opts.onProgress || opts.signal ? withProgress(opts, start) : start(undefined)
-    } catch (e) {
-      return Promise.reject(e)
-    }
-    return this.#inFlight.mapNative(run, (a) => {
-      const r = cloneResultOf(a, destPath)
-      this.#pool._countClone(r)
-      return r
-    })
-  }
-
-  /**
-   * Removes the workspace: removed at its name (or renamed into the pool's trash and removed there) without
-   * following symlinks or entering mounts, then its lease file; the name is never reused. Waits for clones still
-   * running. While another process holds the lease (a child given {@link Workspace.leaseFd} that still runs),
-   * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
-   * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
-   * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
-   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
-   * `'unrecoverable'` and what is left stays in trash for a sweep.
-   */
-  dispose(): Promise<void> {
-    if (this.#disposing) return this.#disposing
-    // Set before anything runs: a vmspace:dispose subscriber (its start event is published synchronously below)
-    // that reaches this workspace must find it disposing (else a second dispose runs, and the pool's open
-    // count goes negative).
-    let resolve!: () => void
-    let reject!: (e: unknown) => void
-    this.#disposing = new Promise<void>((res, rej) => {
-      resolve = res
-      reject = rej
-    })
-    if (this.#inFlight.busy) void this.#inFlight.idle().then(() => this.#disposeNow(resolve, reject))
-    else this.#disposeNow(resolve, reject)
-    return this.#disposing
-  }
-
-  // Not an async function: one promise reaction between the native call's and the caller's.
-  #disposeNow(resolve: () => void, reject: (e: unknown) => void): void {
-    let run: Promise<void>
-    try {
-      const pool = this.#pool
-      const fd = this.#leaseFd
-      const handover = this.#handoverFd
-      // The native dispose owns the fds from here on (closed whatever happens): their numbers are no longer ours.
-      this.#leaseFd = this.#handoverFd = -1
-      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, handover, this.#hints))
-    } catch (e) {
-      run = Promise.reject(e)
-    }
-    run.then(
-      () => {
-        this.#status = 'disposed'
-        resolve()
-      },
-      (e: unknown) => {
-        // ERR_LEASE_HELD: nothing was removed and this process no longer holds it: released, not broken.
-        this.#status = (e as { code?: string }).code === 'ERR_LEASE_HELD' ? 'released' : 'unrecoverable'
-        this.#cause = e
-        reject(e)
-      },
-    )
-  }
-
-  /**
-   * Drops this process's hold of the lease (its fds closed) without removing the workspace: after handing
-   * {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long as that child (and
-   * any other holder); once the lease is free, a sweep reclaims it or another process adopts it. Later calls to
-   * dispose()/clone() throw `ERR_DISPOSED`.
-   */
-  async release(): Promise<void> {
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${this.#status === 'released' ? 'released' : 'disposed'}`, { path: this.path })
-    this.#disposing = Promise.reject(
-      vmspaceError('ERR_DISPOSED', `workspace ${this.name} was released`, { path: this.path }),
-    )
-    this.#disposing.catch(() => {})
-    await this.#inFlight.idle()
-    const fd = this.#leaseFd
-    const handover = this.#handoverFd
-    this.#leaseFd = this.#handoverFd = -1  // close(2) frees the number even when it reports an error
-    if (handover >= 0) await call(native.releaseLease(handover))
-    await call(native.releaseLease(fd))
-    this.#status = 'released'
-    await this.#pool._forget()
-  }
-
-  /**
-   * Space accounting of this workspace ({@link WorkspaceUsage}): allocated, exclusive and shared bytes (FIEMAP
-   * per regular file), file and directory counts, and the quota's limits and use where one is set. Cost: a walk of
-   * the whole tree, an fstatat per entry and a FIEMAP per regular file (130–180 ms per 10,000 small files, see
-   * docs/filesystems.md); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
-   * dispose().
-   */
-  async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {
-    const o = optionsObject<{ signal?: AbortSignal }>('options', options, { signal: true })
-    const signal = abortSignal('options.signal', o.signal)
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
-    return this.#inFlight.track(this.#pool._usage(this.name, signal))
-  }
-
-  /** dispose(), for `await using ws = await pool.allocate()`. */
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.dispose()
-  }
-}
-
 /** allocate()'s options as checked, with the metadata record's members. */
 interface CheckedAllocate {
   quotaBytes: number
@@ -1379,41 +685,4 @@ function templateEntries(template: unknown, name = 'options.template'): { dir: s
     return [rel, absolutePath(`${name}[${JSON.stringify(dest)}]`, source)]
   })
   return { dir: '', entries }
-}
-
-/** An id or a name of a template (checked for shape; existence is the native side's). */
-function templateRef(name: string, value: unknown): string | undefined {
-  if (value === undefined) return undefined
-  if (typeof value !== 'string') throw invalidType(name, 'a template id or name', value)
-  if (!TEMPLATE_NAME.test(value)) throw invalidValue(name, 'a template id (32 hex) or name (1-128 of [A-Za-z0-9._-])', value)
-  return value
-}
-
-let cachedHostname: string | undefined
-// os.hostname() is a uname(2) per call; the name is recorded per workspace, so read it once.
-function hostname(): string {
-  return (cachedHostname ??= os.hostname())
-}
-
-/** `meta` as JSON text, checked: a JSON object of at most MAX_META_BYTES. */
-function metaText(meta: unknown): string {
-  if (meta === undefined) return '{}'
-  if (!isPlainObject(meta)) throw invalidType('options.meta', 'a JSON object', meta)
-  // Refused rather than changed by JSON.stringify (a Date, undefined, NaN...): list() gives back what was given.
-  const text = exactJson('options.meta', meta)
-  const bytes = Buffer.byteLength(text)
-  if (bytes > MAX_META_BYTES) throw invalidValue('options.meta', `at most ${MAX_META_BYTES} bytes of JSON (it is ${bytes})`, meta, true)
-  return text
-}
-
-/**
- * A workspace directory's mode (default 0o700). Without root, a mode lacking the owner write bit (0o200) is
- * ERR_INVALID_ARG_VALUE: publishing and disposing move the directory to another parent, which rewrites its ".."
- * and needs write permission on it (EACCES otherwise), so such a workspace could not be published.
- */
-function workspaceMode(name: string, value: unknown): number {
-  const mode = integerIn(name, value, 0, 0o7777, 0o700)
-  if ((mode & 0o200) === 0 && process.geteuid?.() !== 0)
-    throw invalidValue(name, 'a mode with the owner write bit (0o200) when not root', value, true)
-  return mode
 }

@@ -5,67 +5,7 @@
 import { native, type NativeQuotaSupport, type NativeUsage } from './binding.js'
 import { absolutePath, integerIn, invalidType, invalidValue, optionsObject } from './args.js'
 import { call, errnoName } from './errors.js'
-
-/** A workspace's own limit (`allocate({ quota })`), enforced by the kernel: writes past it fail with `EDQUOT`. */
-export interface QuotaOptions {
-  /**
-   * Bytes the workspace may cost. btrfs: the exclusive bytes of its subvolume's qgroup (extents shared with the
-   * template by reflink are not charged until rewritten). XFS/ext4 project quota: every block charged to its
-   * project (reflinked blocks count in full there), rounded up to 1 KiB.
-   */
-  bytes?: number
-  /** Files and directories the workspace may hold (project quotas only; btrfs has no inode limit: refused). */
-  inodes?: number
-}
-
-/** Whether a directory's file system can enforce a workspace quota (`probeQuota`, `pool.usage().quota`). */
-export interface QuotaSupport {
-  /** Whether `allocate({ quota })` can be enforced on this file system (else it fails ERR_QUOTA_UNSUPPORTED). */
-  supported: boolean
-  /** `'btrfs-qgroup'`: a subvolume per workspace with a qgroup limit; `'project'`: an XFS/ext4 project id. */
-  backend: 'btrfs-qgroup' | 'project' | 'none'
-  /** Whether `quota.inodes` can be enforced. */
-  inodes: boolean
-  /** What is used, or why it cannot be (e.g. "btrfs quotas (qgroups) are not enabled …"). */
-  detail: string
-  /** The errno behind a refusal: `ENOTCONN` (btrfs quotas off), `EPERM` (no CAP_SYS_ADMIN), `ESRCH` (project
-   * quota not on), `ENOSYS` (no quota support, or no quotactl_fd before Linux 5.14), `EOPNOTSUPP` (other file
-   * systems). Absent when supported. */
-  code?: string
-}
-
-/** Space accounting of one workspace (`ws.usage()`, `pool.list({ usage: true })`). Bytes throughout. */
-export interface WorkspaceUsage {
-  /** st_blocks × 512 of every entry (hard links once). */
-  allocatedBytes: number
-  /** Data extents no other file references (what removing the workspace frees); not yet written-back data too. */
-  exclusiveBytes: number
-  /** Data extents also referenced elsewhere (FIEMAP_EXTENT_SHARED: reflinks of the template, snapshots). */
-  sharedBytes: number
-  /** Sum of the regular files' sizes. */
-  logicalBytes: number
-  /** Regular files below the workspace directory. */
-  files: number
-  /** Directories below the workspace directory. */
-  dirs: number
-  /** Symlinks, fifos, sockets, device nodes. */
-  others: number
-  /**
-   * The kernel's view of the workspace's quota, where one is set: `limitBytes`/`usedBytes` (btrfs: exclusive
-   * bytes of the qgroup, updated at each transaction commit; project: blocks charged), `limitInodes`/`usedInodes`
-   * (project quotas; 0 on btrfs). 0 as a limit: none.
-   */
-  quota?: {
-    /** The byte limit (0: none). */
-    limitBytes: number
-    /** Bytes the kernel charges to the workspace. */
-    usedBytes: number
-    /** The inode limit (0: none). */
-    limitInodes: number
-    /** Inodes the kernel charges to the workspace. */
-    usedInodes: number
-  }
-}
+import type { QuotaOptions, QuotaSupport, WorkspaceUsage } from './types.js'
 
 const MAX_SAFE = Number.MAX_SAFE_INTEGER
 

@@ -1,81 +1,19 @@
 /**
  * Templates: committed, read-only trees kept in the pool (`.vmspace/templates/`), cloned into new
  * workspaces with `allocate({ from })` and `fork()`. The on-disk layout and its rules: native/core/template.h.
+ * This module owns lib/'s side of them: template.json (its writer, templateRecordMembers, and its reader,
+ * templateInfo), the checks of commit's options and of template names, and the logic of Pool.fork, Pool.template
+ * and Pool.pruneTemplates (the Pool passes in its own calls; its native handle stays in lib/pool.ts).
  */
+import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { native, type PoolHandle } from './binding.js'
-import { isPlainObject } from './args.js'
-import { call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
-import type { CloneResult } from './clone.js'
-
-import type { JsonObject } from './pool.js'
-
-/** The space a template holds, measured at commit. Bytes. */
-export interface TemplateUsage {
-  /** st_blocks × 512 over the template's tree at commit (hard links once): the space the template holds. */
-  allocatedBytes: number
-  /** Regular files, and their logical bytes. */
-  files: number
-  /** Logical bytes of the regular files (sum of their sizes). */
-  bytes: number
-}
-
-/**
- * A committed template (`pool.commit`, `pool.templates()`, `pool.template()`): a read-only tree in the pool that
- * `allocate({ from })` and `fork()` clone into new workspaces.
- */
-export interface Template {
-  /** 32 lowercase hex characters (128 random bits). */
-  id: string
-  /** The name it was committed under (null: unnamed). */
-  name: string | null
-  /** Whether the name resolves to this template now (false once replaced or removed). */
-  current: boolean
-  /** Absolute path of the committed tree (read-only: no write bits). Clone it, never write it. */
-  path: string
-  /** ms since the epoch. */
-  createdAt?: number
-  /** The template the committed workspace was allocated from (its id), or null. */
-  parent: string | null
-  /** The JSON object given to commit() as `meta`. */
-  meta?: JsonObject
-  /** How the tree arrived from the workspace: 'snapshot' is a read-only btrfs subvolume snapshot (no walk). */
-  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
-  /** btrfs: the tree is a read-only subvolume (kept modes; allocate and fork snapshot it). Absent elsewhere. */
-  subvolume?: true
-  /** What the template holds (at commit); absent when a snapshot made it (nothing was walked to measure). */
-  usage?: TemplateUsage
-  /** ms since the epoch of the last allocate from it (its commit until then). */
-  lastUsedAt: number | null
-  /** Replaced or removed while an allocate read it: removed by its last reader, or by a sweep. */
-  retired: boolean
-  /** `ERR_CORRUPT_METADATA` (with `path`), or the errno of reading template.json: the template cannot be used. */
-  error?: VmspaceError
-}
-
-/** What {@link Pool.commit} returns: the new template, how it was cloned, and what it replaced. */
-export interface CommitResult extends Template {
-  /** How the workspace's tree was cloned. */
-  clone: CloneResult
-  /** With `replace: true`: the template the name pointed to before, and whether it is gone already (false:
-   * allocates were reading it; the last of them, or a sweep, removes it). */
-  replaced?: {
-    /** The replaced template's id. */
-    id: string
-    /** Whether it was removed at once (false: still being read; its last reader or a sweep removes it). */
-    removed: boolean
-  }
-}
-
-export interface NativeTemplateListing {
-  id: string
-  currentName: string
-  lastUsedMs: number
-  retired: boolean
-  metaPath: string
-  metaText?: string
-  metaError?: unknown
-}
+import { jsonMembers, native, type JsonMembers, type NativeCloneResult, type NativeTemplateListing, type PoolHandle } from './binding.js'
+import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObject, optionsObject } from './args.js'
+import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { toResult } from './clone.js'
+import { metaText } from './metadata.js'
+import { Workspace, workspaceMode } from './workspace.js'
+import type { AllocateOptions, CommitResult, JsonObject, PruneOptions, Template, TemplateUsage } from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -135,18 +73,6 @@ export async function listTemplates(handle: PoolHandle, root: string): Promise<T
 export const TEMPLATE_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/
 export const TEMPLATE_ID = /^[0-9a-f]{32}$/
 
-/** Options of {@link Pool.pruneTemplates}: which templates to remove. */
-export interface PruneOptions {
-  /** Keep the newest N templates (by createdAt) of each name; older ones of that name are removed. */
-  keepNewest?: number
-  /** Remove templates not used (allocated from, or committed) for this long, in ms. */
-  unusedForMs?: number
-  /** Only templates of this name. */
-  name?: string
-  /** Report, remove nothing. */
-  dryRun?: boolean
-}
-
 /** Which templates a prune removes: outside the newest `keepNewest` of their name, or unused for `unusedForMs`. */
 export function pruneCandidates(all: Template[], o: { keepNewest?: number; unusedForMs?: number; name?: string }, now: number): Template[] {
   const chosen = new Set<Template>()
@@ -164,4 +90,172 @@ export function pruneCandidates(all: Template[], o: { keepNewest?: number; unuse
   if (o.unusedForMs !== undefined)
     for (const t of pool) if (now - (t.lastUsedAt ?? t.createdAt ?? 0) >= o.unusedForMs) chosen.add(t)
   return pool.filter((t) => chosen.has(t))
+}
+
+/** An id or a name of a template (checked for shape; existence is the native side's). */
+export function templateRef(name: string, value: unknown): string | undefined {
+  if (value === undefined) return undefined
+  if (typeof value !== 'string') throw invalidType(name, 'a template id or name', value)
+  if (!TEMPLATE_NAME.test(value)) throw invalidValue(name, 'a template id (32 hex) or name (1-128 of [A-Za-z0-9._-])', value)
+  return value
+}
+
+/** Pool.commit's options. */
+export interface CommitOptions {
+  name?: string
+  meta?: JsonObject
+  replace?: boolean
+  signal?: AbortSignal
+  onProgress?: (p: { files: number; bytes: number }) => void
+}
+
+/** commit()'s arguments, checked (nothing is touched yet): the name ('' for none), and `meta` as JSON text. */
+export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
+  if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
+  if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
+  const o = optionsObject<CommitOptions>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
+  let name = ''
+  if (o.name !== undefined) {
+    if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
+    if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
+      throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
+    name = o.name
+  }
+  const replace = boolean('options.replace', o.replace, false)
+  const signal = abortSignal('options.signal', o.signal)
+  if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
+  return { name, replace, signal, onProgress: o.onProgress, meta: metaText(o.meta) }
+}
+
+/** A Workspace object as the source of a commit: `ERR_DISPOSED` unless it is ready. */
+export function readySource(ws: Workspace): { path: string; templateId?: string } {
+  if (ws.status !== 'ready') throw vmspaceError('ERR_DISPOSED', `workspace ${ws.name} was disposed`, { path: ws.path })
+  return ws
+}
+
+/** template.json's members lib/ writes (format, createdAt, parent, meta: JSON text); the core adds id, name, method, usage. */
+export function templateRecordMembers(parent: string | undefined, meta: string): JsonMembers {
+  return jsonMembers({ format: 1, createdAt: Date.now(), parent: parent ?? null }, ['meta', meta])
+}
+
+/** What commit() returns, from the native commit's result. */
+export function commitResult(
+  root: string,
+  r: { id: string; metaText: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
+  name: string,
+): CommitResult {
+  const metaPath = path.join(root, '.vmspace', 'templates', r.id, 'template.json')
+  const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+  base.lastUsedAt = base.createdAt ?? null
+  const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
+  if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
+  return result
+}
+
+/** Pool.fork's options. */
+export interface ForkOptions {
+  meta?: JsonObject
+  mode?: number
+  signal?: AbortSignal
+  onProgress?: (p: { done: number; count: number }) => void
+}
+
+/** The Pool's calls fork uses (the Pool itself). */
+interface ForkHost {
+  commit(ws: Workspace | string, options: { signal?: AbortSignal; meta: JsonObject }): Promise<CommitResult>
+  allocate(options: AllocateOptions): Promise<Workspace>
+  removeTemplate(id: string): Promise<unknown>
+}
+
+/** Pool.fork: one commit of `ws`, `count` allocates from it at once, the template removed; all or nothing. */
+export async function forkFrom(pool: ForkHost, ws: Workspace | string, count: number, options: ForkOptions | undefined): Promise<Workspace[]> {
+  const n = integerIn('count', count, 1, 4096, 1)
+  const o = optionsObject<ForkOptions>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
+  const signal = abortSignal('options.signal', o.signal)
+  if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
+  metaText(o.meta)
+  workspaceMode('options.mode', o.mode)
+  const t = await pool.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
+  const made: Workspace[] = []
+  let done = 0
+  try {
+    const results = await Promise.allSettled(
+      Array.from({ length: n }, async () => {
+        const child = await pool.allocate({ from: t.id, meta: o.meta, mode: o.mode, signal })
+        made.push(child)
+        done++
+        o.onProgress?.({ done, count: n })
+        return child
+      }),
+    )
+    const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected')
+    if (failed) throw failed.reason
+    if (signal?.aborted) throw new AbortError(signal.reason)
+    return results.map((r) => (r as PromiseFulfilledResult<Workspace>).value)
+  } catch (e) {
+    await Promise.allSettled(made.map((w) => w.dispose()))
+    throw e
+  } finally {
+    await pool.removeTemplate(t.id).catch(() => {})
+  }
+}
+
+/** Pool.template: the template `idOrName` of the pool at `root`, from `list` (Pool.templates). */
+export async function findTemplate(root: string, idOrName: string, list: () => Promise<Template[]>): Promise<Template> {
+  const ref = templateRef('idOrName', idOrName)!
+  const byId = TEMPLATE_ID.test(ref)
+  const link = path.join(root, '.vmspace', 'templates', 'names', ref)
+  const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
+  let t: Template | undefined
+  // The listing reads names/ before the templates: a replace between the two shows the old id named and gone.
+  // Not found only when the name is missing, or still points where it did before the listing.
+  for (let tries = 0, before = await target(); tries < 16; tries++) {
+    const all = await list()
+    t = byId ? all.find((x) => x.id === ref && !x.retired) : all.find((x) => x.current && x.name === ref)
+    const after = await target()
+    if (t || after === null || after === before) break
+    before = after
+  }
+  if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(root, '.vmspace', 'templates') })
+  return t
+}
+
+/**
+ * Pool.pruneTemplates: the options checked, the templates chosen from `list` (Pool.templates), each removed by
+ * `remove` (the native removeTemplate of the pool).
+ */
+export async function pruneTemplates(
+  options: PruneOptions,
+  list: () => Promise<Template[]>,
+  remove: (id: string, unlessCurrent: boolean) => Promise<{ removed: boolean; kept: boolean }>,
+): Promise<{ removed: Template[]; deferred: Template[] }> {
+  const o = optionsObject<PruneOptions>('options', options, { keepNewest: true, unusedForMs: true, name: true, dryRun: true })
+  const keepNewest = o.keepNewest === undefined ? undefined : integerIn('options.keepNewest', o.keepNewest, 0, 2 ** 31 - 1, 0)
+  const unusedForMs = o.unusedForMs === undefined ? undefined : integerIn('options.unusedForMs', o.unusedForMs, 0, Number.MAX_SAFE_INTEGER, 0)
+  if (keepNewest === undefined && unusedForMs === undefined)
+    throw invalidValue('options', 'keepNewest and/or unusedForMs', options)
+  const name = o.name === undefined ? undefined : templateRef('options.name', o.name)
+  const dryRun = boolean('options.dryRun', o.dryRun, false)
+  const all = await list()
+  const now = Date.now()
+  const chosen = pruneCandidates(all, { keepNewest, unusedForMs, name }, now)
+  // Chosen by age: removed even when current (its name goes). Chosen only as an older version: removed only
+  // while no name points to it and no commit or reader holds it (native unlessCurrent), else left for later.
+  const aged = new Set(unusedForMs === undefined ? [] : pruneCandidates(all, { unusedForMs, name }, now).map((t) => t.id))
+  const removed: Template[] = []
+  const deferred: Template[] = []
+  for (const t of chosen) {
+    if (dryRun) {
+      removed.push(t)
+      continue
+    }
+    try {
+      const r = await remove(t.id, !aged.has(t.id))
+      if (r.kept) continue
+      ;(r.removed ? removed : deferred).push(t)
+    } catch (e) {
+      if ((e as VmspaceError).code !== 'ERR_TEMPLATE_NOT_FOUND') throw e // removed meanwhile by someone else
+    }
+  }
+  return { removed, deferred }
 }

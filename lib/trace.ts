@@ -6,8 +6,7 @@
 import * as dc from 'node:diagnostics_channel'
 import { performance } from 'node:perf_hooks'
 import { debuglog } from 'node:util'
-import type { CloneResult } from './clone.js'
-import type { SweepReport, Workspace } from './pool.js'
+import type { CloneMethod, CloneResult, SweepReport } from './types.js'
 
 /**
  * Fields of every trace context. `tracePromise` adds `result` (the value the call resolved with) before
@@ -37,7 +36,7 @@ export interface AllocateTrace extends TraceContext {
   /** Their logical bytes. */
   bytes?: number
   /** How the template's data arrived; absent without a template. */
-  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
+  method?: CloneMethod
 }
 
 /** `vmspace:clone`: clone() and Workspace.clone(). `path`, `kind`, `method`, `files`, `bytes` are set once it succeeds. */
@@ -55,7 +54,7 @@ export interface CloneTrace extends TraceContext {
   /** A regular file or a directory tree. */
   kind?: 'file' | 'tree'
   /** How the data arrived. */
-  method?: 'reflink' | 'copy' | 'mixed' | 'snapshot'
+  method?: CloneMethod
   /** Regular files cloned. */
   files?: number
   /** Their logical bytes. */
@@ -170,8 +169,8 @@ export function traced<C extends object, T>(
   return p
 }
 
-/** Adds a successful allocate's fields. */
-export function allocateResult(t: AllocateTrace, ws: Workspace, retries: number): void {
+/** Adds a successful allocate's fields (`ws`: the new Workspace, by the members read here). */
+export function allocateResult(t: AllocateTrace, ws: { id: string; name: string; template: CloneResult[] }, retries: number): void {
   t.id = ws.id
   t.name = ws.name
   t.retries = retries

@@ -7,28 +7,7 @@
 import type { JsonMembers, NativeAllocateResult, WarmHandle } from './binding.js'
 import { fromNative } from './errors.js'
 import type { VmspaceError } from './errors.js'
-
-/** What a pool's warm reserve has done since the pool was opened ({@link Pool.warmStats}). Counts; times in ms. */
-export interface WarmStats {
-  /** The reserve's size (`count`). */
-  count: number
-  /** Entries built, written back and waiting to be handed out. */
-  ready: number
-  /** allocate() calls served from the reserve. */
-  hits: number
-  /** allocate() calls of the reserve's template that found it empty and built their workspace themselves. */
-  misses: number
-  /** Entries found stale at hand-out (a template source changed since they were built) and removed. */
-  stale: number
-  /** Entries built since the pool was opened. */
-  built: number
-  /** Builds that failed (e.g. the template was removed, `ENOENT`; changed while it was cloned, `ERR_SOURCE_CHANGED`). */
-  buildFailures: number
-  /** Wall-clock ms the successful builds took, together: `built / buildMs * 1000` is the refill rate per second. */
-  buildMs: number
-  /** The error of the last failed build, until a build succeeds. */
-  lastError?: VmspaceError
-}
+import type { WarmStats } from './types.js'
 
 export interface WarmOps {
   build(): Promise<WarmHandle>

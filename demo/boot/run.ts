@@ -13,7 +13,7 @@ import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { clone, openPool, type Pool, type Workspace } from 'vmspace'
+import { clone, openPool, type CloneMethod, type Pool, type Workspace } from 'vmspace'
 import { extentBytes, fsckClean, readGuestRecord, tokensInImage } from './checks.js'
 import { guestImages, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
 import { chooseAccel, GuestVm, type Accel } from './qemu.js'
@@ -56,7 +56,7 @@ export interface VmResult {
   /** QEMU start to guest power-off (ms); absent when the guest did not power off. */
   bootMs?: number
   allocateMs: number
-  method: 'reflink' | 'copy' | 'mixed' | 'snapshot'
+  method: CloneMethod
   /** Allocated bytes of the clone after boot that it still shares with the base / has to itself. */
   sharedBytes?: number
   ownBytes?: number

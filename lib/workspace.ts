@@ -1,0 +1,236 @@
+/**
+ * Workspaces: the Workspace class (a workspace this process holds the lease of: its clone, dispose, release and
+ * usage calls), and the check of a workspace directory's mode. Made by Pool.allocate and Pool.adopt (lib/pool.ts) through newWorkspace; what it needs of its pool
+ * is WorkspaceHost (lib/internal.ts).
+ */
+import * as path from 'node:path'
+import { native, type NativeCloneArray, type ProgressHandle } from './binding.js'
+import { abortSignal, absolutePath, integerIn, invalidValue, optionsObject, relativePath } from './args.js'
+import { call, vmspaceError } from './errors.js'
+import { cloneOptions, cloneResultOf, reflinkValues, withProgress, writebackValues } from './clone.js'
+import { cloneChannel, cloneResult, disposeChannel, traced } from './trace.js'
+import { constructing, InFlight, type DisposeHints, type WorkspaceHost } from './internal.js'
+import type { CloneOptions, CloneResult, WorkspaceInfo, WorkspaceUsage } from './types.js'
+
+// hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
+type WorkspaceArgs = [token: symbol, pool: WorkspaceHost, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
+
+/** @internal The constructor of Workspace, which its type declares private: lib/ makes workspaces through this. */
+export const newWorkspace = (...args: WorkspaceArgs) => new (Workspace as unknown as new (...a: WorkspaceArgs) => Workspace)(...args)
+
+/** A workspace this process holds the lease of. Made by {@link Pool.allocate} and {@link Pool.adopt}. */
+export class Workspace implements AsyncDisposable {
+  /** 32 lowercase hex characters: 128 bits from getrandom(2). */
+  readonly id: string
+  /** `${prefix}-${id}`, the directory's name in the pool root. */
+  readonly name: string
+  /** Absolute path of the workspace directory. */
+  readonly path: string
+  /**
+   * The lease to hand to the sandbox's process (spawn's `stdio`, `crun run --preserve-fds`, a VMM's inherited
+   * fd): the workspace stays live, and no dispose or sweep removes it, while any process holds it (DESIGN.md,
+   * "Leases"). An fd of the workspace's lease file, opened on first access (close-on-exec in this process):
+   * a read-only regular file in the pool's `.vmspace/leases/`, not the workspace directory, so a holder can open
+   * nothing through it (no `openat`, `fchdir` or `/proc/self/fd/N/..`), cannot write it, and cannot chmod it
+   * when root made the pool (it belongs to uid 4294967294 then). After the hand-over, release() this process's
+   * hold, or dispose() once the child exited (dispose() rejects with `ERR_LEASE_HELD` while it runs). -1 after
+   * dispose() and release(): the number itself may be reused by the next fd this process opens, so a stale copy
+   * must never be handed to a child. Throws the errno of the open (`EMFILE`, ...).
+   */
+  get leaseFd(): number {
+    if (this.#leaseFd < 0 || this.#disposing) return -1
+    if (this.#handoverFd < 0) this.#handoverFd = this.#pool._openHandover(this.name, this.#leaseFd)
+    return this.#handoverFd
+  }
+  // The owner's hold of the lease (never handed out) and the description handed over (-1 until asked for).
+  #leaseFd: number
+  #handoverFd = -1
+  /** What the template cloned into the workspace (allocate only). */
+  template: CloneResult[] = []
+  /** The id of the template it was allocated from (`allocate({ from })`), the parent of its commits. */
+  templateId?: string
+  /** Metadata as recorded on disk (adopt only). */
+  info?: WorkspaceInfo
+  #status: 'ready' | 'disposed' | 'unrecoverable' | 'released' = 'ready'
+  #cause: unknown
+  #disposing: Promise<void> | undefined
+  readonly #pool: WorkspaceHost
+  readonly #inFlight = new InFlight()
+  readonly #hints: DisposeHints
+
+  // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
+  private constructor(...[token, pool, id, name, wsPath, leaseFd, hints]: WorkspaceArgs) {
+    if (token !== constructing) throw new TypeError('Use Pool.allocate() to make a workspace')
+    this.#pool = pool
+    this.id = id
+    this.name = name
+    this.path = wsPath
+    this.#leaseFd = leaseFd
+    this.#hints = hints
+  }
+
+  /**
+   * `'unrecoverable'` when dispose failed partway (see `cause`); what is left sits in the pool's trash and a
+   * sweep finishes it. `'released'` after release().
+   */
+  get status(): 'ready' | 'disposed' | 'unrecoverable' | 'released' {
+    return this.#status
+  }
+
+  /** Why dispose failed, for status `'unrecoverable'`. */
+  get cause(): unknown {
+    return this.#cause
+  }
+
+  /**
+   * Clones `source` (a file or a directory tree) into the workspace at `dest` (workspace-relative, default: the
+   * source's basename).
+   * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
+   * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
+   * clone() does, and `ERR_DISPOSED` after dispose().
+   */
+  clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
+    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
+    return traced(cloneChannel, make, () => this.#clone(source, dest, options), cloneResult)
+  }
+
+  // Not an async function, and one promise reaction between the native call and the caller when there is neither
+  // progress nor a signal: the in-flight count, the clone counters, the result and the error conversion are all
+  // done in it (against copyFile, each promise step more shows in `npm run bench -- --only clone`). A throw before
+  // the native call (bad arguments, ERR_DISPOSED) still rejects, as an async function's would.
+  #clone(source: string, dest: string | undefined, options: CloneOptions | undefined): Promise<CloneResult> {
+    let run: Promise<NativeCloneArray>
+    let destPath: string
+    try {
+      const src = absolutePath('source', source)
+      const rel = relativePath('dest', dest ?? path.basename(src))
+      const opts = cloneOptions(options)
+      if (this.#status !== 'ready' || this.#disposing)
+        throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+      // `rel` is normalised (no "." or ".." component, no slash at either end) and this.path absolute: the same
+      // string path.join would give, without its normalising pass.
+      destPath = this.path + '/' + rel
+      const start = (p: ProgressHandle | undefined) =>
+        native.clonePathBeneath(
+          this.#pool._handle, this.name, this.path, src, rel, reflinkValues.indexOf(opts.reflink), opts.overwrite, opts.durable,
+          writebackValues.indexOf(opts.writeback), p,
+        )
+      run = opts.onProgress || opts.signal ? withProgress(opts, start) : start(undefined)
+    } catch (e) {
+      return Promise.reject(e)
+    }
+    return this.#inFlight.mapNative(run, (a) => {
+      const r = cloneResultOf(a, destPath)
+      this.#pool._countClone(r)
+      return r
+    })
+  }
+
+  /**
+   * Removes the workspace: removed at its name (or renamed into the pool's trash and removed there) without
+   * following symlinks or entering mounts, then its lease file; the name is never reused. Waits for clones still
+   * running. While another process holds the lease (a child given {@link Workspace.leaseFd} that still runs),
+   * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
+   * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
+   * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
+   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
+   * `'unrecoverable'` and what is left stays in trash for a sweep.
+   */
+  dispose(): Promise<void> {
+    if (this.#disposing) return this.#disposing
+    // Set before anything runs: a vmspace:dispose subscriber (its start event is published synchronously below)
+    // that reaches this workspace must find it disposing (else a second dispose runs, and the pool's open
+    // count goes negative).
+    let resolve!: () => void
+    let reject!: (e: unknown) => void
+    this.#disposing = new Promise<void>((res, rej) => {
+      resolve = res
+      reject = rej
+    })
+    if (this.#inFlight.busy) void this.#inFlight.idle().then(() => this.#disposeNow(resolve, reject))
+    else this.#disposeNow(resolve, reject)
+    return this.#disposing
+  }
+
+  // Not an async function: one promise reaction between the native call's and the caller's.
+  #disposeNow(resolve: () => void, reject: (e: unknown) => void): void {
+    let run: Promise<void>
+    try {
+      const pool = this.#pool
+      const fd = this.#leaseFd
+      const handover = this.#handoverFd
+      // The native dispose owns the fds from here on (closed whatever happens): their numbers are no longer ours.
+      this.#leaseFd = this.#handoverFd = -1
+      run = traced(disposeChannel, () => ({ root: pool.root, id: this.id, name: this.name }), () => pool._dispose(this, fd, handover, this.#hints))
+    } catch (e) {
+      run = Promise.reject(e)
+    }
+    run.then(
+      () => {
+        this.#status = 'disposed'
+        resolve()
+      },
+      (e: unknown) => {
+        // ERR_LEASE_HELD: nothing was removed and this process no longer holds it: released, not broken.
+        this.#status = (e as { code?: string }).code === 'ERR_LEASE_HELD' ? 'released' : 'unrecoverable'
+        this.#cause = e
+        reject(e)
+      },
+    )
+  }
+
+  /**
+   * Drops this process's hold of the lease (its fds closed) without removing the workspace: after handing
+   * {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long as that child (and
+   * any other holder); once the lease is free, a sweep reclaims it or another process adopts it. Later calls to
+   * dispose()/clone() throw `ERR_DISPOSED`.
+   */
+  async release(): Promise<void> {
+    if (this.#status !== 'ready' || this.#disposing)
+      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${this.#status === 'released' ? 'released' : 'disposed'}`, { path: this.path })
+    this.#disposing = Promise.reject(
+      vmspaceError('ERR_DISPOSED', `workspace ${this.name} was released`, { path: this.path }),
+    )
+    this.#disposing.catch(() => {})
+    await this.#inFlight.idle()
+    const fd = this.#leaseFd
+    const handover = this.#handoverFd
+    this.#leaseFd = this.#handoverFd = -1  // close(2) frees the number even when it reports an error
+    if (handover >= 0) await call(native.releaseLease(handover))
+    await call(native.releaseLease(fd))
+    this.#status = 'released'
+    await this.#pool._forget()
+  }
+
+  /**
+   * Space accounting of this workspace ({@link WorkspaceUsage}): allocated, exclusive and shared bytes (FIEMAP
+   * per regular file), file and directory counts, and the quota's limits and use where one is set. Cost: a walk of
+   * the whole tree, an fstatat per entry and a FIEMAP per regular file (130–180 ms per 10,000 small files, see
+   * docs/filesystems.md); `signal` stops it (AbortError). Never follows symlinks or enters mounts. Throws `ERR_DISPOSED` after
+   * dispose().
+   */
+  async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {
+    const o = optionsObject<{ signal?: AbortSignal }>('options', options, { signal: true })
+    const signal = abortSignal('options.signal', o.signal)
+    if (this.#status !== 'ready' || this.#disposing)
+      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+    return this.#inFlight.track(this.#pool._usage(this.name, signal))
+  }
+
+  /** dispose(), for `await using ws = await pool.allocate()`. */
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.dispose()
+  }
+}
+
+/**
+ * A workspace directory's mode (default 0o700). Without root, a mode lacking the owner write bit (0o200) is
+ * ERR_INVALID_ARG_VALUE: publishing and disposing move the directory to another parent, which rewrites its ".."
+ * and needs write permission on it (EACCES otherwise), so such a workspace could not be published.
+ */
+export function workspaceMode(name: string, value: unknown): number {
+  const mode = integerIn(name, value, 0, 0o7777, 0o700)
+  if ((mode & 0o200) === 0 && process.geteuid?.() !== 0)
+    throw invalidValue(name, 'a mode with the owner write bit (0o200) when not root', value, true)
+  return mode
+}
