@@ -31,6 +31,7 @@
         "native/core/template_cache.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",
+        "native/core/metadata.cc",
         "native/core/pool_publish.cc",
         "native/core/pool_sweep.cc",
         "native/core/trusted.cc",

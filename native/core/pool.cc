@@ -24,6 +24,7 @@
 #include "io.h"
 #include "json_members.h"
 #include "lease.h"
+#include "metadata.h"
 #include "names.h"
 #include "pool_internal.h"
 #include "remove.h"

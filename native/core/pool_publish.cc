@@ -24,6 +24,7 @@
 #include "io.h"
 #include "json_members.h"
 #include "lease.h"
+#include "metadata.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
@@ -44,34 +45,6 @@ void drawName(int* tries, const std::string& prefix, const std::string& root, st
   ++*tries;
   *id = randomId();
   *name = prefix + *id;
-}
-
-// A workspace's record: the caller's members, then its name, its template and the identity (device, inode, size,
-// mtime at clone time) of each source cloned into it.
-std::string recordJson(const JsonMembers& info, const std::string& name, const std::string& templateId,
-                       const std::vector<ClonedEntry>& clones, Reflink reflink) {
-  JsonMembers members = info;
-  std::string quoted;
-  appendJsonString(&quoted, name);
-  members.emplace_back("name", std::move(quoted));
-  if (!templateId.empty()) members.emplace_back("templateId", "\"" + templateId + "\"");
-  std::string json = "[";
-  for (size_t i = 0; i < clones.size(); i++) {
-    const ClonedEntry& c = clones[i];
-    const SourceIdentity& id = c.identity;
-    if (i) json += ",";
-    json += "{\"dest\":";
-    appendJsonString(&json, c.dest);
-    json += ",\"source\":";
-    appendJsonString(&json, c.source);
-    json += std::string(",\"kind\":\"") + (c.result.tree ? "tree" : "file") + "\",\"dev\":\"" + std::to_string(id.dev) +
-            "\",\"ino\":\"" + std::to_string(id.ino) + "\",\"size\":" + std::to_string(id.size) + ",\"mtimeNs\":\"" +
-            std::to_string(id.mtimeSec * 1000000000LL + id.mtimeNsec) + "\",\"method\":\"" +
-            methodName(c.result, reflink) + "\"}";
-  }
-  json += "]";
-  members.emplace_back("template", std::move(json));
-  return jsonObject(members) + "\n";
 }
 
 // A request that clones nothing and has no quota: its workspace is complete once made, so it is made at its name

@@ -25,6 +25,7 @@
 #include "io.h"
 #include "json_members.h"
 #include "lease.h"
+#include "metadata.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
