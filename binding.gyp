@@ -31,6 +31,10 @@
         "native/core/template_cache.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",
+        "native/core/metadata.cc",
+        "native/core/pool_publish.cc",
+        "native/core/pool_sweep.cc",
+        "native/core/trusted.cc",
         "native/core/usage.cc"
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],

@@ -1,4 +1,4 @@
-// Batched calls: many short operations served per libuv hop (issue 12).
+// Batched calls: many short operations served per libuv hop.
 //
 // A plain Work costs one uv_queue_work, one pool-thread wakeup, one async handle, one callback scope and one
 // completion wakeup of the JS thread per call; with 64 allocate/dispose calls in flight those hand-offs cost as
@@ -45,8 +45,8 @@ class Job {
   void fail(Napi::Env env, int err) noexcept;
   // Its value hands a native object to a JS handle whose finalizer owns it (openPool's pool, warmBuild's entry):
   // then it is settled only while JS can still run (probed first), else dropped. A handle made while the env is
-  // being torn down is never finalized: the pool's fds or the entry's lease stayed open in the process after
-  // worker.terminate() (cold review, issue 12).
+  // being torn down is never finalized: the pool's fds or the entry's lease would stay open in the process after
+  // worker.terminate().
   void setOwnsHandle() { ownsHandle_ = true; }
   bool ownsHandle() const { return ownsHandle_; }
 

@@ -21,8 +21,8 @@ Napi::Value ClonePath(const Napi::CallbackInfo& info) {
 // clonePathBeneath(pool, name, basePath, src, rel, reflink, overwrite, durable, writeback, progress): into the
 // published workspace `name` of `pool` (its directory opened here, O_NOFOLLOW); positional, the
 // enums as their index in lib/clone.ts's reflinkValues and writebackValues, resolving to summaryArray: an options
-// object and a result object were ~15 property reads and ~6 stores per Workspace.clone, 3-5 us of a 1 GiB reflink
-// clone's ~45 (issue 12).
+// object and a result object would cost ~15 property reads and ~6 stores per Workspace.clone, a tenth of a 1 GiB
+// reflink clone (docs/DESIGN.md, "Measurements behind the code").
 Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
   static constexpr vmspace::Reflink reflinks[] = {vmspace::Reflink::Always, vmspace::Reflink::Auto,
                                                   vmspace::Reflink::Never};
@@ -119,7 +119,7 @@ const char* cacheName(vmspace::CacheUse use) {
 }
 
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink) {
-  Napi::Object o = Napi::Object::New(env);  // keys made once per env (propertyKey): one per clone (issue 12)
+  Napi::Object o = Napi::Object::New(env);  // keys made once per env (propertyKey): one per clone
   o.Set(propertyKey(env, "kind"), s.tree ? "tree" : "file");
   o.Set(propertyKey(env, "method"), vmspace::methodName(s, reflink));
   o.Set(propertyKey(env, "files"), static_cast<double>(s.files));

@@ -139,7 +139,7 @@ Napi::Array Options::array(const char* key) const {
 
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what) {
   // One string (lib/binding.ts, jsonMembers): a pair per member would cost five N-API calls each on every
-  // allocate (issue 12).
+  // allocate.
   if (!v.IsString())
     throw Napi::TypeError::New(env, "vmspace binding: " + what + " must be a string of JSON object members");
   return {{std::string(), v.As<Napi::String>().Utf8Value()}};

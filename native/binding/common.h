@@ -69,8 +69,8 @@ struct Instance {
 inline Instance& instance(Napi::Env env) { return *env.GetInstanceData<Instance>(); }
 
 // The property name `key` (a string literal: the cache is keyed by its address) as a V8 string made once per env.
-// Issue 12: napi_get/set_named_property internalize their C string on every call, which was ~7 % of the JS
-// thread's time with 64 allocate/dispose calls in flight (perf: InternalizeString, StringTable lookups).
+// napi_get/set_named_property internalize their C string on every call, a large share of the JS thread's time with
+// many allocate/dispose calls in flight (docs/DESIGN.md, "Measurements behind the code").
 Napi::String propertyKey(Napi::Env env, const char* key);
 
 // An operation with no result: resolves with undefined.

@@ -59,10 +59,10 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   ProgressRef progress = progressOf(o);
   req.progress = progress.get();
   req.clone.writeback = cloneOptionsOf(o).writeback;
-  // quota (issue 13): allocate only (a warm build has none); 0: none
+  // quota: allocate only (a warm build has none); 0: none
   req.quota.bytes = static_cast<uint64_t>(o.int64Or("quotaBytes", 0));
   req.quota.inodes = static_cast<uint64_t>(o.int64Or("quotaInodes", 0));
-  req.fromTemplate = o.stringOr("fromTemplate", "");  // issue 14
+  req.fromTemplate = o.stringOr("fromTemplate", "");
   vmspace::Reflink reflink = req.clone.reflink;
   // Batched (batch.h): with many calls in flight, several are served per libuv hop.
   return submitBatched(info.Env(), std::make_unique<LambdaJob<vmspace::AllocateResult>>(
@@ -244,8 +244,8 @@ Napi::Value ReleaseLease(const Napi::CallbackInfo& info) {
   int fd = static_cast<int>(intArg(info, 0));
   auto& leases = instance(info.Env()).leases;
   if (leases.count(fd) == 0) throw Napi::Error::New(info.Env(), "vmspace binding: not a lease of this thread");
-  // Out of the env's set only once the close is queued, as dispose (cold review: erased first, a close that could
-  // not be queued while a worker thread was terminated left the lease open for good). closeFd releases nothing
+  // Out of the env's set only once the close is queued, as dispose (erased first, a close that could not be
+  // queued while a worker thread was terminated would leave the lease open for good). closeFd releases nothing
   // when it throws: then it is closed here.
   Napi::Promise promise;
   try {
@@ -292,7 +292,7 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
   int fd = std::exchange(r.leaseFd, -1);
   instance(env).leases.insert(fd);
   Napi::Object o = Napi::Object::New(env);
-  o.Set(propertyKey(env, "id"), r.id);  // cached keys: this runs once per allocate (issue 12)
+  o.Set(propertyKey(env, "id"), r.id);  // cached keys: this runs once per allocate
   o.Set(propertyKey(env, "name"), r.name);
   o.Set(propertyKey(env, "leaseFd"), fd);
   o.Set(propertyKey(env, "retries"), r.retries);
@@ -303,7 +303,7 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
     clones.Set(static_cast<uint32_t>(i), c);
   }
   o.Set(propertyKey(env, "clones"), clones);
-  if (!r.templateId.empty()) {  // issue 14
+  if (!r.templateId.empty()) {
     o.Set("templateId", r.templateId);
     o.Set("templateMeta", r.templateMeta);
   }

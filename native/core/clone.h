@@ -136,7 +136,7 @@ struct CloneSummary {
   uint64_t dirs = 0, symlinks = 0, hardlinks = 0, fifos = 0, devices = 0;
   uint64_t skippedSockets = 0;      // sockets cannot be recreated meaningfully
   uint64_t skippedDevices = 0;      // device nodes where mknod is not permitted (not root)
-  bool snapshot = false;            // a btrfs subvolume snapshot made the tree (issue 14): no walk, the counts stay 0
+  bool snapshot = false;            // a btrfs subvolume snapshot made the tree: no walk, the counts stay 0
   CacheUse cache = CacheUse::None;  // a single file: whether the template cache served it
 };
 

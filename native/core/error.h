@@ -5,7 +5,7 @@
 // Every part of vmspace is Linux system calls (renameat2, FICLONE, statx, flock on fds).
 #if !defined(__linux__)
 #error \
-    "vmspace is a Linux addon (renameat2, statx, FICLONE, flock on fds): it builds on Linux only; see README, Portability"
+    "vmspace is a Linux addon (renameat2, statx, FICLONE, flock on fds): it builds on Linux only; see docs/install.md"
 #endif
 
 #include <string.h>

@@ -7,11 +7,14 @@
 #include <dirent.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
+#include <ctime>
 #include <memory>
 
 #include "error.h"
 #include "fd.h"
+#include "statx.h"
 
 namespace vmspace {
 
@@ -138,6 +141,38 @@ TempFile::~TempFile() {
 void TempFile::close() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+}
+
+int64_t ageMs(int dirFd, const char* name) {
+  struct statx stx;
+  if (statx(dirFd, name, AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
+  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
+}
+
+bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
+  struct stat at;
+  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
+         at.st_dev == own.st_dev;
+}
+
+bool entryExists(int dirFd, const std::string& name) {
+  struct stat st;
+  return fstatat(dirFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+bool readLink(int dirFd, const std::string& name, std::string* target) {
+  char buf[PATH_MAX];
+  ssize_t n = readlinkat(dirFd, name.c_str(), buf, sizeof buf);
+  if (n < 0) return false;
+  if (static_cast<size_t>(n) == sizeof buf) {
+    errno = ENAMETOOLONG;
+    return false;
+  }
+  target->assign(buf, static_cast<size_t>(n));
+  return true;
 }
 
 }  // namespace vmspace

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <dirent.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
@@ -29,6 +31,23 @@ int chmodFd(int fd, mode_t mode);
 // chmodFd. A symlink in its place is ELOOP, anything but a directory ENOTDIR (nothing changed then). 0, or -1
 // with errno.
 int chmodDirAtNoFollow(int dirFd, const char* name, mode_t mode);
+
+// The entry tests of a directory scan, each on `name` in `dirFd` without following a symlink there.
+
+// Milliseconds since the entry was made: its birth time where the file system records it (statx STATX_BTIME:
+// ext4, XFS, btrfs), else its last status change. 0 when it cannot be read (gone meanwhile: not old).
+int64_t ageMs(int dirFd, const char* name);
+inline int64_t ageMs(int dirFd, const std::string& name) { return ageMs(dirFd, name.c_str()); }
+
+// True when `name` is the file `own` describes: the identity check of a file held by fd against what is at its
+// name now, after anything else could have moved it.
+bool sameEntry(int dirFd, const std::string& name, const struct stat& own);
+
+// True when there is an entry `name` (of any type).
+bool entryExists(int dirFd, const std::string& name);
+
+// The target of the symlink `name`; false (errno set) when it is none or longer than PATH_MAX (ENAMETOOLONG).
+bool readLink(int dirFd, const std::string& name, std::string* target);
 
 // write(2) until all of `data` is written (EINTR retried).
 int writeAll(int fd, const std::string& data);

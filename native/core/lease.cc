@@ -11,19 +11,12 @@
 
 #include "compat.h"
 #include "io.h"
+#include "metadata.h"
 #include "names.h"
 
 namespace vmspace {
 
-namespace {
-
-constexpr size_t kMaxRecordBytes = 16 << 20;
-
-// The xattr refused by the file system, not failing: none at all (ENOTSUP), or not this big (E2BIG, ENOSPC,
-// ERANGE: ext4 keeps a file's xattrs in one block). The record then goes to the file's contents.
-bool xattrRefused(int err) { return err == ENOTSUP || err == E2BIG || err == ENOSPC || err == ERANGE; }
-
-}  // namespace
+namespace {}  // namespace
 
 // AT_EMPTY_PATH where the caller may (CAP_DAC_READ_SEARCH, else ENOENT), else through /proc/self/fd (linkat(2)).
 int linkLeaseFile(int fd, int dirFd, const std::string& name) {
@@ -123,48 +116,6 @@ int makeLeaseFile(int dirFd, const std::string& name, const std::string& record,
 
 int openLeaseFile(int dirFd, const std::string& name) {
   return openat(dirFd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-}
-
-int writeRecord(int fd, const std::string& record) {
-  if (fsetxattr(fd, kRecordXattr, record.data(), record.size(), 0) == 0) return 0;
-  if (!xattrRefused(errno)) return errno;
-  if (ftruncate(fd, 0) != 0) return errno;
-  if (int err = pwriteAll(fd, record.data(), record.size(), 0)) return err;
-  // A record that fit before must not shadow this one.
-  if (fremovexattr(fd, kRecordXattr) != 0 && errno != ENODATA && errno != ENOTSUP) return errno;
-  return 0;
-}
-
-int readRecord(int fd, std::string* out) {
-  out->resize(512);
-  for (;;) {
-    ssize_t n = fgetxattr(fd, kRecordXattr, out->data(), out->size());
-    if (n >= 0) {
-      out->resize(static_cast<size_t>(n));
-      return 0;
-    }
-    if (errno == ENODATA || errno == ENOTSUP) break;
-    if (errno != ERANGE) return errno;
-    // Bigger than the buffer: ask its size (it may change again before the next read: then loop).
-    ssize_t need = fgetxattr(fd, kRecordXattr, nullptr, 0);
-    if (need < 0) return errno;
-    out->resize(static_cast<size_t>(need) + 1);
-  }
-  // No xattr: the record is the file's contents (written there where the xattr was refused), or there is none.
-  out->clear();
-  char buf[4096];
-  for (off_t off = 0;;) {
-    ssize_t n = pread(fd, buf, sizeof buf, off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (n == 0) break;
-    if (out->size() + static_cast<size_t>(n) > kMaxRecordBytes) return EFBIG;
-    out->append(buf, static_cast<size_t>(n));
-    off += n;
-  }
-  return out->empty() ? ENODATA : 0;
 }
 
 bool takeFreeLease(int fd) {

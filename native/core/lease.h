@@ -21,7 +21,6 @@
 namespace vmspace {
 
 constexpr int kLeaseShards = 16;  // leases/0 ... leases/f, by the id's first hex digit
-constexpr const char* kRecordXattr = "user.vmspace.record";
 // The owner root gives lease files: (uid_t)-2, an id no account uses ((uid_t)-1 is no id at all, chown(2)).
 constexpr uid_t kLeaseUid = static_cast<uid_t>(-2);
 
@@ -38,9 +37,9 @@ int holdLease(int fd, LeaseByte byte);
 int leaseHeldByOther(int fd);
 
 // Makes the lease file `name` below `dirFd` (a path relative to it: "<shard>/<name>"), holding the owner's lock and
-// carrying `record` (may be empty: set later with writeRecord) from the moment its name exists. Returns its fd (O_RDWR,
-// close-on-exec) or -1 with errno and *step the call that failed (EEXIST: the name is taken). `gid` >= 0: the pool's
-// shared group (mode 0440 / 0640 then).
+// carrying `record` (may be empty: set later with writeRecord, metadata.h) from the moment its name exists. Returns its
+// fd (O_RDWR, close-on-exec) or -1 with errno and *step the call that failed (EEXIST: the name is taken). `gid` >= 0:
+// the pool's shared group (mode 0440 / 0640 then).
 int makeLeaseFile(int dirFd, const std::string& name, const std::string& record, long long gid, const char** step);
 
 // Links the lease `fd` (unnamed or not) as `name` in `dirFd`, never replacing: 0 or the errno (EEXIST: taken).
@@ -48,12 +47,6 @@ int linkLeaseFile(int fd, int dirFd, const std::string& name);
 
 // Opens the lease file `name` below `dirFd` read-only (O_NOFOLLOW, close-on-exec, non-blocking); -1 with errno.
 int openLeaseFile(int dirFd, const std::string& name);
-
-// Replaces the record of lease `fd` (the xattr; where the file system refuses one this big, the file's contents).
-// 0 or the errno.
-int writeRecord(int fd, const std::string& record);
-// Reads the record of lease `fd` into `out`: 0, or the errno (ENODATA: none).
-int readRecord(int fd, std::string* out);
 
 // flock(LOCK_EX|LOCK_NB) on the lease `fd`, then whether it is free: true when this caller may reclaim or adopt it
 // (the flock stays held until `fd` is closed or unlocked), false when another taker has it or a holder holds the

@@ -6,8 +6,8 @@
 
 #include <string>
 
-// The JSON-file helpers (readWholeFile, replaceFile, removeIndexTemps) live in json_file.h since issue 11; included
-// here for the callers that still name lock.h for them.
+// The JSON-file helpers (readWholeFile, replaceFile, removeIndexTemps) live in json_file.h; included here for the
+// callers that name lock.h for them.
 #include "json_file.h"
 
 namespace vmspace {

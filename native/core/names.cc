@@ -33,7 +33,7 @@ void fillRandom(unsigned char* buf, size_t len) {
   }
 }
 
-// Random bytes drawn 256 at a time per thread (issue 12: one getrandom(2) per 16 ids instead of one per id; 256
+// Random bytes drawn 256 at a time per thread (one getrandom(2) per 16 ids instead of one per id; 256
 // bytes is the most getrandom never returns short). A forked child starts with its parent's unused bytes, so a
 // fork (pthread_atfork) discards every thread's buffer: parent and child never draw the same name.
 std::atomic<unsigned> g_forkGeneration{0};
@@ -104,5 +104,14 @@ void setTestIds(std::vector<std::string> ids) {
   __atomic_store_n(&g_testActive, !g_testIds.empty(), __ATOMIC_RELEASE);
 }
 #endif
+
+bool isHexId(const char* s, size_t len) {
+  if (len != static_cast<size_t>(kIdHexChars)) return false;
+  for (size_t i = 0; i < len; i++) {
+    char c = s[i];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
 
 }  // namespace vmspace

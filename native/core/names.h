@@ -8,6 +8,10 @@ namespace vmspace {
 
 constexpr int kIdHexChars = 32;
 
+// True when `s` is an id: exactly kIdHexChars lowercase hex characters.
+bool isHexId(const char* s, size_t len);
+inline bool isHexId(const std::string& s) { return isHexId(s.data(), s.size()); }
+
 // A fresh id. Draws from the test seam first while it holds ids (see setTestIds).
 std::string randomId();
 

@@ -48,7 +48,7 @@ struct AllocateRequest {
   CloneProgress* progress = nullptr;   // running totals, and cancel (ECANCELED, rolled back)
   JsonMembers info;                    // the caller's members of the metadata record (the name and template are added)
   CloneOptions clone;                  // reflink and durable apply to every template entry; overwrite is ignored
-  std::string fromTemplate;            // issue 14: the id or name of a committed template cloned first ("" none)
+  std::string fromTemplate;            // the id or name of a committed template cloned first ("" none)
   QuotaLimits quota;  // quota.cc: a kernel-enforced limit of the workspace's own (none when !quota.any())
 };
 
@@ -83,7 +83,7 @@ struct StagedWorkspace {
   int retries = 0;
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
-  std::string templateId, templateMeta;  // issue 14: as in AllocateResult
+  std::string templateId, templateMeta;  // as in AllocateResult
   QuotaRef quota;                        // quota.cc: its project id claim follows the name at publish
   int shard = -1;                        // built in staging/s<shard>/; -1: made at its name in the root already
 };
@@ -128,7 +128,7 @@ struct SweepReport {
 class Pool {
  public:
   // Opens (with `create`, makes) the pool at `root`, an absolute path. Every directory on the path and of the
-  // pool is checked before it is used (checkTrusted in pool.cc): ERR_POOL_UNSAFE (path, uid, gid, mode set)
+  // pool is checked before it is used (checkTrusted in trusted.cc): ERR_POOL_UNSAFE (path, uid, gid, mode set)
   // when another user could write it, nothing made. `sharedGid` >= 0 trusts that group: directories of that
   // group may be group-writable (and owned by any user); those made are given it, mode 02770. Directories made
   // get exact modes whatever the umask: 0755 (root, .vmspace/, parents), 0700 (staging/, trash/, leases/).
@@ -184,7 +184,7 @@ class Pool {
   // their record.
   std::vector<ListEntry> list();
 
-  // ---- quotas and space (quota.h, usage.h; issue 13) ----
+  // ---- quotas and space (quota.h, usage.h) ----
   // Set once, right after open and before any operation: allocate refuses (ENOSPC, nothing made) while the file
   // system has less than `minFreeBytes` available; project ids are claimed from `projectIds`.
   void setSpaceConfig(uint64_t minFreeBytes, ProjectIdRange projectIds) {
@@ -206,7 +206,7 @@ class Pool {
 
   void close();
   const std::string& root() const { return root_; }
-  // Issue 14: the pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
+  // The pool's templates (.vmspace/templates/, made on first use with `create`); nullptr when the
   // pool has none and `create` is false.
   TemplateStore* templates(bool create);
   // The lease file of workspace `name`, as errors show it (it holds the workspace's record).
@@ -215,9 +215,9 @@ class Pool {
   }
 
  private:
-  friend class PoolSweep;    // pool.cc: Pool::sweep's passes
-  friend class PoolStage;    // pool.cc: Pool::stage's phases
-  friend class PoolPublish;  // pool.cc: Pool::publish's phases
+  friend class PoolSweep;    // pool_sweep.cc: Pool::sweep's passes
+  friend class PoolStage;    // pool_publish.cc: Pool::stage's phases
+  friend class PoolPublish;  // pool_publish.cc: Pool::publish's phases
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   // Moves the published `name` into trash; false when it is no longer in the root. Verifies that what moved is

@@ -1,4 +1,4 @@
-// The pool's side of quotas and space accounting (issue 13; the kernel side is quota.cc, the walk usage.cc):
+// The pool's side of quotas and space accounting (the kernel side is quota.cc, the walk usage.cc):
 // removal that releases a workspace's quota, the project id claims in .vmspace/projects/, per-workspace usage.
 #include <dirent.h>
 #include <fcntl.h>
@@ -19,15 +19,6 @@ namespace vmspace {
 namespace {
 
 constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
-
-int64_t ageMsAt(int dirFd, const char* name) {
-  struct statx stx;
-  if (statx(dirFd, name, AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
-  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
-  struct timespec now;
-  clock_gettime(CLOCK_REALTIME, &now);
-  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
-}
 
 }  // namespace
 
@@ -66,7 +57,7 @@ int Pool::claimsIfAny() {
 void Pool::removeWorkspace(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
   int claims = claimsIfAny();
   QuotaRef ref = quotaRefOf(parentFd, name, projectIds_, claims >= 0);
-  // Issue 14: a template moved into trash (template-<id>, by a removal that did not finish) keeps its tree as a
+  // A template moved into trash (template-<id>, by a removal that did not finish) keeps its tree as a
   // read-only btrfs subvolume, which the walk could not empty (EROFS): destroyed or made writable first.
   if (name.compare(0, 9, "template-") == 0) {
     UniqueFd dir(openat(parentFd, name.c_str(), kDirFlags));
@@ -105,7 +96,7 @@ void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
     if (inStaging(owner) || fstatat(rootFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ||
         fstatat(trashFd_.get(), owner.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
       continue;
-    if (ageMsAt(claims, file.c_str()) < graceMs) continue;
+    if (ageMs(claims, file) < graceMs) continue;
     QuotaRef ref;
     ref.projectId = static_cast<uint32_t>(strtoul(file.c_str(), nullptr, 10));
     releaseQuota(rootFd_.get(), ref, claims, owner);

@@ -1,4 +1,4 @@
-// Per-workspace disk quotas enforced by the kernel (issue 13), and the free-space floor.
+// Per-workspace disk quotas enforced by the kernel, and the free-space floor.
 //   btrfs: the workspace is a subvolume (BTRFS_IOC_SUBVOL_CREATE) whose qgroup 0/<subvolume id> gets an exclusive-
 //          bytes limit (BTRFS_IOC_QGROUP_LIMIT). Quotas must be enabled on the file system (`btrfs quota enable`).
 //   XFS (prjquota) and ext4 (project,quota; prjquota): a project id, claimed in the pool, set on the workspace
@@ -58,7 +58,7 @@ struct QuotaRef {
 int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool subvolume);
 
 // Makes `name` below `parentFd` a writable snapshot of the btrfs subvolume of `srcFd` with mkdir(2)'s mode
-// (issue 14: allocate from a subvolume template). Returns 0 or the errno (EEXIST as mkdirat; EPERM, EXDEV: no
+// (allocate from a subvolume template). Returns 0 or the errno (EEXIST as mkdirat; EPERM, EXDEV: no
 // snapshot here, see snapshotSubvolume).
 int makeWorkspaceSnapshot(int srcFd, int parentFd, const std::string& name, mode_t mode);
 
@@ -94,7 +94,7 @@ QuotaUsage quotaUsageOf(int wsFd, const QuotaRef& ref);
 // rmdir(2) of it is refused. Returns 0 or the errno.
 int destroySubvolume(int parentFd, const std::string& name);
 
-// Btrfs subvolume snapshots (issue 14: templates). Each returns 0 or the errno of the ioctl.
+// Btrfs subvolume snapshots (templates). Each returns 0 or the errno of the ioctl.
 // Whether `fd` is the root directory of a btrfs subvolume (the file system is btrfs and the inode is 256).
 bool isSubvolumeRoot(int fd);
 // Whether the subvolume of `fd` has subvolumes directly below it (BTRFS_IOC_GET_SUBVOL_ROOTREF, Linux 4.18,

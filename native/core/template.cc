@@ -26,6 +26,7 @@
 #include "remove.h"
 #include "rename.h"
 #include "statx.h"
+#include "trusted.h"
 
 namespace vmspace {
 namespace {
@@ -48,79 +49,8 @@ ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::strin
 constexpr size_t kMaxTemplateMetaBytes = 16 << 20;
 constexpr int kMaxResolveTries = 16;  // a name swapped or removed under a reader this often in a row: not found
 
-bool isHexId(const std::string& s) {
-  if (s.size() != static_cast<size_t>(kIdHexChars)) return false;
-  for (char c : s)
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  return true;
-}
-
-bool sameEntry(int dirFd, const std::string& name, const struct stat& own) {
-  struct stat at;
-  return fstatat(dirFd, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) == 0 && at.st_ino == own.st_ino &&
-         at.st_dev == own.st_dev;
-}
-
-bool exists(int dirFd, const std::string& name) {
-  struct stat st;
-  return fstatat(dirFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
-}
-
-// Milliseconds since the entry was made (birth time where recorded, else ctime), as the pool's sweep counts.
-int64_t ageMs(int dirFd, const std::string& name) {
-  struct statx stx;
-  if (statx(dirFd, name.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME | STATX_CTIME, &stx) != 0) return 0;
-  struct statx_timestamp t = (stx.stx_mask & STATX_BTIME) ? stx.stx_btime : stx.stx_ctime;
-  struct timespec now;
-  clock_gettime(CLOCK_REALTIME, &now);
-  return (now.tv_sec - t.tv_sec) * 1000 + (now.tv_nsec - static_cast<long>(t.tv_nsec)) / 1000000;
-}
-
-// The target of the symlink `name` in dirFd; false (errno set) when it is none.
-bool readLink(int dirFd, const std::string& name, std::string* target) {
-  char buf[PATH_MAX];
-  ssize_t n = readlinkat(dirFd, name.c_str(), buf, sizeof buf);
-  if (n < 0) return false;
-  if (static_cast<size_t>(n) == sizeof buf) {
-    errno = ENAMETOOLONG;
-    return false;
-  }
-  target->assign(buf, static_cast<size_t>(n));
-  return true;
-}
-
 [[noreturn]] void notFound(const std::string& idOrName, const std::string& shown) {
   throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT, "open", shown);
-}
-
-// Opens (with `create`, makes) the template directory `name` below `at`: exact mode whatever the umask, the
-// pool's shared group where it has one. Refused (ERR_POOL_UNSAFE) when others could write it.
-UniqueFd openStoreDir(int at, const char* name, const std::string& shown, bool create, long long sharedGid) {
-  for (;;) {
-    UniqueFd fd(openat(at, name, kDirFlags));
-    if (fd) {
-      struct stat st;
-      if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", shown);
-      if (st.st_mode & S_IWOTH || (sharedGid < 0 && (st.st_mode & S_IWGRP)))
-        throwCode("ERR_POOL_UNSAFE", "'" + shown + "' is writable by others", 0, "open", shown);
-      return fd;
-    }
-    if (errno != ENOENT) throwErrno(errno, "open", shown);
-    if (!create) return fd;
-    if (mkdirat(at, name, 0700) != 0) {
-      if (errno == EEXIST) continue;  // made meanwhile by another process
-      throwErrno(errno, "mkdir", shown);
-    }
-    UniqueFd made(openat(at, name, kDirFlags));
-    if (!made) throwErrno(errno, "open", shown);
-    if (sharedGid >= 0) {
-      if (fchown(made.get(), static_cast<uid_t>(-1), static_cast<gid_t>(sharedGid)) != 0)
-        throwErrno(errno, "fchown", shown);
-      if (fchmod(made.get(), 02770) != 0) throwErrno(errno, "fchmod", shown);
-    } else if (fchmod(made.get(), 0700) != 0) {
-      throwErrno(errno, "fchmod", shown);
-    }
-  }
 }
 
 // A new file `name` in the private directory `dirFd` with exactly `data` and `mode`.
@@ -262,13 +192,17 @@ std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::strin
   s->trashDir_ = statePath + "/trash";
   s->trashFd_ = trashFd;
   s->sharedGid_ = sharedGid;
-  s->fd_ = openStoreDir(stateFd, "templates", s->dir_, create, sharedGid);
+  // Checked as every directory of the pool (trusted.h), made with the mode of the pool's own: 0700, or 02770 in
+  // the shared group.
+  const Trust trust{geteuid(), sharedGid};
+  const mode_t mode = sharedGid >= 0 ? 02770 : 0700;
+  s->fd_ = openPoolDir(stateFd, "templates", s->dir_, create, mode, trust);
   if (!s->fd_) return nullptr;
   // The subdirectories are made whenever they are missing: a pool whose templates/ an older build of this
   // code made (or a process killed between two mkdirs) is completed, never refused.
-  s->stagingFd_ = openStoreDir(s->fd_.get(), "staging", s->dir_ + "/staging", true, sharedGid);
-  s->namesFd_ = openStoreDir(s->fd_.get(), "names", s->dir_ + "/names", true, sharedGid);
-  s->retiredFd_ = openStoreDir(s->fd_.get(), "retired", s->dir_ + "/retired", true, sharedGid);
+  s->stagingFd_ = openPoolDir(s->fd_.get(), "staging", s->dir_ + "/staging", true, mode, trust);
+  s->namesFd_ = openPoolDir(s->fd_.get(), "names", s->dir_ + "/names", true, mode, trust);
+  s->retiredFd_ = openPoolDir(s->fd_.get(), "retired", s->dir_ + "/retired", true, mode, trust);
   return s;
 }
 
@@ -286,7 +220,7 @@ class TemplateCommit {
 
   CommitResult run() {
     // Refused before anything is built; the symlinkat below decides for real.
-    if (!req_.name.empty() && !req_.replace && exists(store_.namesFd_.get(), req_.name))
+    if (!req_.name.empty() && !req_.replace && entryExists(store_.namesFd_.get(), req_.name))
       throwErrno(EEXIST, "symlink", nameShown_);
     UniqueFd lease = claimLease();
     try {
@@ -305,7 +239,7 @@ class TemplateCommit {
     // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
     // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
     try {
-      if (exists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
+      if (entryExists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
     } catch (const Error&) {
       // Left retired: a sweep removes it.
     }
@@ -536,7 +470,7 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
     if (flock(r.fd.get(), LOCK_SH) != 0) throwErrno(errno, "flock", path(id));
     struct stat own;
     if (fstat(r.fd.get(), &own) != 0) throwErrno(errno, "fstat", path(id));
-    if (!sameEntry(fd_.get(), id, own) || exists(retiredFd_.get(), id)) {
+    if (!sameEntry(fd_.get(), id, own) || entryExists(retiredFd_.get(), id)) {
       if (byName) continue;
       notFound(idOrName, path(id));
     }
@@ -655,7 +589,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
 void TemplateStore::release(TemplateReader& reader) noexcept {
   if (!reader.fd) return;
   try {
-    if (exists(retiredFd_.get(), reader.id)) removeIfFree(reader.id, reader.fd.get());
+    if (entryExists(retiredFd_.get(), reader.id)) removeIfFree(reader.id, reader.fd.get());
   } catch (...) {
     // Left retired: a sweep removes it.
   }
@@ -717,7 +651,7 @@ std::vector<TemplateListing> TemplateStore::list() {
     struct statx stx;
     if (statx(fd.get(), "used", AT_SYMLINK_NOFOLLOW, STATX_MTIME, &stx) == 0)
       t.lastUsedMs = stx.stx_mtime.tv_sec * 1000 + stx.stx_mtime.tv_nsec / 1000000;
-    t.retired = exists(retiredFd_.get(), t.id);
+    t.retired = entryExists(retiredFd_.get(), t.id);
     out.push_back(std::move(t));
   }
   return out;
@@ -734,7 +668,7 @@ bool TemplateStore::named(const std::string& id) {
 bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool unlessCurrent, bool* kept) {
   bool byName;
   std::string id = resolve(idOrName, &byName);
-  if (!exists(fd_.get(), id) || exists(retiredFd_.get(), id)) notFound(idOrName, path(id));
+  if (!entryExists(fd_.get(), id) || entryExists(retiredFd_.get(), id)) notFound(idOrName, path(id));
   *idOut = id;
   if (unlessCurrent) {
     // Prune: a template a name points to is kept. LOCK_EX first: a commit holds it from its publish until its
@@ -826,9 +760,9 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
         continue;
       }
       SweepEntry e{"template-" + id, "template", 0, {}};
-      if (exists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes))
+      if (entryExists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes))
         report.reclaimed.push_back(std::move(e));
-      else if (!exists(fd_.get(), id))
+      else if (!entryExists(fd_.get(), id))
         unlinkat(retiredFd_.get(), id.c_str(), 0);
     } catch (const Error& e) {
       failed("template-" + id, "template", e);
@@ -850,7 +784,7 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
       continue;
     }
     if (!temp && readLink(namesFd_.get(), name, &target) && isHexId(target) &&
-        (exists(stagingFd_.get(), target) || exists(fd_.get(), target)))
+        (entryExists(stagingFd_.get(), target) || entryExists(fd_.get(), target)))
       continue;  // being built (staging is looked at first: a publish moves it from there) or published
     if (ageMs(namesFd_.get(), name) < graceMs) continue;
     if (!dryRun && unlinkat(namesFd_.get(), name.c_str(), 0) != 0) continue;  // left for a later sweep

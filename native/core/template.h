@@ -1,4 +1,4 @@
-// Templates (issue 14): committed, read-only trees in the pool that workspaces are cloned from.
+// Templates: committed, read-only trees in the pool that workspaces are cloned from.
 //   <root>/.vmspace/templates/            made on first commit (the pool format stays 1: older vmspace ignore it)
 //     staging/<id>/                       a commit being built; its directory fd holds flock(LOCK_EX)
 //     <id>/                               a published template, mode 0555: tree/ (write bits removed; on

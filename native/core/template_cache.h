@@ -21,7 +21,7 @@ namespace vmspace {
 
 struct SweepReport;
 
-// The default size budget of a pool's cache: 8 GiB (README, "Template cache").
+// The default size budget of a pool's cache: 8 GiB (docs/templates-cache.md).
 constexpr uint64_t kDefaultCacheBytes = uint64_t{8} << 30;
 
 class TemplateCache {

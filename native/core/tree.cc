@@ -111,9 +111,9 @@ struct Task {
 // Documentation/scheduler/sched-stats.rst). Read at most once per kIntervalNs, so a walk of many tiny directories
 // pays ~3 syscalls per 2 ms. The answer is yes once the thread has been runnable for kMinSpanNs and waited at
 // least as long as it ran (it got at most half a CPU): a sum over the walk, so that a blip (a kworker, the JS
-// thread) on an idle machine seldom counts. Measured on 2 CPUs, XFS, 10,000-file clones: with 2 busy loops every
-// walk raised (10 of 10); idle, 1 of 20 (XFS's deferred inode work after a removal competes for the CPUs); at
-// "half as long" idle walks raised 6 of 20. Where the file cannot be read (no CONFIG_SCHED_INFO, /proc not mounted,
+// thread) on an idle machine seldom counts, while a loaded machine is told apart from an idle one (a lower
+// threshold raised the limit on idle machines too; docs/DESIGN.md, "Measurements behind the code"). Where the file
+// cannot be read (no CONFIG_SCHED_INFO, /proc not mounted,
 // EMFILE) the answer is always no: the walk keeps one thread per CPU, as on an idle machine.
 class CpuWait {
  public:
@@ -173,21 +173,19 @@ class CpuWait {
 // instead of entering it. When other processes keep the CPUs busy (a walking thread waits on a run queue at least
 // as long as it runs: see CpuWait; asked between directories, so a walk of one flat directory never asks) and
 // fds are plenty (the soft RLIMIT_NOFILE at least kDeepQueueFdLimit), the walk goes up to kMaxThreads threads, so
-// that it keeps a share of the CPUs closer to its idle one. On 2 CPUs, XFS, a 10,000-file reflink clone with 2 busy
-// loops took 202 ms against 231 for the build before (limit 2; medians of 15 interleaved rounds); idle, where more
-// threads than CPUs only contend (4 threads: 150 ms against 114), 99 against 97 ms (issue 12). When no thread can be
+// that it keeps a share of the CPUs closer to its idle one; on an idle machine more threads than CPUs only contend,
+// so the limit stays one per CPU there (docs/DESIGN.md, "Measurements behind the code"). When no thread can be
 // started (EAGAIN at RLIMIT_NPROC) the threads there are (at least the caller's) do the work. The first error of any
 // thread stops them all and is the one run() throws.
 class WalkThreads {
  public:
   static constexpr unsigned kMaxThreads = 4;
-  // Queued directories per thread (2 fds each). A queue of one per thread ran dry whenever the thread that fills
-  // it was inside a directory of its own: with 2 busy loops on 2 CPUs the helper then slept 90-250 ms of a 400-700
-  // ms clone of 10,000 files (100 directories); with 8 per thread, under 3 ms.
+  // Queued directories per thread (2 fds each). A queue of one per thread runs dry whenever the thread that fills
+  // it is inside a directory of its own, and the other threads then sleep through much of a loaded clone.
   // Queued fds cannot be paged out under EMFILE as a walking thread's stack can, so the deeper queue is used only
   // where it is a small part of the fd limit (RLIMIT_NOFILE soft limit at least kDeepQueueFdLimit; Node raises the
-  // soft limit to the hard one at startup): below, one per thread, as before (at `ulimit -n 64` a queue of 16
-  // directories took 32 of the ~40 free fds and the walk failed with EMFILE).
+  // soft limit to the hard one at startup): below, one per thread (at `ulimit -n 64` a queue of 16 directories
+  // would take 32 of the ~40 free fds and the walk would fail with EMFILE).
   static constexpr unsigned kQueuePerThread = 8;
   static constexpr rlim_t kDeepQueueFdLimit = 4096;
   // What a thread does with a task: walks it, adding to the thread's own summary.

@@ -1,4 +1,4 @@
-// Space accounting of a workspace (issue 13): what it occupies, what of that only it holds, and what it shares
+// Space accounting of a workspace: what it occupies, what of that only it holds, and what it shares
 // with other files (reflinked template extents), learnt from FIEMAP_EXTENT_SHARED per extent.
 // Cost: one walk of the tree (an fstatat per entry, one or more FIEMAP per regular file); fds bounded whatever the
 // depth; cancellable between entries.

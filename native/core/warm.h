@@ -1,4 +1,4 @@
-// The warm reserve's core (README, "Warm reserve"): workspaces staged ahead of time from a template, each with the
+// The warm reserve's core (docs/warm.md): workspaces staged ahead of time from a template, each with the
 // state of the template's sources as they were before it was built, and handed out only while that state is
 // unchanged. The reserve itself (how many, when to refill) lives in lib/warm.ts; this is one build and one take.
 #pragma once
