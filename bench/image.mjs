@@ -5,7 +5,7 @@
 //              the bytes of its own of one workspace (usage().exclusiveBytes).
 //   churn:     64 allocate+dispose pairs in flight, of the same host base, on the image pool and on a plain
 //              loop-mounted XFS (reflink=1) pool (each through its template cache, warmed first); the ratio of
-//              their rates (one run).
+//              their median rates over 5 interleaved rounds (one run).
 //   guest I/O: 1 GiB sequential write and read with dd oflag=direct / iflag=direct (bs 1 MiB) of a file in the
 //              image pool (through the loop device) and of a file on the host file system; the ratio.
 // Usage: node bench/image.mjs [--size-gib N]  (needs npm run build; prints one JSON document)
@@ -94,9 +94,17 @@ try {
   const xfsPool = await openPool(xfsRoot)
   await churn(pool, host) // warm-up of each (the XFS pool's cache copy), not counted
   await churn(xfsPool, host)
-  const imageRate = await churn(pool, host)
-  const xfsRate = await churn(xfsPool, host)
-  out.churn64 = { imagePairsPerS: imageRate, xfsPairsPerS: xfsRate, ratio: imageRate / xfsRate }
+  // Rounds interleaved, medians compared: one round each swings by 2x on a shared machine (btrfs's rate also falls
+  // over the first rounds, as its freed extents are discarded and cleaned in the background).
+  const imageRates = []
+  const xfsRates = []
+  for (let i = 0; i < 5; i++) {
+    imageRates.push(await churn(pool, host))
+    xfsRates.push(await churn(xfsPool, host))
+  }
+  const imageRate = pct(imageRates, 50)
+  const xfsRate = pct(xfsRates, 50)
+  out.churn64 = { imagePairsPerS: imageRate, xfsPairsPerS: xfsRate, ratio: imageRate / xfsRate, imageRates, xfsRates }
   await xfsPool.close()
 
   const ioImage = seqIo(path.join(holder.path, 'io'))
