@@ -23,6 +23,15 @@ function plantDir(dir: string): void {
   fs.writeFileSync(path.join(dir, 'keep.txt'), `not yours: ${dir}`)
 }
 
+
+/** A random id whose lease shard (its first hex digit) is not `id`'s. */
+function idInAnotherShard(id: string): string {
+  for (;;) {
+    const other = randomId()
+    if (other[0] !== id[0]) return other
+  }
+}
+
 describe('a drawn name that exists is never adopted', () => {
   /**
    * Plants a directory at `at(root, taken)` in a fresh pool and allocates with `taken` drawn first: the next id is
@@ -30,7 +39,8 @@ describe('a drawn name that exists is never adopted', () => {
    */
   async function allocatePastPlanted(at: (root: string, taken: string) => string) {
     const pool = await freshPool()
-    const [taken, next] = [randomId(), randomId()]
+    const taken = randomId()
+    const next = idInAnotherShard(taken) // its own lease file must not land in the directory compared below
     const planted = at(pool.root, taken)
     plantDir(planted)
     const before = snapshotTree(planted)
@@ -51,7 +61,8 @@ describe('a drawn name that exists is never adopted', () => {
 
   test('an existing .vmspace/staging/s<i>/vm-<id> is skipped and left untouched (a build from a template)', async () => {
     const pool = await freshPool()
-    const [taken, next] = [randomId(), randomId()]
+    const taken = randomId()
+    const next = idInAnotherShard(taken) // its own lease file must not land in the directory compared below
     const template = freshDir()
     fs.writeFileSync(path.join(template, 'a.txt'), 'a')
     // In every shard: a build uses the shard of its thread.
@@ -68,7 +79,8 @@ describe('a drawn name that exists is never adopted', () => {
 
   test('an existing lease file .vmspace/leases/<x>/vm-<id> is skipped and left byte-identical', async () => {
     const pool = await freshPool()
-    const [taken, next] = [randomId(), randomId()]
+    const taken = randomId()
+    const next = idInAnotherShard(taken) // its own lease file must not land in the directory compared below
     const planted = leasePath(pool.root, `vm-${taken}`)
     fs.writeFileSync(planted, '{"someone":"else"}\n')
     const before = snapshotTree(path.dirname(planted))
@@ -87,7 +99,8 @@ describe('a drawn name that exists is never adopted', () => {
     const pool = await freshPool()
     const template = freshDir()
     fs.writeFileSync(path.join(template, 'a.txt'), 'a')
-    const [inRoot, leased, next] = [randomId(), randomId(), randomId()]
+    const [inRoot, leased] = [randomId(), randomId()]
+    const next = idInAnotherShard(leased) // its own lease file must not land in the directory compared below
     plantDir(path.join(pool.root, `vm-${inRoot}`))
     const planted = leasePath(pool.root, `vm-${leased}`)
     fs.writeFileSync(planted, 'another build')
