@@ -11,6 +11,7 @@ import {
   allocatedBytes,
   emptyPoolState,
   freshDir,
+  openFdsUnder,
   GiB,
   makeSparseFile,
   MiB,
@@ -276,18 +277,7 @@ describe('the source: opened once, file or tree chosen from what was opened', ()
     fs.mkdirSync(path.join(ws.path, 'sub'))
     await ws.clone(src, 'first.img') // whatever the first call opens for good (the thread pool) is opened by now
     // The fds of this test's files only: other fds of the process come and go (a child's pipes, vitest's own).
-    const fdsBelowDir = () =>
-      fs
-        .readdirSync('/proc/self/fd')
-        .map((fd) => {
-          try {
-            return fs.readlinkSync(`/proc/self/fd/${fd}`)
-          } catch {
-            return ''
-          }
-        })
-        .filter((target) => target.startsWith(dir + '/'))
-        .sort()
+    const fdsBelowDir = () => openFdsUnder(dir + '/').sort()
     const fds = fdsBelowDir()
     // One component: the clone works in the workspace's own fd, which must be neither closed nor leaked.
     for (let i = 0; i < 20; i++) await ws.clone(src, `top-${i}.img`)

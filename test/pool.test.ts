@@ -14,6 +14,7 @@ import {
   MiB,
   mounts,
   needs,
+  openFdsUnder,
   poolState,
   snapshotTree,
   tempLeftovers,
@@ -68,17 +69,7 @@ describe('close', () => {
       const base = path.join(freshDir(), 'base.img') // on the scratch file system: another than the pool's
       fs.writeFileSync(base, Buffer.alloc(64 * 1024, 7))
       const root = path.join(freshDir(mounts.xfs!), 'pool')
-      const openBelow = () =>
-        fs
-          .readdirSync('/proc/self/fd')
-          .map((fd) => {
-            try {
-              return fs.readlinkSync(`/proc/self/fd/${fd}`)
-            } catch {
-              return ''
-            }
-          })
-          .filter((target) => target === root || target.startsWith(root + '/'))
+      const openBelow = () => openFdsUnder(root)
       const pool = await openPool(root)
       const ws = await pool.allocate({ template: { 'rootfs.img': base } })
       expect(ws.template[0]).toMatchObject({ method: 'reflink', cache: 'miss' })
