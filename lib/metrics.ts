@@ -13,7 +13,7 @@ import { performance } from 'node:perf_hooks'
 import { func, invalidType, optionsObject } from './args.js'
 import type { Pool } from './pool.js'
 import type { AllocateTrace, CloneTrace, SweepTrace } from './trace.js'
-import type { CloneMethod } from './types.js'
+import type { CloneMethod, WarmStats } from './types.js'
 
 /** The traced operations: allocate(), clone() and Workspace.clone(), dispose(), sweep(), lockFile(). */
 export type MetricsOperation = 'allocate' | 'clone' | 'dispose' | 'sweep' | 'lock'
@@ -247,21 +247,9 @@ export interface PoolGauges {
     sizeBytes: number
   }
   /** This process's warm reserve of that pool (Pool.warmStats()), or undefined without one. */
-  warm?: {
-    /** The reserve's target size (entries). */
+  warm?: Pick<WarmStats, 'ready' | 'hits' | 'misses' | 'stale' | 'built' | 'buildFailures'> & {
+    /** The reserve's size (WarmStats.count). */
     size: number
-    /** Entries built and ready to hand out. */
-    ready: number
-    /** allocate() calls served from the reserve. */
-    hits: number
-    /** allocate() calls of the reserve's template that found it empty. */
-    misses: number
-    /** Entries dropped because their template sources changed. */
-    stale: number
-    /** Entries built so far. */
-    built: number
-    /** Builds that failed. */
-    buildFailures: number
   }
 }
 
