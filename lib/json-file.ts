@@ -126,14 +126,15 @@ export async function updateJsonFile<T>(
   const signal = abortSignal('options.signal', o.signal)
   if (updating.getStore()?.has(p)) throw reentrantError(p)
   if (signal?.aborted) throw new AbortError(signal.reason)
-  await refuseSymlink(p)
 
+  // The turn is taken before the first await, so that updates take turns in call order.
   const before = turns.get(p) ?? Promise.resolve()
   let done!: () => void
   const mine = new Promise<void>((resolve) => (done = resolve))
   const tail = before.then(() => mine)
   turns.set(p, tail)
   try {
+    await refuseSymlink(p)
     const left = await waitTurn(p, before, timeoutMs, signal)
     return await updateLocked(p, fn, { durable, timeoutMs: left, kind, signal })
   } finally {
