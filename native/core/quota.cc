@@ -20,6 +20,7 @@
 #include "error.h"
 #include "fd.h"
 #include "io.h"
+#include "process.h"
 #include "remove.h"
 
 #ifndef SYS_quotactl_fd
@@ -32,38 +33,10 @@ namespace {
 constexpr int kMaxClaimTries = 64;
 constexpr uint64_t kBtrfsFirstFreeObjectId = 256;  // BTRFS_FIRST_FREE_OBJECTID: the root directory of a subvolume
 constexpr unsigned long kXfsMagic = 0x58465342;    // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
-constexpr int kCapSysAdmin = 21;
 
 // quotactl_fd(2): the quotactl of the file system holding `fd` (man 2 quotactl_fd; no glibc wrapper).
 int quotactlFd(int fd, int cmd, uint32_t id, void* addr) {
   return static_cast<int>(syscall(SYS_quotactl_fd, fd, static_cast<unsigned>(cmd), id, addr));
-}
-
-// A field of /proc/self/status ("Umask", "CapEff"), or "" where it cannot be read.
-std::string statusField(const char* field) {
-  std::string text;
-  if (readRegularFileAt(AT_FDCWD, "/proc/self/status", 0, 1 << 16, &text) != 0) return {};
-  std::string key = std::string("\n") + field + ":";
-  size_t at = text.find(key);
-  if (at == std::string::npos) return {};
-  at += key.size();
-  while (at < text.size() && (text[at] == ' ' || text[at] == '\t')) at++;
-  size_t end = text.find('\n', at);
-  return text.substr(at, end == std::string::npos ? std::string::npos : end - at);
-}
-
-// The process umask without changing it (umask(2) can only be read by setting it, which races other threads).
-// Unreadable: 077, the strictest.
-mode_t currentUmask() {
-  std::string v = statusField("Umask");
-  if (v.empty()) return 077;
-  return static_cast<mode_t>(strtoul(v.c_str(), nullptr, 8) & 0777);
-}
-
-// qgroup limits and project quota limits need CAP_SYS_ADMIN (btrfs ioctl.c, fs/quota/quota.c).
-bool hasCapSysAdmin() {
-  std::string v = statusField("CapEff");
-  return !v.empty() && (strtoull(v.c_str(), nullptr, 16) >> kCapSysAdmin) & 1;
 }
 
 // /sys/fs/btrfs/<fsid> of the btrfs holding `fd` ("" when FS_INFO fails).
