@@ -15,6 +15,7 @@ export interface WorkspaceJson {
   createdAt: number | null
   ageMs: number | null
   pid: number | null
+  uid: number | null
   hostname: string | null
   bootId: string | null
   meta: WorkspaceInfo['meta'] | null
@@ -55,6 +56,7 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
     createdAt: info.createdAt ?? null,
     ageMs: info.createdAt === undefined ? null : Math.max(0, now - info.createdAt),
     pid: info.pid ?? null,
+    uid: info.uid ?? null,
     hostname: info.hostname ?? null,
     bootId: info.bootId ?? null,
     meta: info.meta ?? null,

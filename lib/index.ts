@@ -49,7 +49,7 @@ export type {
   OperationRecord,
   PoolGauges,
 } from './metrics.js'
-export type { CloneMethod } from './types.js'
+export type { CloneKind, CloneMethod } from './types.js'
 export { registerPrometheus } from './metrics-prom.js'
 export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry, PromMetric, PromCounter, PromGauge, PromMetricConfig, PromCounterClass, PromGaugeClass } from './metrics-prom.js'
 export type { TraceContext, AllocateTrace, CloneTrace, DisposeTrace, SweepTrace, LockTrace } from './trace.js'

@@ -33,6 +33,7 @@ const FIELDS: { readonly [K in RecordField]-?: FieldKind } = {
   template: 'array',
   templateId: 'string',
   pid: 'number',
+  uid: 'number',
   hostname: 'string',
   bootId: 'string',
   quota: 'object',
@@ -50,13 +51,13 @@ export function workspaceId(name: string): string {
   return NAME.exec(name)?.[2] ?? name
 }
 
-/** The record's pid, hostname and bootId members as JSON text: one process's, the same for all its workspaces. */
+/** The record's pid, uid, hostname and bootId members as JSON text: one process's, the same for all its workspaces. */
 export function ownerMembers(bootId: string): JsonMembers {
-  return jsonMembers({ pid: process.pid, hostname: hostname(), bootId })
+  return jsonMembers({ pid: process.pid, uid: process.geteuid!(), hostname: hostname(), bootId })
 }
 
 /**
- * The members lib/ writes, in this order: format, createdAt, the owner's (pid, hostname, bootId: `owner`, from
+ * The members lib/ writes, in this order: format, createdAt, the owner's (pid, uid, hostname, bootId: `owner`, from
  * ownerMembers), quota (when one is set), meta. `meta` is the JSON text metaText checked, put in as it is, not
  * parsed and serialised again; string concatenation, as this is on the path of every allocate.
  */

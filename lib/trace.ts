@@ -6,7 +6,7 @@
 import * as dc from 'node:diagnostics_channel'
 import { performance } from 'node:perf_hooks'
 import { debuglog } from 'node:util'
-import type { CloneMethod, CloneResult, SweepReport } from './types.js'
+import type { CloneKind, CloneMethod, CloneResult, SweepReport } from './types.js'
 
 /**
  * Fields of every trace context. `tracePromise` adds `result` (the value the call resolved with) before
@@ -52,7 +52,7 @@ export interface CloneTrace extends TraceContext {
   /** Absolute path of the destination. */
   path?: string
   /** A regular file or a directory tree. */
-  kind?: 'file' | 'tree'
+  kind?: CloneKind
   /** How the data arrived. */
   method?: CloneMethod
   /** Regular files cloned. */

@@ -178,7 +178,7 @@ export interface TemplateSource {
   /** Absolute path of the source file or directory. */
   source: string
   /** A regular file or a directory tree. */
-  kind: 'file' | 'tree'
+  kind: CloneKind
   /** Identity of the source when it was cloned (decimal strings: they can exceed 2^53). */
   dev: string
   /** The source's inode number (decimal string). */
@@ -211,6 +211,8 @@ export interface WorkspaceInfo {
   templateId?: string
   /** Process id of the allocating process. */
   pid?: number
+  /** Effective user id of the allocating process (geteuid(2)): in a pool several users share, whose it is. */
+  uid?: number
   /** Host name of the allocating machine. */
   hostname?: string
   /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
@@ -395,7 +397,7 @@ export type TemplateCacheUse = 'hit' | 'miss'
 /** What a clone made. */
 export interface CloneResult {
   /** A regular file or a directory tree. */
-  kind: 'file' | 'tree'
+  kind: CloneKind
   /** How the data arrived: shared extents, a copy, (trees) both, or (templates on btrfs) a subvolume
    * snapshot, which walks nothing: its counts are 0. A tree without regular files is `'copy'`, on any file system
    * and whatever `reflink` asked for: it says what happened, and no extent was shared (its entries were made anew,
@@ -436,6 +438,9 @@ export interface CloneResult {
     devices: number
   }
 }
+
+/** What a clone's source is: a regular file or a directory tree. */
+export type CloneKind = 'file' | 'tree'
 
 /** How a clone's data arrived (`'copy'`: the fallback where no reflink was possible). */
 export type CloneMethod = 'reflink' | 'copy' | 'mixed' | 'snapshot'

@@ -106,6 +106,7 @@ describe('vmspace ls', () => {
       createdAt: expect.any(Number),
       ageMs: expect.any(Number),
       pid: process.pid,
+      uid: process.geteuid!(),
       hostname: expect.any(String),
       bootId: expect.any(String),
       meta: { vm: 'held' },

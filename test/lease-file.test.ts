@@ -347,11 +347,11 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
         const ws = await pool.allocate({ meta })
         const record = JSON.parse(getXattr(leaseFilePath(pool.root, ws.name), 'user.vmspace.record')) as Record<string, unknown>
         expect(record).toEqual({
-          format: 1, createdAt: expect.any(Number), meta, name: ws.name, template: [], pid: process.pid, hostname: os.hostname(),
+          format: 1, createdAt: expect.any(Number), meta, name: ws.name, template: [], pid: process.pid, uid: process.geteuid!(), hostname: os.hostname(),
           bootId: fs.readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim(),
         })
         const [info] = await pool.list()
-        expect(info).toMatchObject({ name: ws.name, live: true, meta, pid: process.pid })
+        expect(info).toMatchObject({ name: ws.name, live: true, meta, pid: process.pid, uid: process.geteuid!() })
         expect(info.error).toBeUndefined()
         await ws.dispose()
         await pool.close()
