@@ -6,7 +6,7 @@
  * on two lanes each and are SIGKILLed 0-15 ms after they report that their loop started (half at once, half after
  * a few steps): the core has no test hook, so the kill lands at a random point of an allocate, a clone or a
  * dispose. Each kill of one worker is one kill
- * round; VMSPACE_CHAOS_ROUNDS of them (default 500) run VMSPACE_CHAOS_PARALLEL (default 4) at a time, and after
+ * round; 500 of them (times VMSPACE_STRESS, see helpers.ts) run VMSPACE_CHAOS_PARALLEL (default 4) at a time, and after
  * every batch, once all its workers are dead, one `sweep({ graceMs: 0 })` (the staging entries of killed builds
  * are young) must leave the pool empty. While the workers run, this process observes the root: every workspace it
  * sees under a final name has its metadata and the full template (rootfs.img byte-identical to the base), and an
@@ -21,9 +21,9 @@ import * as path from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
 import { openPool, type SweepReport } from '../lib/index.js'
-import { Child, emptyPoolState, fixtures, freshDir, leasePath, MiB, mounts, needs, poolState, writeRandomFile } from './helpers.js'
+import { Child, emptyPoolState, fixtures, freshDir, leasePath, MiB, mounts, needs, poolState, stressRounds, writeRandomFile } from './helpers.js'
 
-const ROUNDS = Number(process.env.VMSPACE_CHAOS_ROUNDS ?? 500)
+const ROUNDS = stressRounds(500, 8)
 const PARALLEL = Number(process.env.VMSPACE_CHAOS_PARALLEL ?? 4)
 const MAX_DELAY_MS = 15
 const WORKSPACE = /^vm-[0-9a-f]{32}$/

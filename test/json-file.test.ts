@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { lockFile, updateJsonFile, VmspaceError } from '../lib/index.js'
-import { eventually, freshDir, MiB, mounts, needs, repoRoot, tryFlockPath } from './helpers.js'
+import { eventually, freshDir, MiB, mounts, needs, repoRoot, stressRounds, tryFlockPath } from './helpers.js'
 import { flocksOn, IndexChild, indexTemps, waitersOn } from './lock-helpers.js'
 
 type Index = Record<string, unknown>
@@ -33,17 +33,18 @@ async function children(n: number): Promise<IndexChild[]> {
 }
 
 describe('no update is lost', () => {
-  test('32 processes × 100 updates, each adding its own key: exactly 3200 keys', { timeout: 600_000 }, async () => {
+  const updates = stressRounds(100, 10)
+  test(`32 processes × ${updates} updates, each adding its own key: exactly ${32 * updates} keys`, { timeout: 600_000 }, async () => {
     const dir = freshDir()
     const file = path.join(dir, 'index.json')
     const cs = await children(32)
     // All 32 are up and block on stdin: one line each releases them together.
-    cs.forEach((c, i) => c.command({ op: 'fill', file, count: 100, prefix: `p${i}-` }))
+    cs.forEach((c, i) => c.command({ op: 'fill', file, count: updates, prefix: `p${i}-` }))
     await Promise.all(cs.map((c) => c.expect('filled')))
     const index = readIndex(file)
-    expect(Object.keys(index)).toHaveLength(3200)
+    expect(Object.keys(index)).toHaveLength(32 * updates)
     cs.forEach((c, i) => {
-      for (let k = 0; k < 100; k++) expect(index[`p${i}-${k}`]).toBe(c.pid)
+      for (let k = 0; k < updates; k++) expect(index[`p${i}-${k}`]).toBe(c.pid)
     })
     expect(fs.readdirSync(dir).sort()).toEqual(['index.json'])
     for (const c of cs) c.proc.stdin!.end()

@@ -17,7 +17,7 @@
  * each process at once accept exactly the outcomes docs/lifecycle.md allows (one adopt wins; each orphan is reclaimed
  * once; a sweep never takes a new workspace; no index update is lost), whichever process comes first.
  * VMSPACE_MODEL_SEED=<n> replays the command sequences (the seed is printed on failure, with fast-check's shrunk
- * counterexample), VMSPACE_MODEL_RUNS=<n> sets the number of runs per file system (default 8).
+ * counterexample), 8 runs per file system (times VMSPACE_STRESS, see helpers.ts).
  */
 import * as fc from 'fast-check'
 import { spawnSync } from 'node:child_process'
@@ -26,7 +26,7 @@ import { createRequire } from 'node:module'
 import * as path from 'node:path'
 import { describe, expect, onTestFailed, test } from 'vitest'
 import * as vmspace from '../lib/index.js'
-import { Child, eventually, fixtures, leasePath, ls, mounts, needs, poolState, requireMount } from './helpers.js'
+import { Child, eventually, fixtures, leasePath, ls, mounts, needs, poolState, stressRounds, requireMount } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
 type ActorName = 'parent' | 'child'
@@ -40,7 +40,7 @@ const { makeActor } = createRequire(__filename)(path.join(fixtures, 'model-actor
   makeActor(lib: typeof vmspace, root: string): LocalActor
 }
 
-const RUNS = Number(process.env.VMSPACE_MODEL_RUNS ?? 8)
+const RUNS = stressRounds(8)
 const SEED = process.env.VMSPACE_MODEL_SEED === undefined ? (Math.random() * 2 ** 31) | 0 : Number(process.env.VMSPACE_MODEL_SEED)
 
 // ---- the model ----

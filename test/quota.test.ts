@@ -11,7 +11,7 @@ import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
 import { openPool, probeQuota, type Pool } from '../lib/index.js'
 import { removeScratch, unmountBeneath } from './setup/mounts.js'
-import { Child, MiB, emptyPoolState, fixtures, freshDir, mounts, needs, poolState, repoRoot, writeRandomFile } from './helpers.js'
+import { Child, MiB, emptyPoolState, fixtures, freshDir, mounts, needs, poolState, repoRoot, stressRounds, writeRandomFile } from './helpers.js'
 
 // ---- file systems of this suite ----
 
@@ -312,18 +312,19 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
-  test('8 processes x 50 quota allocates get distinct subvolumes and qgroups; after dispose, and after a SIGKILLed owner plus sweep, no subvolume and no stale qgroup is left', async () => {
+  const each = stressRounds(50, 10)
+  test(`8 processes x ${each} quota allocates get distinct subvolumes and qgroups; after dispose, and after a SIGKILLed owner plus sweep, no subvolume and no stale qgroup is left`, async () => {
     const root = freshDir(mnt)
     const pool = await openPool(root)
-    const children = Array.from({ length: 8 }, () => new Child(path.join(fixtures, 'quota-child.cjs'), [root, '50', String(QUOTA)]))
+    const children = Array.from({ length: 8 }, () => new Child(path.join(fixtures, 'quota-child.cjs'), [root, String(each), String(QUOTA)]))
     const names = (await Promise.all(children.map((c) => c.expect('allocated')))).flatMap((m) => m.names as string[])
-    expect(new Set(names).size).toBe(400)
+    expect(new Set(names).size).toBe(8 * each)
     const subs = subvolumeIds(mnt).filter((s) => s[1].includes(path.basename(root)))
     expect(subs.map((s) => path.basename(s[1])).sort()).toEqual([...names].sort())
     const ids = subs.map((s) => s[0])
     const ours = new Set(ids.map((id) => `0/${id}`))
     const limited = qgroups(mnt).filter((q) => ours.has(q[0]))
-    expect(limited).toHaveLength(400)
+    expect(limited).toHaveLength(8 * each)
     for (const q of limited) expect(q[1]).toBe(String(QUOTA))
     // Four dispose, four are SIGKILLed and their workspaces swept.
     for (const c of children.slice(0, 4)) c.send('dispose')
@@ -332,7 +333,7 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await Promise.all(children.slice(4).map((c) => c.exited))
     const report = await pool.sweep()
     expect(report.failed).toEqual([])
-    expect(report.reclaimed).toHaveLength(200)
+    expect(report.reclaimed).toHaveLength(4 * each)
     expect(poolState(root)).toEqual(emptyPoolState)
     expect(subvolumes(mnt).filter((p) => p.includes(path.basename(root)))).toEqual([])
     expect(qgroups(mnt, ids).filter((q) => ours.has(q[0]))).toEqual([])

@@ -12,7 +12,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, test } from 'vitest'
 import { openPool, type Pool, type Template, type Workspace } from '../lib/index.js'
 import { pruneCandidates } from '../lib/template.js'
-import { Child, emptyPoolState, eventually, fixtures, freshDir, ls, mounts, needs, poolState, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
+import { Child, emptyPoolState, eventually, fixtures, freshDir, ls, mounts, needs, poolState, stressRounds, requireMount, runCommand, unprivilegedChildren, writeRandomFile } from './helpers.js'
 
 /** Every entry below `dir`: kind, mode, size, content hash or link target (no inode numbers: clones differ). */
 function contentTree(dir: string): Record<string, string> {
@@ -628,14 +628,13 @@ describe.skipIf(!mounts.xfs)(`fork on XFS ${needs('XFS', !mounts.xfs && mounts.m
   })
 })
 
-const ROUNDS = Number(process.env.VMSPACE_TEMPLATE_CHAOS_ROUNDS ?? 200)
+const ROUNDS = stressRounds(200, 8)
 const PARALLEL = Number(process.env.VMSPACE_TEMPLATE_CHAOS_PARALLEL ?? 4)
 
 // btrfs too: a commit there ends in a read-only subvolume, a fork in snapshots, a removal in subvolume deletion.
-const BTRFS_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_CHAOS_BTRFS_ROUNDS ?? ROUNDS)
 const chaosSystems = [
   { label: mounts.xfs ? 'XFS' : 'scratch', dir: mounts.xfs ?? mounts.scratch, rounds: ROUNDS },
-  ...(mounts.btrfs ? [{ label: 'btrfs', dir: mounts.btrfs, rounds: BTRFS_ROUNDS }] : []),
+  ...(mounts.btrfs ? [{ label: 'btrfs', dir: mounts.btrfs, rounds: ROUNDS }] : []),
 ]
 
 describe.each(chaosSystems)('templates under SIGKILL on $label', ({ label, dir, rounds: ROUNDS }) => {
@@ -768,7 +767,7 @@ describe('templates of deep trees', () => {
 
 // Races between processes on one name (docs/templates.md): a reader never sees a replaced name missing, prune
 // never removes the template a name points to, and a sweep with graceMs 0 never breaks a live build.
-const RACE_ROUNDS = Number(process.env.VMSPACE_TEMPLATE_RACE_ROUNDS ?? 200)
+const RACE_ROUNDS = stressRounds(200, 20)
 const raceDir = mounts.xfs ?? mounts.scratch
 
 describe('templates under concurrent replace, prune and sweep', () => {
