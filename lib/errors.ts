@@ -34,6 +34,7 @@ export type VmspaceErrorCode =
   | 'ERR_IMAGE_TOOL_FAILED' // losetup, mount, mkfs.btrfs or blkid failed (the message has its first line of stderr)
   | 'ERR_IMAGE_FOREIGN' // the image path holds a file that is not a file system image vmspace made; left untouched
   | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
+  | 'ERR_IMAGE_IN_USE' // the image is already mounted at another path (the message names it); nothing made
   | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image
 
 /**

@@ -109,6 +109,16 @@ export function mountAt(dir: string): { source: string; fsType: string; majMin: 
   return found
 }
 
+/** The mount points of the block device `source` (/dev/loopN), in mount order. */
+function mountPointsOf(source: string): string[] {
+  const points: string[] = []
+  for (const line of fs.readFileSync('/proc/self/mountinfo', 'utf8').split('\n')) {
+    const [left, right] = line.split(' - ')
+    if (right && unescape(right.split(' ')[1] ?? '') === source) points.push(unescape(left.split(' ')[4]))
+  }
+  return points
+}
+
 interface LoopDevice {
   name: string
   backFile: string
@@ -204,7 +214,7 @@ const inProcess = new Map<string, Promise<unknown>>()
  * lock throughout, including `open`; when `open` fails, what this call made is undone.
  * Throws `ERR_IMAGE_NOT_PERMITTED` (cause EPERM: no CAP_SYS_ADMIN), `ERR_IMAGE_TOOL_MISSING` (naming the package),
  * `ERR_IMAGE_FOREIGN` (an existing file that is not a vmspace image), `ERR_IMAGE_ROOT_MOUNTED` (root is the mount
- * of something else), `ENOSPC` (syscall statfs: the host cannot hold `size`), `ERR_POOL_NOT_EMPTY` (root holds
+ * of something else), `ERR_IMAGE_IN_USE` (the image is mounted at another path), `ENOSPC` (syscall statfs: the host cannot hold `size`), `ERR_POOL_NOT_EMPTY` (root holds
  * entries that the mount would hide), `ERR_IMAGE_TOOL_FAILED`, `ENOENT` (the image's directory, or the image
  * with `create: false`), or what `open` throws. Nothing made is left on failure.
  */
@@ -262,6 +272,11 @@ async function ensureMounted(root: string, image: Image, create: boolean, made: 
   }
   checkRoot(root, create, made)
   let loop = (await loopsOf(st))[0]?.name
+  const elsewhere = loop === undefined ? undefined : mountPointsOf(loop)[0]
+  // Two mounts of one image would be one pool under two roots: workspace paths, and what a sweep or an unmount at
+  // either means, would depend on which root a caller happened to use.
+  if (elsewhere !== undefined)
+    throw vmspaceError('ERR_IMAGE_IN_USE', `${image.path} is already mounted at ${elsewhere} (through ${loop}); open the pool there`, { path: image.path })
   if (!loop) {
     loop = (await runOk('losetup', ['--direct-io=on', '--find', '--show', image.path], image.path)).trim()
     made.loop = loop
@@ -369,7 +384,8 @@ export async function unmountImage(rootArg: string): Promise<string> {
   const root = absolutePath('root', rootArg)
   if (!hasCapSysAdmin())
     throw vmspaceError('ERR_IMAGE_NOT_PERMITTED', 'unmounting needs root (CAP_SYS_ADMIN)', { path: root, cause: errnoError(os.constants.errno.EPERM, 'umount', root) })
-  const m = mountAt(root)
+  // mountinfo names mount points by their real path.
+  const m = mountAt(statOrUndefined(root) ? fs.realpathSync(root) : root)
   const loop = m && (await loopDevices()).find((l) => l.name === m.source)
   if (!m || !loop || (await probeImage(loop.name)).label !== IMAGE_LABEL)
     throw vmspaceError('ERR_IMAGE_NOT_MOUNTED', `${root} is not the mount of a vmspace image`, { path: root })
@@ -377,7 +393,7 @@ export async function unmountImage(rootArg: string): Promise<string> {
   try {
     await runOk('umount', [root], root)
     // Another mount of the same device (a second mount point) keeps the loop device busy: leave it then.
-    if (!fs.readFileSync('/proc/self/mountinfo', 'utf8').includes(` ${loop.name} `)) await runOk('losetup', ['--detach', loop.name], loop.name)
+    if (mountPointsOf(loop.name).length === 0) await runOk('losetup', ['--detach', loop.name], loop.name)
   } finally {
     await lock.release()
   }

@@ -63,7 +63,8 @@ export interface PoolOptions {
    * `image.path` ({@link ImageOptions}), made and mounted by this call where it is not yet (sparse file, loop
    * device with direct I/O, mount at `root`); an existing mount of that image is just opened. Needs root.
    * Throws, besides openPool's own errors, `ERR_IMAGE_NOT_PERMITTED`, `ERR_IMAGE_TOOL_MISSING`,
-   * `ERR_IMAGE_FOREIGN`, `ERR_IMAGE_ROOT_MOUNTED`, `ERR_IMAGE_TOOL_FAILED`, `ENOSPC` (nothing made); see
+   * `ERR_IMAGE_FOREIGN`, `ERR_IMAGE_ROOT_MOUNTED`, `ERR_IMAGE_IN_USE` (mounted at another path),
+   * `ERR_IMAGE_TOOL_FAILED`, `ENOSPC` (nothing made); see
    * DESIGN.md, "The image-backed pool".
    */
   image?: ImageOptions

@@ -239,6 +239,22 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     await expect(unmountImage(root)).rejects.toMatchObject({ code: 'ERR_IMAGE_NOT_MOUNTED' })
   })
 
+  test('an image mounted at one root is ERR_IMAGE_IN_USE at another, which is left as it was; unmountImage through a symlink to the root unmounts it', async () => {
+    const { root, image } = paths('elsewhere')
+    const pool = await open(root, image)
+    await pool.close()
+    const other = path.join(path.dirname(root), 'other')
+    await expect(open(other, image)).rejects.toMatchObject({ code: 'ERR_IMAGE_IN_USE', path: image, message: expect.stringContaining(root) })
+    expect(fs.existsSync(other)).toBe(false)
+    expect(mountsAt(root)).toHaveLength(1)
+    expect(loopsOf(image)).toHaveLength(1)
+    const link = path.join(path.dirname(root), 'link')
+    fs.symlinkSync(root, link)
+    expect(await unmountImage(link)).toBe(image)
+    expect(mountsAt(root)).toEqual([])
+    expect(loopsOf(image)).toEqual([])
+  })
+
   test('vmspace mount and unmount: exit 0 and one line each; a bad --size is exit 2 with nothing made', () => {
     const { root, image } = paths('cli')
     const cli = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
