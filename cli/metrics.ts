@@ -79,8 +79,13 @@ function listen(server: http.Server, host: string, port: number): Promise<net.Ad
 async function serve(pool: Pool, address: { host: string; port: number }): Promise<number> {
   const server = http.createServer((req, res) => {
     const url = new URL(req.url ?? '/', 'http://x')
-    if (url.pathname !== '/metrics' || (req.method !== 'GET' && req.method !== 'HEAD')) {
+    if (url.pathname !== '/metrics') {
       res.writeHead(404, { 'content-type': 'text/plain' }).end('vmspace metrics: only GET /metrics\n')
+      return
+    }
+    // RFC 9110 15.5.6: a known resource and a method it does not support is 405, with the methods it does in Allow.
+    if (req.method !== 'GET' && req.method !== 'HEAD') {
+      res.writeHead(405, { 'content-type': 'text/plain', allow: 'GET, HEAD' }).end('vmspace metrics: only GET /metrics\n')
       return
     }
     poolGauges(pool).then((g) => metricsText({ gauges: [g] })).then(

@@ -299,6 +299,23 @@ async function promValue(port: number, query: string, ok: (v: number) => boolean
   throw new Error(`${query}: no series satisfying the check; last answer ${JSON.stringify(last)}`)
 }
 
+test('vmspace metrics --listen: GET and HEAD /metrics are 200, another method 405 with Allow, another path 404', async () => {
+  const p = await pool(freshDir())
+  const port = await listenCli(p.root)
+  const url = `http://127.0.0.1:${port}`
+  const get = await fetch(`${url}/metrics`)
+  expect(get.status).toBe(200)
+  expect(await get.text()).toMatch(/^# HELP vmspace_/m)
+  const head = await fetch(`${url}/metrics`, { method: 'HEAD' })
+  expect([head.status, await head.text()]).toEqual([200, ''])
+  const post = await fetch(`${url}/metrics`, { method: 'POST', body: 'x' })
+  expect([post.status, post.headers.get('allow')]).toEqual([405, 'GET, HEAD'])
+  await post.text()
+  const other = await fetch(`${url}/other`)
+  expect(other.status).toBe(404)
+  await other.text()
+})
+
 const fileSystems = [
   { label: 'ext4', base: mounts.scratchFsType === 'ext4' ? mounts.scratch : null, method: 'copy', why: `scratch is ${mounts.scratchFsType}` },
   { label: 'XFS', base: mounts.xfs, method: 'reflink', why: mounts.missing.xfs },
