@@ -23,6 +23,7 @@
         "native/core/remove.cc",
         "native/core/rename.cc",
         "native/core/tree.cc",
+        "native/core/walk_threads.cc",
         "native/core/lock.cc",
         "native/core/json_file.cc",
         "native/core/process.cc",
