@@ -29,6 +29,8 @@
         "native/core/process.cc",
         "native/core/io.cc",
         "native/core/template.cc",
+        "native/core/template_commit.cc",
+        "native/core/template_modes.cc",
         "native/core/template_cache.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",
