@@ -38,7 +38,8 @@
         "native/core/pool_publish.cc",
         "native/core/pool_sweep.cc",
         "native/core/trusted.cc",
-        "native/core/usage.cc"
+        "native/core/usage.cc",
+        "native/core/walk.cc"
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
       "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "NODE_API_SWALLOW_UNTHROWABLE_EXCEPTIONS", "_GNU_SOURCE"],

@@ -1,5 +1,6 @@
 // A template's mode list: the write bits a commit removes from its tree (stripWriteBits, which also measures the
 // tree) and gives back to each clone of it (TemplateStore::restoreModes), and the walks that do both.
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include "io.h"
 #include "template.h"
 #include "template_modes.h"
+#include "walk.h"
 
 namespace vmspace {
 
@@ -37,20 +39,6 @@ ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::strin
 // bits), "d<name>" (into that subdirectory), "u" (back to the parent), "r<3 octal digits>" (the root's own).
 // Relative to the walk, never full paths: the list grows with the entries, not with depth times entries.
 
-namespace {
-
-// Moves `cur` to its parent, checked to be the directory `expect` (device and inode) that the walk came from.
-void walkUp(UniqueFd& cur, const struct stat& expect, const std::string& shown) {
-  UniqueFd up(openat(cur.get(), "..", kDirFlags));
-  if (!up) throwErrno(errno, "open", shown);
-  struct stat st;
-  if (fstat(up.get(), &st) != 0) throwErrno(errno, "fstat", shown);
-  if (st.st_dev != expect.st_dev || st.st_ino != expect.st_ino) throwErrno(ESTALE, "open", shown);
-  cur = std::move(up);
-}
-
-}  // namespace
-
 void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated, bool strip) {
   std::set<std::pair<dev_t, ino_t>> linked;  // inodes with several links already counted
   auto put = [&](char kind, mode_t bits, const std::string& name) {
@@ -59,51 +47,43 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
     if (!ok || fwrite(name.c_str(), 1, name.size() + 1, manifest) != name.size() + 1)
       throwErrno(errno ? errno : EIO, "write", shown);
   };
-  struct Level {
-    std::vector<std::pair<std::string, unsigned char>> names;
-    size_t next = 0;
-    struct stat st;
-  };
-  std::vector<Level> stack(1);
-  std::string rel;  // of `cur` below the root, for errors only (grows with depth, not with entries)
-  UniqueFd cur(fcntl(rootFd, F_DUPFD_CLOEXEC, 0));
-  if (!cur) throwErrno(errno, "fcntl", shown);
-  if (fstat(cur.get(), &stack[0].st) != 0) throwErrno(errno, "fstat", shown);
-  const struct stat rootSt = stack[0].st;
+  struct stat rootSt;
+  if (fstat(rootFd, &rootSt) != 0) throwErrno(errno, "fstat", shown);
   *allocated += static_cast<uint64_t>(rootSt.st_blocks) * 512;
-  stack[0].names = readNames(cur.get(), shown);
-  while (!stack.empty()) {
-    Level& top = stack.back();
-    if (top.next == top.names.size()) {
-      stack.pop_back();
-      if (stack.empty()) break;
-      walkUp(cur, stack.back().st, shown + rel);
-      rel.erase(rel.rfind('/'));
-      if (strip) put('u', 0, "");
+  TreeWalk walk(shown, TreeWalk::Resume::AtPosition);
+  // A description of our own: the caller's fd's readdir offset is not ours to move.
+  int fd = openat(rootFd, ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  if (int err = walk.push(fd, "", rootSt.st_dev, rootSt.st_ino)) throwErrno(err, "fdopendir", shown);
+  while (!walk.empty()) {
+    struct dirent* de;
+    if (int err = walk.next(&de)) throwErrno(err, "readdir", walk.path(walk.depth()));
+    if (!de) {
+      TreeWalk::Left done;
+      const char* syscall = "openat";
+      if (int err = walk.pop(&done, &syscall)) throwErrno(err, syscall, walk.path(walk.depth(), done.name.c_str()));
+      if (strip && !walk.empty()) put('u', 0, "");
       continue;
     }
-    const std::string name = top.names[top.next++].first;
+    const std::string name = de->d_name;
+    const int cur = walk.topFd();
     struct stat st;
-    if (fstatat(cur.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
-      throwErrno(errno, "stat", shown + rel + "/" + name);
+    if (fstatat(cur, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+      throwErrno(errno, "stat", walk.path(walk.depth(), name.c_str()));
     if (!S_ISDIR(st.st_mode) && st.st_nlink > 1 && !linked.insert({st.st_dev, st.st_ino}).second) continue;
     *allocated += static_cast<uint64_t>(st.st_blocks) * 512;
     if (S_ISLNK(st.st_mode)) continue;
     if (strip && (st.st_mode & 0222)) {
       put('m', st.st_mode & 0222, name);
-      if (fchmodat(cur.get(), name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
-        throwErrno(errno, "chmod", shown + rel + "/" + name);
+      if (fchmodat(cur, name.c_str(), st.st_mode & 07777 & ~0222, 0) != 0)
+        throwErrno(errno, "chmod", walk.path(walk.depth(), name.c_str()));
     }
     if (!S_ISDIR(st.st_mode)) continue;
-    UniqueFd down(openat(cur.get(), name.c_str(), kDirFlags));
-    if (!down) throwErrno(errno, "open", shown + rel + "/" + name);
-    Level level;
-    level.st = st;
-    level.names = readNames(down.get(), shown + rel + "/" + name);
-    cur = std::move(down);
-    rel += "/" + name;
+    int down = walk.openDir(cur, name.c_str());
+    if (down < 0) throwErrno(errno, "open", walk.path(walk.depth(), name.c_str()));
+    if (int err = walk.push(down, name.c_str(), st.st_dev, st.st_ino))
+      throwErrno(err, "fdopendir", walk.path(walk.depth(), name.c_str()));
     if (strip) put('d', 0, name);
-    stack.push_back(std::move(level));
   }
   if (strip && (rootSt.st_mode & 0222)) {
     put('r', rootSt.st_mode & 0222, "");
@@ -113,53 +93,59 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
 
 namespace {
 
-// The walk of a template's mode list over a clone of its tree (the records stripWriteBits wrote): one directory fd,
-// down by name, up through ".." (checked against the way down).
+// The walk of a template's mode list over a clone of its tree (the records stripWriteBits wrote): down by name,
+// up through the climb of walk.h (checked against the way down). No readdir: the list says where to go.
 class ModeListWalk {
  public:
-  ModeListWalk(int wsFd, const std::string& wsPath) : wsPath_(wsPath), trail_(1) {
-    cur_.reset(fcntl(wsFd, F_DUPFD_CLOEXEC, 0));
-    if (!cur_) throwErrno(errno, "fcntl", wsPath);
-    if (fstat(cur_.get(), &trail_[0]) != 0) throwErrno(errno, "fstat", wsPath);
+  ModeListWalk(int wsFd, const std::string& wsPath) : walk_(wsPath, TreeWalk::Resume::AtPosition) {
+    int fd = fcntl(wsFd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) throwErrno(errno, "fcntl", wsPath);
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      throwErrno(err, "fstat", wsPath);
+    }
+    if (int err = walk_.push(fd, "", st.st_dev, st.st_ino)) throwErrno(err, "fdopendir", wsPath);
   }
 
   // 'u': back to the parent; false at the top (a list that does not parse).
   bool up() {
-    if (trail_.size() < 2) return false;
-    trail_.pop_back();
-    walkUp(cur_, trail_.back(), wsPath_ + rel_);
-    rel_.erase(rel_.rfind('/'));
+    if (walk_.depth() == 0) return false;
+    TreeWalk::Left done;
+    const char* syscall = "openat";
+    if (int err = walk_.pop(&done, &syscall)) throwErrno(err, syscall, walk_.path(walk_.depth(), done.name.c_str()));
     return true;
   }
 
   // 'd': down into the directory `name`.
   void down(const char* name) {
-    UniqueFd down(openat(cur_.get(), name, kDirFlags));
-    if (!down) throwErrno(errno, "open", wsPath_ + rel_ + "/" + name);
+    int fd = walk_.openDir(walk_.topFd(), name);
+    if (fd < 0) throwErrno(errno, "open", walk_.path(walk_.depth(), name));
     struct stat st;
-    if (fstat(down.get(), &st) != 0) throwErrno(errno, "fstat", wsPath_ + rel_ + "/" + name);
-    trail_.push_back(st);
-    cur_ = std::move(down);
-    rel_ += std::string("/") + name;
+    if (fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      throwErrno(err, "fstat", walk_.path(walk_.depth(), name));
+    }
+    if (int err = walk_.push(fd, name, st.st_dev, st.st_ino))
+      throwErrno(err, "fdopendir", walk_.path(walk_.depth(), name));
   }
 
   // 'm': the write bits `bits` given back to `leaf`.
   void restore(const char* leaf, mode_t bits) {
     struct stat st;
-    if (fstatat(cur_.get(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (fstatat(walk_.topFd(), leaf, &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) return;  // not recreated (a socket, a device without CAP_MKNOD)
-      throwErrno(errno, "stat", wsPath_ + rel_ + "/" + leaf);
+      throwErrno(errno, "stat", walk_.path(walk_.depth(), leaf));
     }
     if (S_ISLNK(st.st_mode)) return;
-    if (fchmodat(cur_.get(), leaf, (st.st_mode & 07777) | bits, 0) != 0)
-      throwErrno(errno, "chmod", wsPath_ + rel_ + "/" + leaf);
+    if (fchmodat(walk_.topFd(), leaf, (st.st_mode & 07777) | bits, 0) != 0)
+      throwErrno(errno, "chmod", walk_.path(walk_.depth(), leaf));
   }
 
  private:
-  const std::string& wsPath_;
-  UniqueFd cur_;
-  std::vector<struct stat> trail_;
-  std::string rel_;  // of `cur_` below the workspace, for errors only (grows with depth, not with entries)
+  TreeWalk walk_;
 };
 
 }  // namespace

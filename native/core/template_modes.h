@@ -18,9 +18,9 @@ ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::strin
 
 // Removes the write bits of every entry of the private tree `rootFd` but symlinks (whose mode means nothing),
 // recording them in `manifest` (the mode list above), so that a clone can get them back (restoreModes). Adds the
-// tree's allocated bytes (st_blocks * 512, hard links once) to *allocated. One directory fd is open at a time
-// (the walk goes down by name and up through "..", checked by device and inode), and memory holds the names of
-// one directory per level: any depth a clone handles, this handles. The tree is our own build in staging.
+// tree's allocated bytes (st_blocks * 512, hard links once) to *allocated. The walk is walk.h's (its fd budget, the
+// climb checked by device and inode), and memory holds a name per level: any depth a clone handles, this handles.
+// The tree is our own build in staging.
 // With `strip` false (a read-only subvolume, whose modes stay) it only measures.
 void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated, bool strip);
 
