@@ -9,53 +9,33 @@
 #include <cstring>
 #include <optional>
 #include <unordered_set>
-#include <vector>
 
 #include "error.h"
 #include "fd.h"
 #include "io.h"
 #include "rename.h"
 #include "statx.h"
+#include "walk.h"
 
 namespace vmspace {
 namespace {
 
-// One directory being emptied. No path is kept per level (a chain 100,000 deep would cost the square of its
-// depth in memory): a path is built from the names of the stack only when an error is reported.
-struct Frame {
-  DIR* dir;          // null while closed to bound the fds a deep tree takes (see kMaxOpenFrames)
-  std::string name;  // its name in the frame below (empty for the root of the walk)
-  dev_t dev;
-  ino_t ino;
-};
-
-// At most this many directories of the walk are open at once; the ones above them are closed and reopened
-// (through "..", checked by device and inode) when the walk climbs back. A guest can nest directories deeper
-// than any fd limit; removal must not depend on depth.
-constexpr size_t kMaxOpenFrames = 64;
-
+// Empties a directory tree over the walk of walk.h (its frames, fd budget and climb), removing each directory once
+// its entries are gone. Errors are recorded, the first one kept, and the walk goes on with what it can still reach.
 class Remover {
  public:
-  Remover(uint64_t mount, uint64_t* bytes) : mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
+  Remover(uint64_t mount, uint64_t* bytes, const std::string& path)
+      : walk_(path, TreeWalk::Resume::FromStart), mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
 
-  // Empties the directory `fd` (taken over; device `dev`, inode `ino`) at `path`, then, frame by frame, removes
-  // each emptied directory.
-  void emptyDirectory(int fd, const std::string& path, dev_t dev, ino_t ino) {
-    rootPath_ = path;
-    DIR* d = fdopendir(fd);
-    if (!d) {
-      int err = errno;
-      ::close(fd);
+  // Empties the directory `fd` (taken over; device `dev`, inode `ino`), then, frame by frame, removes each
+  // emptied directory below it. Restarting a reopened directory's readdir is fine: what was removed is gone, and
+  // what could not be removed is in stuck_.
+  void emptyDirectory(int fd, dev_t dev, ino_t ino) {
+    if (int err = walk_.push(fd, "", dev, ino)) {
       record(err, "fdopendir", 0);
       return;
     }
-    stack_.push_back(Frame{d, {}, dev, ino});
-    while (!stack_.empty()) step();
-  }
-
-  ~Remover() {
-    for (Frame& f : stack_)
-      if (f.dir) closedir(f.dir);
+    while (!walk_.empty()) step();
   }
 
   void rethrowFirst() {
@@ -63,112 +43,57 @@ class Remover {
   }
 
  private:
-  // Records the first error; the path is that of the directory at `depth` in the stack, plus `leaf` if given.
+  // Records the first error; the path is that of the directory at `depth` in the walk, plus `leaf` if given.
   void record(int err, const char* syscall, size_t depth, const char* leaf = nullptr) {
     if (first_) return;
     first_.emplace();
     first_->err = err;
     first_->syscall = syscall;
-    first_->path = rootPath_;
-    for (size_t i = 1; i <= depth && i < stack_.size(); i++) first_->path += "/" + stack_[i].name;
-    if (leaf) first_->path += std::string("/") + leaf;
-  }
-
-  // Climbing back into a parent whose DIR was closed: reopen it through the child's "..", and only if it is
-  // still the same directory (a rename meanwhile must not redirect the walk). Restarting its readdir is fine:
-  // what was removed is gone, and what could not be removed is in stuck_.
-  bool reopenParent(Frame& parent, DIR* child) {
-    size_t depth = stack_.size() - 1;  // the parent is the top of the stack
-    int fd = openDir(dirfd(child), "..");
-    struct stat st {};
-    if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino) {
-      int err = fd < 0 ? errno : ESTALE;  // ESTALE: another directory is there now
-      if (fd >= 0) ::close(fd);
-      record(err, "openat", depth);
-      return false;
-    }
-    parent.dir = fdopendir(fd);
-    if (!parent.dir) {
-      record(errno, "fdopendir", depth);
-      ::close(fd);
-      return false;
-    }
-    return true;
-  }
-
-  // Opens the directory `name` in `dfd`. Under a low RLIMIT_NOFILE (EMFILE, ENFILE) it closes the walk's
-  // shallowest open directory but the top one and tries again: removal needs two fds, not kMaxOpenFrames.
-  int openDir(int dfd, const char* name) {
-    for (;;) {
-      int fd = openat(dfd, name, kDirFlags);
-      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
-      int err = errno;
-      if (!closeShallowest()) {
-        errno = err;
-        return -1;
-      }
-    }
-  }
-
-  // Only the kMaxOpenFrames + 1 deepest frames can be open (descend closes the one above them).
-  bool closeShallowest() {
-    size_t n = stack_.size();
-    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
-      if (stack_[i].dir) {
-        closedir(stack_[i].dir);
-        stack_[i].dir = nullptr;
-        return true;
-      }
-    }
-    return false;
+    first_->path = walk_.path(depth, leaf);
   }
 
   void step() {
-    Frame& top = stack_.back();
-    errno = 0;
-    struct dirent* de = readdir(top.dir);
+    struct dirent* de;
+    if (int err = walk_.next(&de)) record(err, "readdir", walk_.depth());
     if (!de) {
-      if (errno) record(errno, "readdir", stack_.size() - 1);
-      Frame done = std::move(top);
-      stack_.pop_back();
-      if (!stack_.empty() && !stack_.back().dir && !reopenParent(stack_.back(), done.dir)) {
-        closedir(done.dir);
-        for (Frame& f : stack_)
-          if (f.dir) closedir(f.dir);
-        stack_.clear();  // the walk cannot go on safely; the first error says why
-        return;
-      }
-      closedir(done.dir);
-      if (!stack_.empty()) {
-        Frame& parent = stack_.back();
-        if (unlinkat(dirfd(parent.dir), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
-          record(errno, "rmdir", stack_.size() - 1, done.name.c_str());
-          stuck_.insert(InodeKey{done.dev, done.ino});  // not entered again when its parent is read again
-        }
-      }
+      leave();
       return;
     }
     const char* name = de->d_name;
-    if (isDotOrDotDot(name)) return;
-    int dfd = dirfd(top.dir);
+    int dfd = walk_.topFd();
     // d_type saves a stat per entry; DT_UNKNOWN (some file systems) is resolved by trying to open as a directory.
     if (de->d_type == DT_DIR || de->d_type == DT_UNKNOWN) {
-      if (descend(top, dfd, name)) return;
+      if (descend(dfd, name)) return;
     }
-    unlinkEntry(top, dfd, name);
+    unlinkEntry(dfd, name);
+  }
+
+  // The top directory is empty (or as empty as it gets): back to its parent, and removed from it.
+  void leave() {
+    TreeWalk::Left done;
+    const char* syscall = "openat";
+    if (int err = walk_.pop(&done, &syscall)) {
+      record(err, syscall, walk_.depth());
+      walk_.abandon();  // the walk cannot go on safely; the first error says why
+      return;
+    }
+    if (walk_.empty()) return;
+    if (unlinkat(walk_.topFd(), done.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      record(errno, "rmdir", walk_.depth(), done.name.c_str());
+      stuck_.insert(InodeKey{done.dev, done.ino});  // not entered again when its parent is read again
+    }
   }
 
   // Opens `name` as a directory and pushes it; false when it is not a directory (then it is unlinked instead).
-  bool descend(Frame& top, int dfd, const char* name) {
-    size_t depth = stack_.size() - 1;
-    (void)top;
-    int fd = openDir(dfd, name);
+  bool descend(int dfd, const char* name) {
+    size_t depth = walk_.depth();
+    int fd = walk_.openDir(dfd, name);
     int err = fd < 0 ? errno : 0;
     if (fd < 0 && err == EACCES && !root_) {
       // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
       // Should that fail too (not our directory: EPERM), the openat's EACCES is what went wrong.
       if (chmodDirAtNoFollow(dfd, name, S_IRWXU) == 0) {
-        fd = openDir(dfd, name);
+        fd = walk_.openDir(dfd, name);
         err = fd < 0 ? errno : 0;
       }
     }
@@ -196,29 +121,11 @@ class Remover {
     }
     if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR)) fchmod(fd, stx.stx_mode | S_IRWXU);
     if (bytes_) *bytes_ += stx.stx_blocks * 512;
-    DIR* d = fdopendir(fd);
-    if (!d) {
-      record(errno, "fdopendir", depth, name);
-      ::close(fd);
-      return true;
-    }
-    try {
-      stack_.push_back(Frame{d, name, dev, static_cast<ino_t>(stx.stx_ino)});
-    } catch (...) {
-      closedir(d);
-      throw;
-    }
-    if (stack_.size() > kMaxOpenFrames) {
-      Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
-      if (old.dir) {
-        closedir(old.dir);
-        old.dir = nullptr;
-      }
-    }
+    if (int e = walk_.push(fd, name, dev, static_cast<ino_t>(stx.stx_ino))) record(e, "fdopendir", depth, name);
     return true;
   }
 
-  void unlinkEntry(Frame& top, int dfd, const char* name) {
+  void unlinkEntry(int dfd, const char* name) {
     if (bytes_) {
       struct stat st;
       if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) *bytes_ += static_cast<uint64_t>(st.st_blocks) * 512;
@@ -233,16 +140,15 @@ class Remover {
     }
     if (err == EISDIR) {
       // Became a directory since readdir: take it on the next pass of this directory.
-      if (descend(top, dfd, name)) return;
+      if (descend(dfd, name)) return;
     }
-    record(err, "unlinkat", stack_.size() - 1, name);
+    record(err, "unlinkat", walk_.depth(), name);
   }
 
+  TreeWalk walk_;
   uint64_t mount_;
   bool root_;
-  std::string rootPath_;
   uint64_t* bytes_;
-  std::vector<Frame> stack_;
   std::optional<Error> first_;
   std::unordered_set<InodeKey, InodeHash> stuck_;  // directories that could not be removed
 };
@@ -289,9 +195,8 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     throwErrno(EBUSY, "rmdir", displayPath);
   }
   if (bytes) *bytes += self.stx_blocks * 512;
-  Remover remover(mountOf(fd, self), bytes);
-  remover.emptyDirectory(fd, displayPath, makedev(self.stx_dev_major, self.stx_dev_minor),
-                         static_cast<ino_t>(self.stx_ino));
+  Remover remover(mountOf(fd, self), bytes, displayPath);
+  remover.emptyDirectory(fd, makedev(self.stx_dev_major, self.stx_dev_minor), static_cast<ino_t>(self.stx_ino));
   remover.rethrowFirst();
   if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);
 }

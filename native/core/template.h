@@ -94,7 +94,7 @@ class TemplateStore {
   std::string path(const std::string& id) const { return dir_ + "/" + id; }
 
  private:
-  friend class TemplateCommit;  // template.cc: commit's phases
+  friend class TemplateCommit;  // template_commit.cc: commit's phases
   TemplateStore() = default;
   std::string resolve(const std::string& idOrName, bool* byName);
   // flock(LOCK_EX) on names/ (a fresh open): name links are checked and changed under it (readers take none).

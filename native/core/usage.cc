@@ -17,20 +17,12 @@
 #include "error.h"
 #include "fd.h"
 #include "statx.h"
+#include "walk.h"
 
 namespace vmspace {
 namespace {
 
-constexpr size_t kMaxOpenFrames = 64;  // as remove.cc: depth must not cost fds
 constexpr unsigned kExtentsPerCall = 256;
-
-struct Frame {
-  DIR* dir;  // null while closed (see kMaxOpenFrames)
-  long pos;  // telldir() when it was closed: where the walk resumes after reopening it
-  std::string path;
-  dev_t dev;
-  ino_t ino;
-};
 
 // Adds the extents of regular file `fd` to `r`: shared or exclusive. A file system without FIEMAP (EOPNOTSUPP)
 // has its blocks counted exclusive.
@@ -67,67 +59,62 @@ void addExtents(int fd, uint64_t blocksBytes, UsageReport* r, const std::string&
   }
 }
 
+// The walk of a workspace's tree (walk.h: its frames, fd budget and climb), counting each entry once.
 class Walker {
  public:
-  Walker(uint64_t mount, UsageReport* r, const std::atomic<bool>* cancel) : mount_(mount), r_(r), cancel_(cancel) {}
-  ~Walker() {
-    for (Frame& f : stack_)
-      if (f.dir) closedir(f.dir);
-  }
+  Walker(uint64_t mount, UsageReport* r, const std::atomic<bool>* cancel, const std::string& path)
+      : walk_(path, TreeWalk::Resume::AtPosition), mount_(mount), r_(r), cancel_(cancel) {}
 
-  void run(int fd, const std::string& path, dev_t dev, ino_t ino) {
-    DIR* d = fdopendir(fd);
-    if (!d) {
-      int err = errno;
-      ::close(fd);
-      throwErrno(err, "fdopendir", path);
-    }
-    stack_.push_back(Frame{d, 0, path, dev, ino});
-    while (!stack_.empty()) step();
+  void run(int fd, dev_t dev, ino_t ino) {
+    if (int err = walk_.push(fd, "", dev, ino)) throwErrno(err, "fdopendir", walk_.path(0));
+    while (!walk_.empty()) step();
   }
 
  private:
   void step() {
-    if (cancel_ && cancel_->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "usage", stack_.front().path);
-    Frame& top = stack_.back();
-    errno = 0;
-    struct dirent* de = readdir(top.dir);
+    if (cancel_ && cancel_->load(std::memory_order_relaxed)) throwErrno(ECANCELED, "usage", walk_.path(0));
+    struct dirent* de;
+    if (int err = walk_.next(&de)) throwErrno(err, "readdir", walk_.path(walk_.depth()));
     if (!de) {
-      if (errno) throwErrno(errno, "readdir", top.path);
-      DIR* done = top.dir;
-      stack_.pop_back();
-      if (!stack_.empty() && !stack_.back().dir) reopen(stack_.back(), done);
-      closedir(done);
+      leave();
       return;
     }
     const char* name = de->d_name;
-    if (isDotOrDotDot(name)) return;
-    int dfd = dirfd(top.dir);
-    std::string path = top.path + "/" + name;
+    int dfd = walk_.topFd();
     struct statx stx;
     if (statx(dfd, name, AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC,
               STATX_TYPE | STATX_MODE | STATX_INO | STATX_NLINK | STATX_SIZE | STATX_BLOCKS, &stx) != 0) {
       if (errno == ENOENT) return;  // removed meanwhile
-      throwErrno(errno, "statx", path);
+      throwErrno(errno, "statx", walk_.path(walk_.depth(), name));
     }
     if (S_ISDIR(stx.stx_mode))
-      enter(dfd, name, std::move(path));
+      enter(dfd, name);
     else
-      count(dfd, name, path, stx);
+      count(dfd, name, stx);
+  }
+
+  // Back to the parent; a parent that cannot be reopened as the directory the walk came from is ESTALE.
+  void leave() {
+    TreeWalk::Left done;
+    const char* syscall = "openat";
+    if (int err = walk_.pop(&done, &syscall)) {
+      if (strcmp(syscall, "fdopendir") == 0) throwErrno(err, "fdopendir", walk_.path(walk_.depth()));
+      throwErrno(ESTALE, "open", walk_.path(walk_.depth()));
+    }
   }
 
   // The subdirectory `name` of `dfd`: counted and pushed, unless another file system is mounted there.
-  void enter(int dfd, const char* name, std::string path) {
-    int fd = openat(dfd, name, kDirFlags);
+  void enter(int dfd, const char* name) {
+    int fd = walk_.openDir(dfd, name);
     if (fd < 0) {
       if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) return;  // changed meanwhile
-      throwErrno(errno, "open", path);
+      throwErrno(errno, "open", walk_.path(walk_.depth(), name));
     }
     struct statx stx;
     if (statxFd(fd, kStatxMntId | STATX_INO | STATX_BLOCKS, &stx) != 0) {
       int err = errno;
       ::close(fd);
-      throwErrno(err, "statx", path);
+      throwErrno(err, "statx", walk_.path(walk_.depth(), name));
     }
     if (mountOf(fd, stx) != mount_) {  // another file system mounted here: not this workspace's space
       ::close(fd);
@@ -135,27 +122,13 @@ class Walker {
     }
     r_->dirs++;
     r_->allocatedBytes += stx.stx_blocks * 512;
-    DIR* d = fdopendir(fd);
-    if (!d) {
-      int err = errno;
-      ::close(fd);
-      throwErrno(err, "fdopendir", path);
-    }
-    stack_.push_back(
-        Frame{d, 0, std::move(path), makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)});
-    if (stack_.size() > kMaxOpenFrames) {
-      Frame& old = stack_[stack_.size() - kMaxOpenFrames - 1];
-      if (old.dir) {
-        old.pos = telldir(old.dir);
-        closedir(old.dir);
-        old.dir = nullptr;
-      }
-    }
+    if (int err = walk_.push(fd, name, makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)))
+      throwErrno(err, "fdopendir", walk_.path(walk_.depth(), name));
   }
 
   // An entry that is no directory (statx `stx`): its blocks, and for a regular file its size and extents; a hard
   // link of a file counted already is passed over.
-  void count(int dfd, const char* name, const std::string& path, const struct statx& stx) {
+  void count(int dfd, const char* name, const struct statx& stx) {
     if (S_ISREG(stx.stx_mode) && stx.stx_nlink > 1 &&
         !links_.insert(InodeKey{makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)}).second)
       return;  // a hard link of a file counted already
@@ -171,28 +144,20 @@ class Walker {
     UniqueFd fd(openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
     if (!fd) {
       if (errno == ENOENT || errno == ELOOP) return;
-      throwErrno(errno, "open", path);
+      throwErrno(errno, "open", walk_.path(walk_.depth(), name));
     }
-    addExtents(fd.get(), stx.stx_blocks * 512, r_, path);
+    try {
+      addExtents(fd.get(), stx.stx_blocks * 512, r_, std::string());  // the path is built only on failure
+    } catch (Error& e) {
+      e.path = walk_.path(walk_.depth(), name);
+      throw;
+    }
   }
 
-  // Climbing back into a parent whose DIR was closed: reopened through the child's "..", only if it is still the
-  // same directory, and its readdir resumed where it was (seekdir to the telldir cookie).
-  void reopen(Frame& parent, DIR* child) {
-    UniqueFd fd(openat(dirfd(child), "..", kDirFlags));
-    struct stat st;
-    if (!fd || fstat(fd.get(), &st) != 0 || st.st_dev != parent.dev || st.st_ino != parent.ino)
-      throwErrno(ESTALE, "open", parent.path);
-    parent.dir = fdopendir(fd.get());
-    if (!parent.dir) throwErrno(errno, "fdopendir", parent.path);
-    fd.release();
-    seekdir(parent.dir, parent.pos);
-  }
-
+  TreeWalk walk_;
   uint64_t mount_;
   UsageReport* r_;
   const std::atomic<bool>* cancel_;
-  std::vector<Frame> stack_;
   std::unordered_set<InodeKey, InodeHash> links_;
 };
 
@@ -213,8 +178,8 @@ UsageReport workspaceUsage(int wsFd, const std::string& shown, const QuotaRef& r
   r.allocatedBytes += self.stx_blocks * 512;
   int fd = openat(wsFd, ".", kDirFlags);  // a description of our own: the lease fd's readdir offset is not ours
   if (fd < 0) throwErrno(errno, "open", shown);
-  Walker w(mountOf(wsFd, self), &r, cancel);
-  w.run(fd, shown, makedev(self.stx_dev_major, self.stx_dev_minor), static_cast<ino_t>(self.stx_ino));
+  Walker w(mountOf(wsFd, self), &r, cancel, shown);
+  w.run(fd, makedev(self.stx_dev_major, self.stx_dev_minor), static_cast<ino_t>(self.stx_ino));
   r.quota = quotaUsageOf(wsFd, ref);
   return r;
 }

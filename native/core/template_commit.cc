@@ -1,0 +1,301 @@
+// A template's commit (TemplateStore::commit): the tree built in staging (a btrfs snapshot, or a tree clone into a
+// subvolume or a directory), its write bits stripped into the mode list, template.json written, then published
+// under its id and named, and the template a replace displaced removed. What a failure undoes is undone here.
+#include "template.h"
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "error.h"
+#include "fd.h"
+#include "io.h"
+#include "json_members.h"
+#include "names.h"
+#include "pool.h"
+#include "remove.h"
+#include "rename.h"
+#include "template_modes.h"
+#include "tree.h"
+
+namespace vmspace {
+namespace {
+
+// A new file `name` in the private directory `dirFd` with exactly `data` and `mode`.
+void writeNewFile(int dirFd, const char* name, const std::string& data, mode_t mode, bool durable,
+                  const std::string& shown) {
+  UniqueFd fd(openat(dirFd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
+  if (!fd) throwErrno(errno, "open", shown);
+  if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
+  if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
+  if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
+}
+
+// Whether the directory `fd` is on btrfs (where a template's tree is a read-only subvolume).
+bool isSubvolumeFs(int fd) {
+  struct statfs sfs;
+  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
+}
+
+// Snapshots the workspace at `sourcePath` read-only to tree/ below `leaseFd` when it is a subvolume (quota
+// workspaces and workspaces allocated from a subvolume template are) with no subvolume inside (a snapshot would
+// leave those out). False where it is not, or where the kernel refuses the snapshot (EPERM: a source owned by
+// another user; EXDEV: another file system): the caller walks instead. Throws any other errno.
+bool snapshotWorkspace(const std::string& sourcePath, int leaseFd) {
+  UniqueFd src(open(sourcePath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
+  if (!src) throwErrno(errno, "open", sourcePath);
+  bool nested = true;
+  if (!isSubvolumeRoot(src.get()) || hasChildSubvolumes(src.get(), &nested) != 0 || nested) return false;
+  int err = snapshotSubvolume(src.get(), leaseFd, "tree", true);
+  if (err == 0) return true;
+  if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP)
+    return false;
+  throwErrno(err, "ioctl(BTRFS_IOC_SNAP_CREATE_V2)", sourcePath);
+}
+
+}  // namespace
+
+// One commit of a template (TemplateStore::commit): a function per phase. An id is claimed in staging and leased;
+// the tree is made there (a snapshot, or a subvolume or directory the walk fills), its write bits stripped into the
+// mode list, template.json written; then it is published under its id and named (claimed, or swapped in for
+// replace), and a template it replaced is removed. Any failure before the end removes what it made.
+class TemplateCommit {
+ public:
+  TemplateCommit(TemplateStore& store, const CommitRequest& req)
+      : store_(store), req_(req), nameShown_(store.dir_ + "/names/" + req.name) {
+    opts_ = req.clone;
+    opts_.overwrite = false;
+  }
+
+  CommitResult run() {
+    // Refused before anything is built; the symlinkat below decides for real.
+    if (!req_.name.empty() && !req_.replace && entryExists(store_.namesFd_.get(), req_.name))
+      throwErrno(EEXIST, "symlink", nameShown_);
+    UniqueFd lease = claimLease();
+    try {
+      makeTree(lease.get());
+      UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+      writeModes(lease.get(), tree.get());
+      writeMeta(lease.get(), tree.get());
+      publish(lease.get());
+      if (!req_.name.empty() && req_.replace) swapName();
+      lease.reset();
+    } catch (...) {
+      cleanUp();
+      throw;
+    }
+    // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
+    // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
+    try {
+      if (entryExists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
+    } catch (const Error&) {
+      // Left retired: a sweep removes it.
+    }
+    if (!res_.replacedId.empty()) removeReplaced();
+    return std::move(res_);
+  }
+
+ private:
+  // A fresh id in staging, leased: flock(LOCK_EX) on its directory, which a sweep honours. A sweep with graceMs 0
+  // may take the lease between our mkdir and flock and remove the entry: then the entry is no longer the one we
+  // locked (checked by device and inode) and a new id is claimed, so a build never works in a swept entry.
+  UniqueFd claimLease() {
+    for (int tries = 0;; tries++) {
+      claimId();
+      stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+      UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
+      if (!lease && errno != ENOENT) throwErrno(errno, "open", stagingPath_);
+      if (lease) {
+        if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
+        struct stat own;
+        if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", stagingPath_);
+        if (sameEntry(store_.stagingFd_.get(), res_.id, own)) return lease;
+      }
+      if (tries + 1 == kMaxNameTries) throwErrno(ENOENT, "open", stagingPath_);
+    }
+  }
+
+  // The exclusive mkdir in staging claims a fresh id.
+  void claimId() {
+    for (int tries = 0;; tries++) {
+      if (tries == kMaxNameTries)
+        throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir",
+                  store_.dir_ + "/staging");
+      res_.id = randomId();
+      if (mkdirat(store_.stagingFd_.get(), res_.id.c_str(), 0700) == 0) break;
+      if (errno != EEXIST) throwErrno(errno, "mkdir", store_.dir_ + "/staging/" + res_.id);
+    }
+  }
+
+  // tree/ below the lease. On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a
+  // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
+  void makeTree(int leaseFd) {
+    const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
+    if (subvolume) res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd);
+    if (!res_.clone.snapshot) {
+      // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
+      // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
+      bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
+      if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath_ + "/tree");
+      UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+      res_.clone = cloneTreeInto(req_.sourcePath, tree.get(), stagingPath_ + "/tree", opts_, req_.progress);
+      res_.readOnlySubvolume = sub;
+    }
+    res_.clone.tree = true;
+    res_.readOnlySubvolume = res_.readOnlySubvolume || res_.clone.snapshot;
+  }
+
+  // The mode list (stripWriteBits), read-only once written.
+  void writeModes(int leaseFd, int treeFd) {
+    const std::string modesShown = stagingPath_ + "/modes";
+    ModesFile closer = openModesFile(leaseFd, O_WRONLY | O_CREAT | O_EXCL, "w", modesShown);
+    FILE* f = closer.get();
+    // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
+    // stays empty, and a walk is made only where one made the tree already (to measure it).
+    if (!res_.clone.snapshot)
+      stripWriteBits(treeFd, stagingPath_ + "/tree", f, &res_.allocatedBytes, !res_.readOnlySubvolume);
+    if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
+    if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
+    if (opts_.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
+    FILE* done = closer.release();
+    if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+  }
+
+  // template.json and the last-used file, then the tree made read-only.
+  void writeMeta(int leaseFd, int treeFd) {
+    // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
+    JsonMembers members = req_.info;
+    std::string name;
+    if (req_.name.empty())
+      name = "null";
+    else
+      appendJsonString(&name, req_.name);
+    members.emplace_back("id", "\"" + res_.id + "\"");
+    members.emplace_back("name", std::move(name));
+    members.emplace_back("method", std::string("\"") + methodName(res_.clone, req_.clone.reflink) + "\"");
+    if (res_.readOnlySubvolume) members.emplace_back("subvolume", "true");
+    // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
+    if (!res_.clone.snapshot)
+      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) +
+                                        ",\"files\":" + std::to_string(res_.clone.files) +
+                                        ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
+    std::string json = jsonObject(members) + "\n";
+    writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
+    res_.metaText = json;
+    writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
+    if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
+    // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
+    if (res_.readOnlySubvolume && !res_.clone.snapshot) {
+      if (int err = setSubvolumeReadOnly(treeFd, true))
+        throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath_ + "/tree");
+    }
+  }
+
+  // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
+  // so a name never points at a template another commit of the same name published.
+  void publish(int leaseFd) {
+    if (!req_.name.empty() && !req_.replace) {
+      if (symlinkat(res_.id.c_str(), store_.namesFd_.get(), req_.name.c_str()) != 0)
+        throwErrno(errno, "symlink", nameShown_);
+      named_ = true;
+    }
+    if (renameat2(store_.stagingFd_.get(), res_.id.c_str(), store_.fd_.get(), res_.id.c_str(), RENAME_NOREPLACE) != 0)
+      throwErrno(errno, "renameat2", stagingPath_, store_.path(res_.id));
+    published_ = true;
+    // 0555 only once published: moving a directory to another parent needs write permission on it (the kernel
+    // rewrites its ".."; vfs_rename), which an owner without CAP_DAC_OVERRIDE lacks on a 0555 one (EACCES).
+    if (fchmod(leaseFd, 0555) != 0) throwErrno(errno, "fchmod", store_.path(res_.id));
+    if (opts_.durable && fsync(store_.fd_.get()) != 0) throwErrno(errno, "fsync", store_.dir_);
+  }
+
+  // Replace: the name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template
+  // or the new one, never no name. The swapped-out link tells which template was replaced.
+  void swapName() {
+    const int namesFd = store_.namesFd_.get();
+    // Named after the new id, whose directory the commit holds LOCK_EX on until the swap is done: a sweep leaves
+    // the link while that lock is held, whatever graceMs (TemplateStore::sweep).
+    std::string tmp = "." + req_.name + ".new-" + res_.id;
+    if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
+      throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
+    UniqueFd namesLock;
+    try {
+      namesLock = store_.lockNames();
+    } catch (const Error&) {
+      unlinkat(namesFd, tmp.c_str(), 0);
+      throw;
+    }
+    for (;;) {
+      if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_EXCHANGE) == 0) {
+        named_ = true;
+        std::string old;
+        if (readLink(namesFd, tmp, &old) && isHexId(old) && old != res_.id) res_.replacedId = old;
+        unlinkat(namesFd, tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
+        return;
+      }
+      if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
+        if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_NOREPLACE) == 0) {
+          named_ = true;
+          return;
+        }
+        if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
+      }
+      int err = errno;
+      unlinkat(namesFd, tmp.c_str(), 0);
+      throwErrno(err, "renameat2", store_.dir_ + "/names/" + tmp, nameShown_);
+    }
+  }
+
+  void cleanUp() {
+    try {
+      std::string target;
+      UniqueFd namesLock = named_ && !req_.replace ? store_.lockNames() : UniqueFd();
+      if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
+        unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
+      if (published_)
+        store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
+      else
+        removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
+    } catch (...) {
+      // Left for a sweep; the original error is the one to report.
+    }
+  }
+
+  // The new template is published and named: the commit has succeeded whatever happens to the old one here.
+  // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
+  // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
+  // removeTemplate or pruneTemplates removes it).
+  void removeReplaced() {
+    try {
+      UniqueFd marker(
+          openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+      if (marker) {
+        marker.reset();
+        res_.replacedRemoved = store_.removeIfFree(res_.replacedId, -1);
+      }
+    } catch (const Error&) {
+      res_.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
+    }
+  }
+
+  TemplateStore& store_;
+  const CommitRequest& req_;
+  const std::string nameShown_;
+  CloneOptions opts_;
+  CommitResult res_;
+  std::string stagingPath_;
+  bool named_ = false, published_ = false;  // what a failure undoes: the name claimed, the template published
+};
+
+CommitResult TemplateStore::commit(const CommitRequest& req) { return TemplateCommit(*this, req).run(); }
+
+}  // namespace vmspace
