@@ -5,8 +5,16 @@ import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 
+/** The members of a workspace's record about its allocating process, shown as they are (null where absent). */
+const OWNER_KEYS = ['pid', 'uid', 'hostname', 'bootId'] as const
+type OwnerJson = { [K in (typeof OWNER_KEYS)[number]]: NonNullable<WorkspaceInfo[K]> | null }
+
+function ownerJson(info: WorkspaceInfo): OwnerJson {
+  return Object.fromEntries(OWNER_KEYS.map((k) => [k, info[k] ?? null])) as OwnerJson
+}
+
 /** One workspace in `ls --json` (every key always present; null where unknown). */
-export interface WorkspaceJson {
+export interface WorkspaceJson extends OwnerJson {
   id: string
   name: string
   path: string
@@ -14,10 +22,6 @@ export interface WorkspaceJson {
   /** ms since the epoch, and ms since then. */
   createdAt: number | null
   ageMs: number | null
-  pid: number | null
-  uid: number | null
-  hostname: string | null
-  bootId: string | null
   meta: WorkspaceInfo['meta'] | null
   /** How the template arrived: 'reflink', 'copy', 'mixed' (over several sources), or null without a template. */
   method: string | null
@@ -55,10 +59,7 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
     live: info.live,
     createdAt: info.createdAt ?? null,
     ageMs: info.createdAt === undefined ? null : Math.max(0, now - info.createdAt),
-    pid: info.pid ?? null,
-    uid: info.uid ?? null,
-    hostname: info.hostname ?? null,
-    bootId: info.bootId ?? null,
+    ...ownerJson(info),
     meta: info.meta ?? null,
     method: method(info),
     template: info.template ?? [],
