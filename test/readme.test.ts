@@ -114,4 +114,24 @@ describe("the README's Use example", () => {
     expect(await pool.list()).toEqual([])
     expect(poolState(ex.root)).toEqual(emptyPoolState)
   })
+
+  test('a VM that fails to start (its command is not installed: spawn ENOENT) is no unhandled rejection: exit 0, and its sweep leaves no workspace', async () => {
+    const dir = freshDir()
+    const ex = prepare(useExample(), path.join(dir, 'host'))
+    const js = ts.transpileModule(ex.code, { compilerOptions: { module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022 } }).outputText
+    const proc = spawn(process.execPath, ['--input-type=module', '-e', js], {
+      cwd: repoRoot,
+      env: { ...process.env, PATH: path.join(dir, 'nothing-here') },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    })
+    let output = ''
+    proc.stdout.setEncoding('utf8').on('data', (s: string) => (output += s))
+    proc.stderr.setEncoding('utf8').on('data', (s: string) => (output += s))
+    const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) =>
+      proc.once('exit', (code, signal) => resolve({ code, signal })),
+    )
+    expect(await exited, output).toEqual({ code: 0, signal: null })
+    expect(output).toBe('1 reclaimed\n')
+    expect(poolState(ex.root)).toEqual(emptyPoolState)
+  })
 })
