@@ -365,9 +365,11 @@ export class Pool implements AsyncDisposable {
     return total
   }
 
-  /** @internal Space accounting of the published workspace `name`. */
+  /**
+   * @internal Space accounting of the published workspace `name`. Not refused after close(): a workspace still
+   * open keeps the pool's handle (close()'s promise), and list() checks for itself.
+   */
   async _usage(name: string, signal: AbortSignal | undefined): Promise<WorkspaceUsage> {
-    this.#assertOpen()
     return toUsage(await this.#inFlight.track(withProgress({ signal }, (p) => native.usage(this.#handle, name, p))))
   }
 

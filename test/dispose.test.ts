@@ -141,6 +141,31 @@ describe.skipIf(!unprivilegedChildren)(
       expect(poolState(root)).toEqual(emptyPoolState)
     })
 
+    test('an unreadable directory of another place bind-mounted into it (by root) keeps its mode: dispose is EBUSY, and a sweep after the umount leaves nothing', async () => {
+      const root = unprivilegedPool()
+      // Outside the pool, the unprivileged user's own, mode 000: removal may give rwx back to such a directory of
+      // the workspace, never to one mounted there.
+      const outside = path.join(path.dirname(root), 'secret')
+      fs.mkdirSync(outside)
+      fs.writeFileSync(path.join(outside, 'keep'), 'k')
+      fs.chownSync(outside, 65534, 65534)
+      fs.chmodSync(outside, 0)
+      const child = new Child(path.join(fixtures, 'guest-mode-child.cjs'), [root, 'bound'])
+      const { path: wsPath } = (await child.expect('allocated')) as unknown as { path: string }
+      const bm = path.join(wsPath, 'bm')
+      expect(runCommand('mount', ['--bind', outside, bm]).status).toBe(0)
+      try {
+        child.proc.stdin!.write('go\n')
+        expect(await child.next(), child.stderr).toEqual({ event: 'done', code: 'EBUSY' })
+        expect(fs.statSync(outside).mode & 0o7777).toBe(0)
+      } finally {
+        for (const m of mountsBeneath(root)) runCommand('umount', ['-l', m])
+      }
+      expect(fs.readFileSync(path.join(outside, 'keep'), 'utf8')).toBe('k')
+      expect(await run(root, 'sweep')).toEqual({ event: 'done', reclaimed: 1, failed: [] })
+      expect(poolState(root)).toEqual(emptyPoolState)
+    })
+
     test('is reclaimed by a sweep once its owner died: nothing left', async () => {
       const root = unprivilegedPool()
       const { name } = (await run(root, 'leave')) as { name: string }

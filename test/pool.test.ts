@@ -63,6 +63,18 @@ describe('openPool', () => {
 })
 
 describe('close', () => {
+  test('a workspace still open keeps working: usage, clone and dispose after the pool was closed', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate()
+    fs.writeFileSync(path.join(ws.path, 'a'), Buffer.alloc(8192, 1))
+    await pool.close()
+    await expect(pool.allocate()).rejects.toMatchObject({ code: 'ERR_POOL_CLOSED' })
+    expect(await ws.usage()).toMatchObject({ files: 1, logicalBytes: 8192 })
+    await ws.clone(path.join(ws.path, 'a'), 'b')
+    await ws.dispose()
+    expect(fs.existsSync(ws.path)).toBe(false)
+  })
+
   test.skipIf(!mounts.xfs)(
     `leaves no fd of this process open below the root, after allocates that used the template cache ${needs('XFS', mounts.missing.xfs)}`,
     async () => {

@@ -1,12 +1,13 @@
 // What a hostile or careless caller can do must not hang, crash or defeat cleanup.
-import { execFileSync, spawnSync } from 'node:child_process'
+import { execFileSync, spawn, spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { Worker } from 'node:worker_threads'
 import { afterEach, beforeEach, describe, expect, test } from 'vitest'
 import { clone, openPool } from '../lib/index.js'
-import { emptyPoolState, leasePath, ls, openFdsUnder, poolState } from './helpers.js'
+import * as readline from 'node:readline'
+import { emptyPoolState, fixtures, leasePath, ls, mounts, needs, openFdsUnder, poolState } from './helpers.js'
 
 /** Every file in the lease shards (spares included), as "<shard>/<name>". */
 function leaseFiles(root: string): string[] {
@@ -173,5 +174,45 @@ describe('abort', () => {
     ac.abort()
     await expect(p).rejects.toMatchObject({ name: 'AbortError' })
     expect(fs.readdirSync(dir)).toEqual(['big'])
+  })
+})
+
+describe('a guest swapping a device node with a regular file as fast as it can (renameat2 RENAME_EXCHANGE)', () => {
+  // A walk that stats `f`, sees a regular file and opens the name again would open the device (as root: a watchdog,
+  // a tape) and, for a clone, copy from it: /dev/null's SEEK_DATA and SEEK_HOLE both say 0, which once spun a
+  // clone for ever. Each walk opens a file only while it is the inode it saw (openRegularAtNoFollow).
+  const root = process.geteuid?.() === 0
+  test.skipIf(!root)(`commit, allocate from the workspace and usage all settle, and the device is never opened ${needs('root (mknod)', !root && 'not root')}`, async () => {
+    const pool = await openPool(path.join(mounts.xfs ?? mounts.scratch, `devswap-${path.basename(dir)}`))
+    const ws = await pool.allocate()
+    const guest = spawn('python3', [path.join(fixtures, 'devswap.py'), ws.path], { stdio: ['pipe', 'pipe', 'inherit'] })
+    const lines = readline.createInterface({ input: guest.stdout! })[Symbol.asyncIterator]()
+    expect((await lines.next()).value).toBe('ready')
+    const codes: Record<string, number> = {}
+    const attempt = async (op: () => Promise<unknown>) => {
+      try {
+        await op()
+        codes.ok = (codes.ok ?? 0) + 1
+      } catch (e) {
+        const code = (e as { code?: string }).code ?? String(e)
+        codes[code] = (codes[code] ?? 0) + 1
+      }
+    }
+    for (let i = 0; i < 30; i++) {
+      await attempt(async () => pool.removeTemplate((await pool.commit(ws)).id))
+      await attempt(async () => (await pool.allocate({ template: ws.path })).dispose())
+      await attempt(() => ws.usage())
+    }
+    guest.stdin!.end()
+    const { swaps, opens } = JSON.parse((await lines.next()).value as string) as { swaps: number; opens: number }
+    expect(swaps).toBeGreaterThan(0)
+    expect(opens).toBe(0)
+    // A file swapped between the walk's stat and its open is ERR_SOURCE_CHANGED; nothing else fails.
+    expect(Object.keys(codes).filter((c) => c !== 'ok' && c !== 'ERR_SOURCE_CHANGED')).toEqual([])
+    await ws.dispose()
+    expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+    await pool.close()
+    fs.rmSync(pool.root, { recursive: true, force: true })
   })
 })

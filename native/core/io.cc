@@ -25,16 +25,37 @@ int chmodFd(int fd, mode_t mode) {
   return chmod(link.c_str(), mode);
 }
 
-int chmodDirAtNoFollow(int dirFd, const char* name, mode_t mode) {
-  UniqueFd fd(openat(dirFd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC));
-  if (!fd) return -1;
+namespace {
+
+// ESTALE unless `st` is the regular file `dev`/`ino` (ELOOP for a symlink): the check of openRegularAtNoFollow.
+int regularFileMismatch(const struct stat& st, dev_t dev, ino_t ino) {
+  if (S_ISLNK(st.st_mode)) return ELOOP;
+  return S_ISREG(st.st_mode) && st.st_dev == dev && st.st_ino == ino ? 0 : ESTALE;
+}
+
+}  // namespace
+
+int openRegularAtNoFollow(int dirFd, const char* name, int flags, dev_t dev, ino_t ino) {
+  UniqueFd path(openat(dirFd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!path) return -1;
   struct stat st;
-  if (fstat(fd.get(), &st) != 0) return -1;
-  if (!S_ISDIR(st.st_mode)) {
-    errno = S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+  if (fstat(path.get(), &st) != 0) return -1;
+  if (int err = regularFileMismatch(st, dev, ino)) {
+    errno = err;
     return -1;
   }
-  return chmodFd(fd.get(), mode);
+  std::string link = "/proc/self/fd/" + std::to_string(path.get());
+  int fd = open(link.c_str(), (flags & ~O_NOFOLLOW) | O_CLOEXEC | O_NOCTTY);
+  if (fd >= 0 || errno != ENOENT) return fd;
+  // No /proc: by name, then the same check on what was opened.
+  UniqueFd byName(openat(dirFd, name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!byName) return -1;
+  if (fstat(byName.get(), &st) != 0) return -1;
+  if (int err = regularFileMismatch(st, dev, ino)) {
+    errno = err;
+    return -1;
+  }
+  return byName.release();
 }
 
 int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, std::string* out, const char** syscall) {

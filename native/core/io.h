@@ -27,10 +27,14 @@ int readRegularFileAt(int at, const char* name, int extraFlags, size_t limit, st
 // errno.
 int chmodFd(int fd, mode_t mode);
 
-// chmod(2) of the directory `name` in `dirFd` without following a symlink there: opened O_PATH|O_NOFOLLOW, then
-// chmodFd. A symlink in its place is ELOOP, anything but a directory ENOTDIR (nothing changed then). 0, or -1
-// with errno.
-int chmodDirAtNoFollow(int dirFd, const char* name, mode_t mode);
+// Opens the entry `name` of `dirFd` with `flags` (an access mode, O_NONBLOCK, O_NOATIME) only while it is the
+// regular file of device `dev` and inode `ino` that a stat of that name saw. An O_PATH|O_NOFOLLOW descriptor comes
+// first, which opens nothing (no device's open(2) with its side effects, no wait on a FIFO); it is checked with
+// fstat, and then opened through its /proc/self/fd link, which names that inode and no path a guest could swap
+// meanwhile (systemd's fd_reopen does the same). Without /proc the entry is opened by name (O_NOFOLLOW,
+// O_NONBLOCK) and checked after. An fd, or -1 with errno: ESTALE when the name is now another file or no regular
+// file, ELOOP for a symlink, or the errno of the open that failed. Takes two fds while it runs.
+int openRegularAtNoFollow(int dirFd, const char* name, int flags, dev_t dev, ino_t ino);
 
 // The entry tests of a directory scan, each on `name` in `dirFd` without following a symlink there.
 

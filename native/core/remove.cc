@@ -20,6 +20,26 @@
 namespace vmspace {
 namespace {
 
+// chmod of the directory `name` in `dirFd` to rwx for its owner, never through a symlink (an O_PATH|O_NOFOLLOW
+// descriptor, then chmodFd) and only when it is on the mount `mount`: a directory mounted there from elsewhere (a
+// bind mount a guest could not make, but root can) keeps its mode, EBUSY. A symlink in its place is ELOOP,
+// anything but a directory ENOTDIR. 0, or -1 with errno.
+int chmodDirOnMount(int dirFd, const char* name, uint64_t mount) {
+  UniqueFd fd(openat(dirFd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) return -1;
+  struct statx stx;
+  if (statxFd(fd.get(), STATX_MODE | kStatxMntId, &stx) != 0) return -1;
+  if (!S_ISDIR(stx.stx_mode)) {
+    errno = S_ISLNK(stx.stx_mode) ? ELOOP : ENOTDIR;
+    return -1;
+  }
+  if (mountOf(fd.get(), stx) != mount) {
+    errno = EBUSY;
+    return -1;
+  }
+  return chmodFd(fd.get(), S_IRWXU);
+}
+
 // Empties a directory tree over the walk of walk.h (its frames, fd budget and climb), removing each directory once
 // its entries are gone. Errors are recorded, the first one kept, and the walk goes on with what it can still reach.
 class Remover {
@@ -90,11 +110,14 @@ class Remover {
     int fd = walk_.openDir(dfd, name);
     int err = fd < 0 ? errno : 0;
     if (fd < 0 && err == EACCES && !root_) {
-      // An unreadable directory: give ourselves rwx on it (AT_SYMLINK_NOFOLLOW: it may have become a symlink).
+      // An unreadable directory: give ourselves rwx on it (never through a symlink, never on another mount).
       // Should that fail too (not our directory: EPERM), the openat's EACCES is what went wrong.
-      if (chmodDirAtNoFollow(dfd, name, S_IRWXU) == 0) {
+      if (chmodDirOnMount(dfd, name, mount_) == 0) {
         fd = walk_.openDir(dfd, name);
         err = fd < 0 ? errno : 0;
+      } else if (errno == EBUSY) {
+        record(EBUSY, "rmdir", depth, name);  // another file system (or a bind mount) here: never entered
+        return true;
       }
     }
     if (fd < 0) {
@@ -167,9 +190,12 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
   int fd = openat(parentFd, name.c_str(), kDirFlags);
   if (fd < 0 && errno == EACCES && geteuid() != 0) {
     // A directory its owner (a guest) made unreadable (chmod 000): we own it, so give ourselves rwx and open
-    // again; should that fail (not ours: EPERM), the open's EACCES is what went wrong.
-    if (chmodDirAtNoFollow(parentFd, name.c_str(), S_IRWXU) == 0)
+    // again; should that fail (not ours: EPERM), the open's EACCES is what went wrong. A directory mounted there
+    // keeps its mode: EBUSY, as below.
+    if (chmodDirOnMount(parentFd, name.c_str(), mountOf(parentFd, parent)) == 0)
       fd = openat(parentFd, name.c_str(), kDirFlags);
+    else if (errno == EBUSY)
+      throwErrno(EBUSY, "rmdir", displayPath);
     else
       errno = EACCES;
   }

@@ -342,8 +342,15 @@ class TreeCloner {
   // thread's stack but the top one and tries again: the walk needs six fds (a directory and its child on both
   // sides, and a file), not kMaxOpenFrames.
   int openIn(Stack& stack, int dirFd, const char* name, int flags, mode_t mode = 0) {
+    return withFds(stack, [&] { return openat(dirFd, name, flags, mode); });
+  }
+
+  // Runs `open` (an fd, or -1 with errno) again while it fails with EMFILE or ENFILE and a directory of `stack`
+  // can be closed to free one (the thread pool's queue shrinks first).
+  template <typename Open>
+  int withFds(Stack& stack, Open open) {
     for (;;) {
-      int fd = openat(dirFd, name, flags, mode);
+      int fd = open();
       if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
       int err = errno;
       threads_.fdsShort();
@@ -513,11 +520,17 @@ class TreeCloner {
   // The source file `name` of `sdir`, opened for its data. O_NOATIME keeps the walk from dirtying every source
   // inode; allowed for the owner and CAP_FOWNER only. O_NONBLOCK: should the entry have become a fifo since
   // fstatat, open must not wait for a writer (the clone of it then fails: FICLONE and lseek refuse a fifo).
+  // The regular file `name` of `sdir`, opened only while it is the one `st` saw (openRegularAtNoFollow): a guest
+  // swapping in a device or a FIFO after the stat gets no open of it, and the clone ERR_SOURCE_CHANGED.
   UniqueFd openSourceFile(Stack& stack, int sdir, const char* name, const struct stat& st, const Rel& rel) {
-    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
+    int flags = O_RDONLY | O_NONBLOCK;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
-    UniqueFd src(openIn(stack, sdir, name, flags));
-    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(openIn(stack, sdir, name, flags & ~O_NOATIME));
+    auto open = [&](int f) {
+      return withFds(stack, [&] { return openRegularAtNoFollow(sdir, name, f, st.st_dev, st.st_ino); });
+    };
+    UniqueFd src(open(flags));
+    if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(open(flags & ~O_NOATIME));
+    if (!src && errno == ESTALE) throwSourceChanged(srcPath(rel), dstPath(rel));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     return src;
   }

@@ -16,6 +16,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "statx.h"
 #include "walk.h"
 
@@ -140,10 +141,13 @@ class Walker {
     r_->files++;
     r_->logicalBytes += stx.stx_size;
     if (stx.stx_blocks == 0) return;  // all hole (or inline in the inode): no extents of its own
-    // O_PATH cannot FIEMAP; O_RDONLY|O_NOFOLLOW|O_NONBLOCK on what statx saw as a regular file.
-    UniqueFd fd(openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+    // FIEMAP needs an fd that O_PATH is not; opened only while it is the regular file statx saw (a guest may swap
+    // in a device node: it is never opened).
+    dev_t dev = makedev(stx.stx_dev_major, stx.stx_dev_minor);
+    auto ino = static_cast<ino_t>(stx.stx_ino);
+    UniqueFd fd(walk_.withFds([&] { return openRegularAtNoFollow(dfd, name, O_RDONLY | O_NONBLOCK, dev, ino); }));
     if (!fd) {
-      if (errno == ENOENT || errno == ELOOP) return;
+      if (errno == ENOENT || errno == ELOOP || errno == ESTALE) return;  // changed meanwhile
       throwErrno(errno, "open", walk_.path(walk_.depth(), name));
     }
     try {

@@ -13,15 +13,7 @@
 namespace vmspace {
 
 int TreeWalk::openDir(int dfd, const char* name) {
-  for (;;) {
-    int fd = openat(dfd, name, kDirFlags);
-    if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
-    int err = errno;
-    if (!closeShallowest()) {
-      errno = err;
-      return -1;
-    }
-  }
+  return withFds([&] { return openat(dfd, name, kDirFlags); });
 }
 
 int TreeWalk::push(int fd, const char* name, dev_t dev, ino_t ino) {

@@ -6,8 +6,9 @@
 //
 // The fd budget: a walk keeps at most kMaxOpenFrames directories open, the deepest ones; pushing one more closes
 // the shallowest of them (remembering where its readdir was), and opening anything under EMFILE or ENFILE closes
-// the shallowest open directory but the top one and tries again, so a walk needs two fds (the top directory and
-// what it opens in it) whatever the depth and whatever else the process holds. A closed directory is reopened
+// the shallowest open directory but the top one and tries again (withFds), so a walk needs two fds (the top
+// directory and what it opens in it; three where it opens a file through an O_PATH descriptor first, as usage
+// does) whatever the depth and whatever else the process holds. A closed directory is reopened
 // only on the climb, through its child's "..", and accepted only when it is still the directory the walk came
 // down from (device and inode): a tree that a guest renames meanwhile cannot redirect the walk (ESTALE instead).
 // Its readdir then resumes at the position it had (seekdir to the telldir cookie: the d_off getdents(2) reports,
@@ -18,6 +19,7 @@
 #include <dirent.h>
 #include <sys/types.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <string>
 #include <utility>
@@ -42,6 +44,21 @@ class TreeWalk {
   // and errno. Under EMFILE or ENFILE it closes the walk's shallowest open directory but the top one and tries
   // again (the budget above).
   int openDir(int dfd, const char* name);
+
+  // Runs `open` (an fd, or -1 with errno) again while it fails with EMFILE or ENFILE and one of the walk's
+  // directories but the top one can be closed: any open a caller makes in the top directory keeps to the budget.
+  template <typename Open>
+  int withFds(Open open) {
+    for (;;) {
+      int fd = open();
+      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
+      int err = errno;
+      if (!closeShallowest()) {
+        errno = err;
+        return -1;
+      }
+    }
+  }
 
   // Pushes the directory `fd` (taken over: closed on failure too), named `name` in the top directory ("" for the
   // root), of device `dev` and inode `ino`; closes the shallowest open directory when more than kMaxOpenFrames
