@@ -69,6 +69,17 @@ function readReport(file: string): Report[] {
     .map((l) => JSON.parse(l) as Report)
 }
 
+/** Runs the prepared example (TypeScript, transpiled) as an ES module with `env` added: its exit and its output. */
+async function runExample(ex: Prepared, env: Record<string, string | undefined>) {
+  const js = ts.transpileModule(ex.code, { compilerOptions: { module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022 } }).outputText
+  const proc = spawn(process.execPath, ['--input-type=module', '-e', js], { cwd: repoRoot, env: { ...process.env, ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
+  let output = ''
+  proc.stdout.setEncoding('utf8').on('data', (s: string) => (output += s))
+  proc.stderr.setEncoding('utf8').on('data', (s: string) => (output += s))
+  const exit = await new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => proc.once('exit', (code, signal) => resolve({ code, signal })))
+  return { exit, output }
+}
+
 describe("the README's Use example", () => {
   test('runs as written: exits 0, its VM process still has every file of its workspace after the owner let go of the lease, and a sweep afterwards leaves no workspace', async () => {
     const dir = freshDir()
@@ -80,19 +91,8 @@ describe("the README's Use example", () => {
     fs.writeFileSync(path.join(bin, ex.command), `#!/bin/sh\nexec '${process.execPath}' '${path.join(fixtures, 'readme-vm.cjs')}' "$@"\n`, { mode: 0o755 })
     const reportFile = path.join(dir, 'vm-report.jsonl')
 
-    const js = ts.transpileModule(ex.code, { compilerOptions: { module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022 } }).outputText
-    const proc = spawn(process.execPath, ['--input-type=module', '-e', js], {
-      cwd: repoRoot,
-      env: { ...process.env, PATH: `${bin}:${process.env.PATH}`, VMSPACE_README_REPORT: reportFile, VMSPACE_README_POOL: ex.root },
-      stdio: ['ignore', 'pipe', 'pipe'],
-    })
-    let output = ''
-    proc.stdout.setEncoding('utf8').on('data', (s: string) => (output += s))
-    proc.stderr.setEncoding('utf8').on('data', (s: string) => (output += s))
-    const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) =>
-      proc.once('exit', (code, signal) => resolve({ code, signal })),
-    )
-    expect(await exited, `${output}\n--- the example as run:\n${ex.code}`).toEqual({ code: 0, signal: null })
+    const { exit, output } = await runExample(ex, { PATH: `${bin}:${process.env.PATH}`, VMSPACE_README_REPORT: reportFile, VMSPACE_README_POOL: ex.root })
+    expect(exit, `${output}\n--- the example as run:\n${ex.code}`).toEqual({ code: 0, signal: null })
 
     // The VM process may outlive the example (spawned detached); it reports once the example let go of the lease.
     await eventually(() => readReport(reportFile).some((m) => m.event === 'checked'))
@@ -118,19 +118,8 @@ describe("the README's Use example", () => {
   test('a VM that fails to start (its command is not installed: spawn ENOENT) is no unhandled rejection: exit 0, and its sweep leaves no workspace', async () => {
     const dir = freshDir()
     const ex = prepare(useExample(), path.join(dir, 'host'))
-    const js = ts.transpileModule(ex.code, { compilerOptions: { module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022 } }).outputText
-    const proc = spawn(process.execPath, ['--input-type=module', '-e', js], {
-      cwd: repoRoot,
-      env: { ...process.env, PATH: path.join(dir, 'nothing-here') },
-      stdio: ['ignore', 'pipe', 'pipe'],
-    })
-    let output = ''
-    proc.stdout.setEncoding('utf8').on('data', (s: string) => (output += s))
-    proc.stderr.setEncoding('utf8').on('data', (s: string) => (output += s))
-    const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) =>
-      proc.once('exit', (code, signal) => resolve({ code, signal })),
-    )
-    expect(await exited, output).toEqual({ code: 0, signal: null })
+    const { exit, output } = await runExample(ex, { PATH: path.join(dir, 'nothing-here') })
+    expect(exit, output).toEqual({ code: 0, signal: null })
     expect(output).toBe('1 reclaimed\n')
     expect(poolState(ex.root)).toEqual(emptyPoolState)
   })
