@@ -179,8 +179,8 @@ describe('abort', () => {
 
 describe('a guest swapping a device node with a regular file as fast as it can (renameat2 RENAME_EXCHANGE)', () => {
   // A walk that stats `f`, sees a regular file and opens the name again would open the device (as root: a watchdog,
-  // a tape) and, for a clone, copy from it: /dev/null's SEEK_DATA and SEEK_HOLE both say 0, which once spun a
-  // clone for ever. Each walk opens a file only while it is the inode it saw (openRegularAtNoFollow).
+  // a tape) and, for a clone, copy from it: /dev/null's SEEK_DATA and SEEK_HOLE both say 0, where a copy loop
+  // makes no progress. Each walk opens a file only while it is the inode it saw (openRegularAtNoFollow).
   const root = process.geteuid?.() === 0
   test.skipIf(!root)(`commit, allocate from the workspace and usage all settle, and the device is never opened ${needs('root (mknod)', !root && 'not root')}`, async () => {
     const pool = await openPool(path.join(mounts.xfs ?? mounts.scratch, `devswap-${path.basename(dir)}`))
