@@ -154,25 +154,27 @@ bool sizeUnknown(int fd) {
   }
 }
 
-// read(2) found end of file at `at`, before `size`, the size the copy started from. Believed where the file now
-// reports another size than `size` (it was truncated, or truncated and written again, while copied: the caller's
-// checkSourceUnchanged then refuses the clone with ERR_SOURCE_CHANGED, which is what went wrong, not a short read), or
-// no more than `at`, or where its size means nothing (sizeUnknown); a read that stops short of the size the file
-// still reports is an error (EIO), never a short clone.
-void checkEndOfFile(int src, off_t at, uint64_t size, const std::string& srcPath) {
+// read(2) found end of file at `at`, before the size of `before`, the version the copy started from. A source that is
+// no longer that version (truncated, or truncated and regrown, while it was copied: size, mtime, ctime or inode
+// differ) is ERR_SOURCE_CHANGED, which is what went wrong, not a short read; its size alone cannot tell, since a file
+// truncated and regrown to the same size reports it again. A file whose size means nothing (sizeUnknown) is believed.
+// A read that stops short of the size the unchanged file still reports is an error (EIO), never a short clone.
+void checkEndOfFile(int src, off_t at, const struct stat& before, const std::string& srcPath,
+                    const std::string& dstPath) {
+  if (sizeUnknown(src)) return;
   struct stat now;
   if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
-  if (now.st_size > at && static_cast<uint64_t>(now.st_size) == size && !sizeUnknown(src))
-    throwErrno(EIO, "read", srcPath);
+  if (!sameSourceVersion(before, now)) throwSourceChanged(srcPath, dstPath);
+  if (now.st_size > at) throwErrno(EIO, "read", srcPath);
 }
 
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
 // ends earlier (a sysfs attribute reports 4096) is published with the bytes read (checkEndOfFile), and one that
 // goes on (procfs reports 0) is copied on to its end. The size is then checked on `dst`.
-uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::string& srcPath,
+uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, const std::string& srcPath,
                     const std::string& dstPath, CopyProgress& progress) {
-  off_t pos = 0, end = static_cast<off_t>(size);
+  off_t pos = 0, end = before.st_size;
   bool ended = false;  // read(2) reported end of file before `size`
   while (pos < end) {
     off_t data = lseek(src, pos, SEEK_DATA);
@@ -188,7 +190,7 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
     uint64_t got = copyRange(src, dst, data, want, &offload, srcPath, dstPath, progress);
     if (got < want) {
       end = data + static_cast<off_t>(got);
-      checkEndOfFile(src, end, size, srcPath);
+      checkEndOfFile(src, end, before, srcPath, dstPath);
       ended = true;
       break;
     }
@@ -217,8 +219,9 @@ uint64_t copySparse(int src, int dst, uint64_t size, bool offload, const std::st
 
 }  // namespace
 
-CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+CloneFileResult cloneData(int src, int dst, const struct stat& before, Reflink reflink, const std::string& srcPath,
                           const std::string& dstPath, CloneProgress* p) {
+  const uint64_t size = static_cast<uint64_t>(before.st_size);
   CopyProgress progress(p);
   progress.check(srcPath, dstPath);
   if (reflink != Reflink::Never) {
@@ -240,7 +243,7 @@ CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, cons
     // A FICLONE that failed part way (EAGAIN, EINTR) may have left some of the range behind: copy into empty.
     if (ftruncate(dst, 0) != 0) throwErrno(errno, "ftruncate", dstPath);
   }
-  uint64_t bytes = copySparse(src, dst, size, reflink == Reflink::Auto, srcPath, dstPath, progress);
+  uint64_t bytes = copySparse(src, dst, before, reflink == Reflink::Auto, srcPath, dstPath, progress);
   progress.done(bytes);
   return {CloneMethod::Copy, bytes};
 }
@@ -336,7 +339,7 @@ CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOp
   // promise of failing there, 'never' of copying.
   if (!(options.cache && options.reflink == Reflink::Auto &&
         options.cache->fill(src, st, dst, srcPath, dstPath, progress, &result)))
-    result = cloneData(src, dst, static_cast<uint64_t>(st.st_size), options.reflink, srcPath, dstPath, progress);
+    result = cloneData(src, dst, st, options.reflink, srcPath, dstPath, progress);
   struct stat after;
   checkSourceUnchanged(src, st, srcPath, dstPath, &after);
   fillIdentity(identity, after);

@@ -76,16 +76,17 @@ struct CloneProgress;
 // may, else through /proc/self/fd. Never replaces (EEXIST). 0 or the errno.
 int linkTmpfile(int fd, int dirFd, const char* name);
 
-// Fills the empty regular file `dst` with the data of `src` (`size` bytes by its stat): ioctl(FICLONE) unless
+// Fills the empty regular file `dst` with the data of `src`, of the version `before` (its fstat): ioctl(FICLONE) unless
 // `reflink` is Never; where the file systems refuse to share extents, Auto copies keeping holes, Always throws
 // ERR_REFLINK_UNSUPPORTED. EAGAIN/EINTR (OpenZFS, signals) are tried again a few times, then taken as a refusal
 // (cause EAGAIN for Always). Other errors are thrown as they are. Returns how the data arrived and the bytes
 // published: a copy reads to the source's end of file (procfs reports size 0, sysfs 4096) and publishes exactly
-// what it read; every short or zero copy_file_range/read/write is checked (DESIGN.md, "Clone engine"). Whether the
-// source changed meanwhile is the caller's check (checkSourceUnchanged). With `progress`, a copy adds its bytes to
+// what it read; every short or zero copy_file_range/read/write is checked (DESIGN.md, "Clone engine"). A read that
+// ends early on a source no longer of version `before` is ERR_SOURCE_CHANGED; otherwise whether the source changed
+// meanwhile is the caller's check (checkSourceUnchanged). With `progress`, a copy adds its bytes to
 // progress->bytes as each chunk is written (a reflink all at once), so that a single big file reports progress, and
 // checks progress->cancel between chunks (ECANCELED).
-CloneFileResult cloneData(int src, int dst, uint64_t size, Reflink reflink, const std::string& srcPath,
+CloneFileResult cloneData(int src, int dst, const struct stat& before, Reflink reflink, const std::string& srcPath,
                           const std::string& dstPath, CloneProgress* progress = nullptr);
 
 // Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as

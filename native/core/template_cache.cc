@@ -166,7 +166,7 @@ UniqueFd TemplateCache::copyIn(int src, const struct stat& st, const std::string
   }
   try {
     const uint64_t size = static_cast<uint64_t>(st.st_size);
-    CloneFileResult copied = cloneData(src, tmp.get(), size, Reflink::Auto, srcPath, entryPath, progress);
+    CloneFileResult copied = cloneData(src, tmp.get(), st, Reflink::Auto, srcPath, entryPath, progress);
     // Never a torn copy: the source must be the version the key names from before the first byte to after the last.
     checkSourceUnchanged(src, st, srcPath, entryPath);
     if (copied.bytes != size) throwSourceChanged(srcPath, entryPath);

@@ -541,8 +541,7 @@ class TreeCloner {
   CloneFileResult fileData(int src, int dst, const struct stat& st, const Rel& rel) {
     try {
       // The paths are set by the catch below, so none are built per file here.
-      CloneFileResult r = cloneData(src, dst, static_cast<uint64_t>(st.st_size), opts_.reflink, std::string(),
-                                    std::string(), progress_);
+      CloneFileResult r = cloneData(src, dst, st, opts_.reflink, std::string(), std::string(), progress_);
       checkSourceUnchanged(src, st, std::string(), std::string());
       return r;
     } catch (Error& e) {
