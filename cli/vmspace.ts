@@ -177,6 +177,8 @@ async function main(): Promise<number> {
     if (e instanceof CommanderError) {
       // --help and --version end in a CommanderError too, with exit code 0.
       if (e.exitCode === 0) return 0
+      // No command: commander has printed the help to stderr already; nothing more to say.
+      if (e.code === 'commander.help') return EXIT_USAGE
       process.stderr.write(`${prefix}: ${e.message.replace(/^error: /, '').split('\n')[0]} (see ${prefix} --help)\n`)
       return EXIT_USAGE
     }

@@ -443,12 +443,15 @@ export class Pool implements AsyncDisposable {
    * given back to every workspace allocated from it), published under `.vmspace/templates/<id>/` only complete.
    * On btrfs the tree is a read-only subvolume instead (modes kept; `subvolume: true`): a snapshot of a workspace
    * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; docs/templates.md.
-   * Pause whatever writes in `ws` first: files changing during the walk are cloned as the walk finds them.
+   * Pause whatever writes in `ws` first: the walk takes each entry as it finds it, so a tree changing under it is
+   * no one instant's version; a file written while it is cloned is `ERR_SOURCE_CHANGED`, and an entry swapped for
+   * another kind meanwhile (a directory for a symlink) fails with the errno of the call that met it.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
    * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).
-   * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_DISPOSED`, `ERR_POOL_CLOSED`,
-   * `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on failure.
+   * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_SOURCE_CHANGED`, `ERR_DISPOSED`,
+   * `ERR_POOL_CLOSED`, `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on
+   * failure.
    */
   async commit(
     ws: Workspace | string,

@@ -517,9 +517,7 @@ describe('vmspace demo', () => {
   })
 
   test('bad demo options exit 2; --help prints the demo usage', () => {
-    const r = vmspace(['demo', '--vms', '0'])
-    expect(r.status).toBe(2)
-    expect(r.stderr).toMatch(/^vmspace demo: --vms must be at least 1, got 0\n/)
+    expect(usage(['demo', '--vms', '0'])).toBe('vmspace demo: --vms must be at least 1, got 0 (see vmspace demo --help)')
     const help = vmspace(['demo', '--help'])
     expect(help.status).toBe(0)
     expect(help.stdout).toMatch(/^Usage: vmspace demo \[options\]/)
@@ -570,12 +568,18 @@ describe('vmspace demo --boot', () => {
 })
 
 describe('the vmspace command', () => {
-  test('unknown commands and options are usage errors (exit 2, one line); --help and --version exit 0', () => {
+  test('unknown commands and options are usage errors (exit 2, one line); no command prints the help to stderr (exit 2); --help and --version exit 0', () => {
     expect(usage(['frobnicate'])).toBe("vmspace: unknown command 'frobnicate' (see vmspace --help)")
     expect(usage(['ls', '--frob', '/'])).toBe("vmspace ls: unknown option '--frob' (see vmspace ls --help)")
     expect(usage(['sweep'])).toBe("vmspace sweep: missing required argument 'root' (see vmspace sweep --help)")
+    expect(usage(['demo', '--bogus'])).toBe("vmspace demo: Unknown option '--bogus' (see vmspace demo --help)")
+    const bare = vmspace([])
+    expect(bare.status).toBe(2)
+    expect(bare.stdout).toBe('')
+    expect(bare.stderr).toMatch(/^Usage: vmspace \[options\] \[command\]\n/)
     const help = vmspace(['--help'])
     expect(help.status).toBe(0)
+    expect(bare.stderr).toBe(help.stdout)
     for (const cmd of ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo']) expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
     const version = vmspace(['--version'])
     expect(version).toEqual({ status: 0, stdout: `${JSON.parse(fs.readFileSync(path.join(repoRoot, 'package.json'), 'utf8')).version}\n`, stderr: '' })
