@@ -167,6 +167,12 @@ program
 for (const cmd of program.commands) configure(cmd)
 
 async function main(): Promise<number> {
+  // commander answers `help <unknown>` with the whole help on stderr; an unknown command is one line everywhere else.
+  const [first, second] = process.argv.slice(2)
+  if (first === 'help' && second !== undefined && second !== 'help' && !program.commands.some((c) => c.name() === second)) {
+    process.stderr.write(`vmspace: unknown command '${second}' (see vmspace --help)\n`)
+    return EXIT_USAGE
+  }
   try {
     await program.parseAsync(process.argv)
     return status

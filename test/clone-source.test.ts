@@ -95,6 +95,18 @@ async function truncatedMidCopy(
   throw new Error('every clone completed before its copy was seen under way')
 }
 
+/**
+ * `dst` is one version of a file whileResized resizes, whose first 4 MiB were `data`: its first 2 MiB alone, or
+ * followed by 2 MiB of zeros; and `bytes` is its size.
+ */
+function expectOneVersion(dst: string, bytes: number, data: Buffer): void {
+  const got = fs.readFileSync(dst)
+  expect(got.length).toBe(bytes)
+  expect([2 * MiB, 4 * MiB]).toContain(got.length)
+  expect(got.subarray(0, 2 * MiB).equals(data.subarray(0, 2 * MiB))).toBe(true)
+  expect(got.subarray(2 * MiB).every((b) => b === 0)).toBe(true)
+}
+
 function expectSourceChanged(err: unknown, source: string): void {
   expect(err).toBeInstanceOf(VmspaceError)
   expect(err).toMatchObject({ code: 'ERR_SOURCE_CHANGED', path: source })
@@ -167,10 +179,10 @@ describe.skipIf(!ext4)(`a file truncated while it is copied, on ext4 ${needs('os
     await pool.close()
   })
 
-  test("clone() ('never') racing a writer that shrinks and regrows the file: each clone is one size it reports, or ERR_SOURCE_CHANGED (never EIO)", async () => {
+  test("clone() ('never') racing a writer that shrinks and regrows the file: each clone is one version it reports, or ERR_SOURCE_CHANGED (never EIO)", async () => {
     const d = freshDir(ext4!)
     const base = path.join(d, 'base.img')
-    writeRandomFile(base, 4 * MiB)
+    const data = writeRandomFile(base, 4 * MiB)
     const out = path.join(d, 'out')
     fs.mkdirSync(out)
     let changed = 0
@@ -180,7 +192,7 @@ describe.skipIf(!ext4)(`a file truncated while it is copied, on ext4 ${needs('os
         const dst = path.join(out, 'clone.img')
         try {
           const r = await clone(base, dst, { reflink: 'never' })
-          expect(fs.statSync(dst).size).toBe(r.bytes)
+          expectOneVersion(dst, r.bytes, data)
           fs.rmSync(dst)
         } catch (err) {
           expectSourceChanged(err, base)
@@ -210,15 +222,18 @@ describe.skipIf(!ext4)(`a file truncated while it is copied, on ext4 ${needs('os
 })
 
 /**
- * Runs `attempt` while another process keeps resizing `file` (ftruncate between 4 and 2 MiB in a loop: each changes
- * size, mtime and ctime): 100 times, and on up to 2,000 until `enough()`.
+ * Runs `attempt` while another process keeps resizing `file` (4 MiB of data: ftruncate between 4 and 2 MiB in a
+ * loop, each changing size, mtime and ctime where timestamps are fine-grained): 100 times, and on up to 2,000 until
+ * `enough()`. The writer shrinks and regrows the file once before the first attempt, so that every version is its
+ * first 2 MiB, alone or followed by 2 MiB of zeros (expectOneVersion).
  */
 async function whileResized(file: string, attempt: () => Promise<void>, enough: () => boolean): Promise<void> {
   const writer = spawn(
     process.execPath,
     [
       '-e',
-      `const fs = require('fs'); const fd = fs.openSync(${JSON.stringify(file)}, 'r+'); fs.writeSync(1, 'ready\\n');` +
+      `const fs = require('fs'); const fd = fs.openSync(${JSON.stringify(file)}, 'r+');` +
+        ` fs.ftruncateSync(fd, ${2 * MiB}); fs.ftruncateSync(fd, ${4 * MiB}); fs.writeSync(1, 'ready\\n');` +
         ` for (let i = 0; ; i++) fs.ftruncateSync(fd, i & 1 ? ${2 * MiB} : ${4 * MiB})`,
     ],
     { stdio: ['ignore', 'pipe', 'ignore'] },
@@ -233,6 +248,39 @@ async function whileResized(file: string, attempt: () => Promise<void>, enough: 
     writer.kill('SIGKILL')
   }
 }
+
+describe.skipIf(!mounts.root)(`a file resized while it is copied, on ramfs (coarse timestamps) ${needs('root for mount -t ramfs', !mounts.root && 'not running as root')}`, () => {
+  // ramfs keeps one timestamp per clock tick, as every file system did before Linux 6.13: a truncate and a regrow
+  // within one tick leave size, mtime and ctime as they were, so the version check alone cannot see them.
+  test("clone() ('never'): each clone is one version it reports, or ERR_SOURCE_CHANGED or EIO; never a clone of another size, nothing left", async () => {
+    const d = freshDir()
+    const ramfs = path.join(d, 'ramfs')
+    fs.mkdirSync(ramfs)
+    expect(runCommand('mount', ['-t', 'ramfs', 'vmspace-test', ramfs]).status).toBe(0)
+    const base = path.join(ramfs, 'base.img')
+    const data = writeRandomFile(base, 4 * MiB)
+    const out = path.join(ramfs, 'out')
+    fs.mkdirSync(out)
+    const codes = new Set<string>()
+    let attempts = 0
+    await whileResized(base, async () => {
+      attempts++
+      const dst = path.join(out, 'clone.img')
+      try {
+        const r = await clone(base, dst, { reflink: 'never' })
+        expectOneVersion(dst, r.bytes, data)
+        fs.rmSync(dst)
+      } catch (err) {
+        expect(err).toBeInstanceOf(VmspaceError)
+        expect(['ERR_SOURCE_CHANGED', 'EIO']).toContain((err as VmspaceError).code)
+        expect(err).toMatchObject({ path: base, dest: dst })
+        codes.add((err as VmspaceError).code)
+      }
+      expect(ls(out)).toEqual([])
+    }, () => attempts >= 500)
+    expect(codes.has('ERR_SOURCE_CHANGED')).toBe(true)
+  })
+})
 
 requireMount('XFS', mounts.xfs, mounts.missing.xfs)
 

@@ -158,20 +158,24 @@ bool sizeUnknown(int fd) {
 // no longer that version (truncated, or truncated and regrown, while it was copied: size, mtime, ctime or inode
 // differ) is ERR_SOURCE_CHANGED, which is what went wrong, not a short read; its size alone cannot tell, since a file
 // truncated and regrown to the same size reports it again. A file whose size means nothing (sizeUnknown) is believed.
-// A read that stops short of the size the unchanged file still reports is an error (EIO), never a short clone.
+// A read that stops short of the size the unchanged file still reports is an error (EIO), never a short clone: where
+// timestamps are coarse (one per clock tick: kernels before 6.13, ramfs), a truncate and regrow within one tick
+// looks unchanged and ends here too.
 void checkEndOfFile(int src, off_t at, const struct stat& before, const std::string& srcPath,
                     const std::string& dstPath) {
   if (sizeUnknown(src)) return;
   struct stat now;
   if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
   if (!sameSourceVersion(before, now)) throwSourceChanged(srcPath, dstPath);
-  if (now.st_size > at) throwErrno(EIO, "read", srcPath);
+  if (now.st_size > at) throwErrno(EIO, "read", srcPath, dstPath);
 }
 
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
 // ends earlier (a sysfs attribute reports 4096) is published with the bytes read (checkEndOfFile), and one that
-// goes on (procfs reports 0) is copied on to its end. The size is then checked on `dst`.
+// goes on (procfs reports 0) is copied on to its end. A file whose size means something and that has data past it
+// grew while it was copied: ERR_SOURCE_CHANGED at once, which the caller's version check may not see where
+// timestamps are coarse and the file shrank back. The size is then checked on `dst`.
 uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, const std::string& srcPath,
                     const std::string& dstPath, CopyProgress& progress) {
   off_t pos = 0, end = before.st_size;
@@ -201,6 +205,7 @@ uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, c
     char probe[4096];
     size_t n = readSome(src, probe, sizeof probe, end, srcPath);
     if (n > 0) {
+      if (!sizeUnknown(src)) throwSourceChanged(srcPath, dstPath);
       pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
       progress.add(n);
