@@ -167,9 +167,14 @@ program
 for (const cmd of program.commands) configure(cmd)
 
 async function main(): Promise<number> {
-  // commander answers `help <unknown>` with the whole help on stderr; an unknown command is one line everywhere else.
+  // commander answers `help <unknown>` (`help help`, `help --help` too) with the whole help on stderr: the help asked
+  // for goes to stdout, and an unknown command is one line, as everywhere else.
   const [first, second] = process.argv.slice(2)
-  if (first === 'help' && second !== undefined && second !== 'help' && !program.commands.some((c) => c.name() === second)) {
+  if (first === 'help' && (second === 'help' || second?.startsWith('-'))) {
+    program.outputHelp()
+    return 0
+  }
+  if (first === 'help' && second !== undefined && !program.commands.some((c) => c.name() === second)) {
     process.stderr.write(`vmspace: unknown command '${second}' (see vmspace --help)\n`)
     return EXIT_USAGE
   }

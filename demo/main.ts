@@ -38,7 +38,7 @@ export async function main(argv: string[]): Promise<number> {
     opts = parseOptions(argv)
   } catch (e) {
     if (!(e instanceof UsageError)) throw e
-    process.stderr.write(`vmspace demo: ${e.message.split('\n')[0]} (see vmspace demo --help)\n`)
+    process.stderr.write(`vmspace demo: ${e.message.replace(/\n/g, ' ')} (see vmspace demo --help)\n`)
     return 2
   }
   if (opts === 'help') {

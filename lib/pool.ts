@@ -444,8 +444,9 @@ export class Pool implements AsyncDisposable {
    * On btrfs the tree is a read-only subvolume instead (modes kept; `subvolume: true`): a snapshot of a workspace
    * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; docs/templates.md.
    * Pause whatever writes in `ws` first: the walk takes each entry as it finds it, so a tree changing under it is
-   * no one instant's version; a file written or replaced while it is cloned is `ERR_SOURCE_CHANGED`, and a
-   * directory swapped for a symlink meanwhile fails with the errno of the call that met it.
+   * no one instant's version; a file written while it is cloned, or replaced by another file or a device, is
+   * `ERR_SOURCE_CHANGED` (as far as the file system's timestamps tell: docs/DESIGN.md, "Clone engine"), and an
+   * entry swapped for a symlink fails with the errno of the call that met it.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
    * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).

@@ -19,6 +19,7 @@ import {
   mounts,
   needs,
   poolState,
+  runCommand,
   tempLeftovers,
   unprivilegedChildren,
   writeRandomFile,
@@ -100,7 +101,7 @@ describe.skipIf(noInject !== undefined || ext4 === null)(
   },
 )
 
-describe.skipIf(ext4 === null)(`pseudo-files whose st_size is 0 (procfs) ${needs('ext4', ext4 === null && 'no ext4')}`, () => {
+describe.skipIf(ext4 === null)(`pseudo-files whose st_size is 0 (procfs, binfmt_misc) or 4096 (sysfs) ${needs('ext4', ext4 === null && 'no ext4')}`, () => {
   test("clone('/proc/version') gives exactly the bytes read(2) returns", async () => {
     const d = freshDir(ext4!)
     const r = await clone('/proc/version', path.join(d, 'version'))
@@ -128,6 +129,25 @@ describe.skipIf(ext4 === null)(`pseudo-files whose st_size is 0 (procfs) ${needs
       expect(fs.statSync(sysfsAttr).size).toBe(4096)
       expect(r).toMatchObject({ method: 'copy', bytes: expected.length })
       expect(fs.readFileSync(path.join(d, 'online')).equals(expected)).toBe(true)
+    },
+  )
+
+  test.skipIf(!mounts.root)(
+    `a file of another pseudo file system (binfmt_misc's status: st_size 0) is copied to its end, not taken for a file that grew ${needs('root for mount -t binfmt_misc', !mounts.root && 'not running as root')}`,
+    async () => {
+      const d = freshDir(ext4!)
+      const bm = path.join(d, 'binfmt_misc')
+      fs.mkdirSync(bm)
+      expect(runCommand('mount', ['-t', 'binfmt_misc', 'vmspace-test', bm]).status).toBe(0)
+      const status = path.join(bm, 'status')
+      expect(fs.statSync(status).size).toBe(0)
+      const expected = fs.readFileSync(status)
+      expect(expected.toString()).toMatch(/^(enabled|disabled)\n$/)
+      for (const reflink of ['auto', 'never'] as const) {
+        const r = await clone(status, path.join(d, reflink), { reflink })
+        expect(r).toMatchObject({ method: 'copy', bytes: expected.length })
+        expect(fs.readFileSync(path.join(d, reflink)).equals(expected)).toBe(true)
+      }
     },
   )
 

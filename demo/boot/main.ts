@@ -88,8 +88,8 @@ export async function main(argv: string[]): Promise<number> {
   try {
     options = parseBootArgs(argv)
   } catch (e) {
-    // One line, as every vmspace usage error (node:util's parseArgs explains over several).
-    console.error(`vmspace demo: ${(e as Error).message.split('\n')[0]} (see vmspace demo --boot 1 --help)`)
+    // One line, as every vmspace usage error (node:util's parseArgs explains over several lines).
+    console.error(`vmspace demo: ${(e as Error).message.replace(/\n/g, ' ')} (see vmspace demo --boot 1 --help)`)
     return 2
   }
   if (options === 'help') {

@@ -154,6 +154,28 @@ bool sizeUnknown(int fd) {
   }
 }
 
+// File systems that store files, whose st_size is the length of the data (statfs(2) f_type; literals, since not
+// every <linux/magic.h> names them all): ext2/3/4, XFS, btrfs, tmpfs, ramfs, F2FS, overlayfs, bcachefs, OpenZFS.
+// Elsewhere a size can be a hint: binfmt_misc, mqueue, configfs and FUSE files report 0 or a guess.
+bool sizeIsLength(int fd) {
+  struct statfs fs;
+  if (fstatfs(fd, &fs) != 0) return false;
+  switch (static_cast<unsigned long>(fs.f_type)) {
+    case 0xEF53UL:      // EXT4_SUPER_MAGIC (ext2 and ext3 too)
+    case 0x58465342UL:  // XFS_SUPER_MAGIC
+    case 0x9123683EUL:  // BTRFS_SUPER_MAGIC
+    case 0x01021994UL:  // TMPFS_MAGIC
+    case 0x858458F6UL:  // RAMFS_MAGIC
+    case 0xF2F52010UL:  // F2FS_SUPER_MAGIC
+    case 0x794C7630UL:  // OVERLAYFS_SUPER_MAGIC
+    case 0xCA451A4EUL:  // BCACHEFS_SUPER_MAGIC
+    case 0x2FC12FC1UL:  // OpenZFS
+      return true;
+    default:
+      return false;
+  }
+}
+
 // read(2) found end of file at `at`, before the size of `before`, the version the copy started from. A source that is
 // no longer that version (truncated, or truncated and regrown, while it was copied: size, mtime, ctime or inode
 // differ) is ERR_SOURCE_CHANGED, which is what went wrong, not a short read; its size alone cannot tell, since a file
@@ -173,9 +195,10 @@ void checkEndOfFile(int src, off_t at, const struct stat& before, const std::str
 // Copies the data of `src` to `dst`, leaving holes as holes (SEEK_DATA/SEEK_HOLE, lseek(2)), and returns the size
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
 // ends earlier (a sysfs attribute reports 4096) is published with the bytes read (checkEndOfFile), and one that
-// goes on (procfs reports 0) is copied on to its end. A file whose size means something and that has data past it
-// grew while it was copied: ERR_SOURCE_CHANGED at once, which the caller's version check may not see where
-// timestamps are coarse and the file shrank back. The size is then checked on `dst`.
+// goes on (procfs reports 0) is copied on to its end, where the version check then decides. On a file system whose
+// sizes are lengths (sizeIsLength), data past the size means the file grew while it was copied: ERR_SOURCE_CHANGED
+// at once, which the version check may miss where timestamps are coarse and the file shrank back. The size is then
+// checked on `dst`.
 uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, const std::string& srcPath,
                     const std::string& dstPath, CopyProgress& progress) {
   off_t pos = 0, end = before.st_size;
@@ -205,7 +228,7 @@ uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, c
     char probe[4096];
     size_t n = readSome(src, probe, sizeof probe, end, srcPath);
     if (n > 0) {
-      if (!sizeUnknown(src)) throwSourceChanged(srcPath, dstPath);
+      if (sizeIsLength(src)) throwSourceChanged(srcPath, dstPath);
       pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
       progress.add(n);
