@@ -256,6 +256,11 @@ CloneFileResult cloneData(int src, int dst, const struct stat& before, Reflink r
     int err = 0;
     for (int attempt = 0;; attempt++) {
       if (ioctl(dst, FICLONE, src) == 0) {
+        // The clone is the file as it was at the ioctl: another length than the one started from is a change the
+        // caller's version check may miss where timestamps are coarse (a resize and its undoing within one tick).
+        struct stat got;
+        if (fstat(dst, &got) != 0) throwErrno(errno, "fstat", dstPath);
+        if (got.st_size != before.st_size) throwSourceChanged(srcPath, dstPath);
         progress.done(size);
         return {CloneMethod::Reflink, size};
       }
