@@ -4,12 +4,10 @@
  * child (test/fixtures/faults-child.cjs) that sets its own limits with prlimit(1), so that the limit, the RSS it
  * measures (ru_maxrss growth over the call) and the uid are its own.
  */
-import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
-import * as os from 'node:os'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { Child, emptyPoolState, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, unprivilegedChildren } from './helpers.js'
+import { Child, emptyPoolState, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, spinCpus, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
 
@@ -171,7 +169,7 @@ describe('a low RLIMIT_NOFILE', () => {
     for (let k = 1; k <= 120; k++) deep = path.join(deep, `l${k}`)
     fs.mkdirSync(deep, { recursive: true })
     fs.writeFileSync(path.join(deep, 'b'), 'bottom')
-    const spinners = os.cpus().map(() => spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }))
+    const spinners = spinCpus()
     onTestFinished(() => {
       for (const p of spinners) p.kill('SIGKILL')
     })

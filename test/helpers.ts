@@ -6,6 +6,7 @@
 import { spawn, spawnSync, type ChildProcess, type SpawnOptions } from 'node:child_process'
 import { createHash, randomBytes } from 'node:crypto'
 import * as fs from 'node:fs'
+import * as os from 'node:os'
 import * as path from 'node:path'
 import * as readline from 'node:readline'
 import { expect, inject, onTestFinished, test } from 'vitest'
@@ -325,6 +326,15 @@ export class Barrier {
 // ---- child processes ----
 
 /** Runs a command to completion; its exit status and output. */
+/**
+ * One process per CPU, each spinning until it is killed or this process is gone (its parent changes), so that a
+ * test worker killed mid-test leaves none behind to slow whatever runs next.
+ */
+export function spinCpus(): ChildProcess[] {
+  const spin = `for (let i = 1; ; i++) if (i % 0x100000 === 0 && process.ppid !== ${process.pid}) process.exit()`
+  return os.cpus().map(() => spawn(process.execPath, ['-e', spin], { stdio: 'ignore' }))
+}
+
 export function runCommand(cmd: string, args: string[], options: SpawnOptions = {}) {
   const r = spawnSync(cmd, args, { encoding: 'utf8', ...options })
   if (r.error) throw r.error

@@ -7,9 +7,7 @@
  * Root-only parts (other owners, security.capability, a char device, the unprivileged child of uid 65534) say so
  * in their names; CI runs as root, so they run there.
  */
-import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
-import * as os from 'node:os'
 import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
 import { AbortError, clone, openPool, VmspaceError, type CloneResult, type Pool, type Workspace } from '../lib/index.js'
@@ -26,6 +24,7 @@ import {
   requireMount,
   runCommand,
   snapshotTree,
+  spinCpus,
   stagingEntries,
   tempLeftovers,
   unprivilegedChildren,
@@ -256,7 +255,7 @@ describe.skipIf(!mounts.xfs)(`tree clone while other processes keep every CPU bu
     const d = freshTreeDir(mounts.xfs!)
     const src = path.join(d, 'src')
     manyFiles(src, 3000, 3000, 50)
-    const spinners = os.cpus().map(() => spawn(process.execPath, ['-e', 'for (;;);'], { stdio: 'ignore' }))
+    const spinners = spinCpus()
     try {
       const dst = path.join(d, 'copy')
       const r = await clone(src, dst, { reflink: 'always' })

@@ -202,7 +202,7 @@ void checkEndOfFile(int src, off_t at, const struct stat& before, const std::str
 uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, const std::string& srcPath,
                     const std::string& dstPath, CopyProgress& progress) {
   off_t pos = 0, end = before.st_size;
-  bool ended = false;  // read(2) reported end of file before `size`
+  bool ended = false;  // read(2) reported end of file before the size the copy started from
   while (pos < end) {
     off_t data = lseek(src, pos, SEEK_DATA);
     if (data < 0) {
