@@ -107,6 +107,22 @@ function expectOneVersion(dst: string, bytes: number, data: Buffer): void {
   expect(got.subarray(2 * MiB).every((b) => b === 0)).toBe(true)
 }
 
+/**
+ * One 'never' clone of `base` (a file whileResized resizes, whose first 4 MiB were `data`) to `dst`: null when it
+ * resolved (its bytes checked to be one version, then removed), else the VmspaceError it rejected with.
+ */
+async function cloneResized(base: string, dst: string, data: Buffer): Promise<VmspaceError | null> {
+  try {
+    const r = await clone(base, dst, { reflink: 'never' })
+    expectOneVersion(dst, r.bytes, data)
+    fs.rmSync(dst)
+    return null
+  } catch (err) {
+    expect(err).toBeInstanceOf(VmspaceError)
+    return err as VmspaceError
+  }
+}
+
 function expectSourceChanged(err: unknown, source: string): void {
   expect(err).toBeInstanceOf(VmspaceError)
   expect(err).toMatchObject({ code: 'ERR_SOURCE_CHANGED', path: source })
@@ -189,12 +205,8 @@ describe.skipIf(!ext4)(`a file truncated while it is copied, on ext4 ${needs('os
     await whileResized(
       base,
       async () => {
-        const dst = path.join(out, 'clone.img')
-        try {
-          const r = await clone(base, dst, { reflink: 'never' })
-          expectOneVersion(dst, r.bytes, data)
-          fs.rmSync(dst)
-        } catch (err) {
+        const err = await cloneResized(base, path.join(out, 'clone.img'), data)
+        if (err) {
           expectSourceChanged(err, base)
           changed++
         }
@@ -266,15 +278,11 @@ describe.skipIf(!mounts.root)(`a file resized while it is copied, on ramfs (coar
     await whileResized(base, async () => {
       attempts++
       const dst = path.join(out, 'clone.img')
-      try {
-        const r = await clone(base, dst, { reflink: 'never' })
-        expectOneVersion(dst, r.bytes, data)
-        fs.rmSync(dst)
-      } catch (err) {
-        expect(err).toBeInstanceOf(VmspaceError)
-        expect(['ERR_SOURCE_CHANGED', 'EIO']).toContain((err as VmspaceError).code)
+      const err = await cloneResized(base, dst, data)
+      if (err) {
+        expect(['ERR_SOURCE_CHANGED', 'EIO']).toContain(err.code)
         expect(err).toMatchObject({ path: base, dest: dst })
-        codes.add((err as VmspaceError).code)
+        codes.add(err.code)
       }
       expect(ls(out)).toEqual([])
     }, () => attempts >= 500)

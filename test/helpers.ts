@@ -325,7 +325,6 @@ export class Barrier {
 
 // ---- child processes ----
 
-/** Runs a command to completion; its exit status and output. */
 /**
  * One process per CPU, each spinning until it is killed or this process is gone (its parent changes), so that a
  * test worker killed mid-test leaves none behind to slow whatever runs next.
@@ -335,6 +334,7 @@ export function spinCpus(): ChildProcess[] {
   return os.cpus().map(() => spawn(process.execPath, ['-e', spin], { stdio: 'ignore' }))
 }
 
+/** Runs a command to completion; its exit status and output. */
 export function runCommand(cmd: string, args: string[], options: SpawnOptions = {}) {
   const r = spawnSync(cmd, args, { encoding: 'utf8', ...options })
   if (r.error) throw r.error

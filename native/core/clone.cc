@@ -135,11 +135,17 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
   return done;
 }
 
-// File systems whose st_size says nothing about the bytes read(2) returns (<linux/magic.h>): procfs reports 0,
-// sysfs 4096 for every attribute, and the others are alike.
-bool sizeUnknown(int fd) {
+// What a file's st_size says of the bytes read(2) returns, by its file system (statfs(2) f_type).
+enum class SizeMeaning {
+  Length,   // file systems that store files: ext2/3/4, XFS, btrfs, tmpfs, ramfs, F2FS, overlayfs, bcachefs, OpenZFS
+  Hint,     // anything else (binfmt_misc, mqueue, configfs, FUSE): may report 0 or a guess; also when fstatfs fails
+  Nothing,  // procfs reports 0, sysfs 4096 for every attribute, and the others here are alike
+};
+
+SizeMeaning sizeMeaning(int fd) {
   struct statfs fs;
-  if (fstatfs(fd, &fs) != 0) return false;
+  if (fstatfs(fd, &fs) != 0) return SizeMeaning::Hint;
+  // Literals where not every <linux/magic.h> names them.
   switch (static_cast<unsigned long>(fs.f_type)) {
     case PROC_SUPER_MAGIC:
     case SYSFS_MAGIC:
@@ -148,19 +154,7 @@ bool sizeUnknown(int fd) {
     case SECURITYFS_MAGIC:
     case CGROUP_SUPER_MAGIC:
     case CGROUP2_SUPER_MAGIC:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// File systems that store files, whose st_size is the length of the data (statfs(2) f_type; literals, since not
-// every <linux/magic.h> names them all): ext2/3/4, XFS, btrfs, tmpfs, ramfs, F2FS, overlayfs, bcachefs, OpenZFS.
-// Elsewhere a size can be a hint: binfmt_misc, mqueue, configfs and FUSE files report 0 or a guess.
-bool sizeIsLength(int fd) {
-  struct statfs fs;
-  if (fstatfs(fd, &fs) != 0) return false;
-  switch (static_cast<unsigned long>(fs.f_type)) {
+      return SizeMeaning::Nothing;
     case 0xEF53UL:      // EXT4_SUPER_MAGIC (ext2 and ext3 too)
     case 0x58465342UL:  // XFS_SUPER_MAGIC
     case 0x9123683EUL:  // BTRFS_SUPER_MAGIC
@@ -170,22 +164,22 @@ bool sizeIsLength(int fd) {
     case 0x794C7630UL:  // OVERLAYFS_SUPER_MAGIC
     case 0xCA451A4EUL:  // BCACHEFS_SUPER_MAGIC
     case 0x2FC12FC1UL:  // OpenZFS
-      return true;
+      return SizeMeaning::Length;
     default:
-      return false;
+      return SizeMeaning::Hint;
   }
 }
 
 // read(2) found end of file at `at`, before the size of `before`, the version the copy started from. A source that is
 // no longer that version (truncated, or truncated and regrown, while it was copied: size, mtime, ctime or inode
 // differ) is ERR_SOURCE_CHANGED, which is what went wrong, not a short read; its size alone cannot tell, since a file
-// truncated and regrown to the same size reports it again. A file whose size means nothing (sizeUnknown) is believed.
+// truncated and regrown to the same size reports it again. A file whose size means nothing (procfs, sysfs) is believed.
 // A read that stops short of the size the unchanged file still reports is an error (EIO), never a short clone: where
 // timestamps are coarse (one per clock tick: kernels before 6.13, ramfs), a truncate and regrow within one tick
 // looks unchanged and ends here too.
 void checkEndOfFile(int src, off_t at, const struct stat& before, const std::string& srcPath,
                     const std::string& dstPath) {
-  if (sizeUnknown(src)) return;
+  if (sizeMeaning(src) == SizeMeaning::Nothing) return;
   struct stat now;
   if (fstat(src, &now) != 0) throwErrno(errno, "fstat", srcPath);
   if (!sameSourceVersion(before, now)) throwSourceChanged(srcPath, dstPath);
@@ -196,9 +190,9 @@ void checkEndOfFile(int src, off_t at, const struct stat& before, const std::str
 // published. The copy runs to the source's end of file as read(2) finds it, not as st_size said: a file that
 // ends earlier (a sysfs attribute reports 4096) is published with the bytes read (checkEndOfFile), and one that
 // goes on (procfs reports 0) is copied on to its end, where the version check then decides. On a file system whose
-// sizes are lengths (sizeIsLength), data past the size means the file grew while it was copied: ERR_SOURCE_CHANGED
-// at once, which the version check may miss where timestamps are coarse and the file shrank back. The size is then
-// checked on `dst`.
+// sizes are lengths (SizeMeaning::Length), data past the size means the file grew while it was copied:
+// ERR_SOURCE_CHANGED at once, which the version check may miss where timestamps are coarse and the file shrank back.
+// The size is then checked on `dst`.
 uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, const std::string& srcPath,
                     const std::string& dstPath, CopyProgress& progress) {
   off_t pos = 0, end = before.st_size;
@@ -228,7 +222,7 @@ uint64_t copySparse(int src, int dst, const struct stat& before, bool offload, c
     char probe[4096];
     size_t n = readSome(src, probe, sizeof probe, end, srcPath);
     if (n > 0) {
-      if (sizeIsLength(src)) throwSourceChanged(srcPath, dstPath);
+      if (sizeMeaning(src) == SizeMeaning::Length) throwSourceChanged(srcPath, dstPath);
       pwriteAllOrThrow(dst, probe, n, end, dstPath);
       end += static_cast<off_t>(n);
       progress.add(n);
