@@ -309,6 +309,19 @@ export function sharedExtents(file: string): { extents: number; shared: number }
   return { extents: e.length, shared: e.filter((x) => x.flags.includes('shared')).length }
 }
 
+/**
+ * Waits until no extent of `file` is flagged shared, for at most `limitMs`, then fails naming the file. XFS frees a
+ * removed file's extents in the background (deferred inode inactivation, "inodegc"), and syncfs(2) only starts that
+ * work (xfs_inodegc_push, since Linux 5.19) without waiting for it: a file whose reflinked sibling was just removed
+ * can report shared extents for a while after `sync -f`.
+ */
+export async function extentsUnshared(file: string, limitMs = 30_000): Promise<void> {
+  for (const start = Date.now(); sharedExtents(file).shared > 0; ) {
+    if (Date.now() - start > limitMs) throw new Error(`${file}: extents still shared after ${limitMs} ms`)
+    await new Promise((resolve) => setTimeout(resolve, 20))
+  }
+}
+
 // ---- concurrency ----
 
 /** Resolves every wait() once `parties` callers are waiting. */
