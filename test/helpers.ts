@@ -312,7 +312,7 @@ export function sharedExtents(file: string): { extents: number; shared: number }
 /**
  * Waits until no extent of `file` is flagged shared, for at most `limitMs`, then fails naming the file. XFS frees a
  * removed file's extents in the background (deferred inode inactivation, "inodegc"), and syncfs(2) only starts that
- * work (xfs_inodegc_push, since Linux 5.19) without waiting for it: a file whose reflinked sibling was just removed
+ * work (xfs_inodegc_push in current kernels) without waiting for it: a file whose reflinked sibling was just removed
  * can report shared extents for a while after `sync -f`.
  */
 export async function extentsUnshared(file: string, limitMs = 30_000): Promise<void> {
