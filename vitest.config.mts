@@ -7,6 +7,9 @@ export default defineConfig({
     globalSetup: ['test/setup/global-setup.ts'],
     // Test files run in separate processes: the native test seam (setTestIds) is process-wide.
     pool: 'forks',
+    // Two files at a time, each on file systems of its own (test/setup/global-setup.ts): most of a file's time is
+    // spent waiting on child processes, the kernel and the disk, so two overlap well on two CPUs.
+    maxWorkers: 2,
     // Generous limits only against hangs (a loaded 2-core machine has taken over 60 s for the heaviest race tests);
     // no test asserts on timing.
     testTimeout: 300_000,

@@ -19,7 +19,8 @@ export { mountsBeneath } from './setup/mounts.js'
 export const repoRoot = path.resolve(__dirname, '..')
 export const fixtures = path.join(repoRoot, 'test', 'fixtures')
 
-export const mounts: Mounts = inject('mounts')
+// The file systems of this file's worker: no other file running at the same time uses them (global-setup.ts).
+export const mounts: Mounts = inject('mounts')[Number(process.env.VITEST_POOL_ID ?? 1) - 1] ?? inject('mounts')[0]
 export const requireReflink = process.env.VMSPACE_REQUIRE_REFLINK === '1'
 
 /** Whether `p` and every directory above it lets others in (so a process of another uid can reach it). */

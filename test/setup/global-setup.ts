@@ -1,9 +1,10 @@
 /**
  * vitest globalSetup: the real file systems the suites run on (DESIGN.md, "Platform": never a mock).
  *
+ * One set per vitest worker, under `<fresh dir>/w<N>`:
  * - `scratch`: a fresh directory under os.tmpdir() (the machine's own ext4: no reflink).
  * - As root, with mkfs.xfs / mkfs.btrfs / mkfs.ext4 present: sparse 512 MiB images formatted as XFS
- *   (`-m reflink=1`) and btrfs, and a 64 MiB ext4 for ENOSPC, each loop-mounted under the same fresh directory.
+ *   (`-m reflink=1`) and btrfs, and a 64 MiB ext4 for ENOSPC, each loop-mounted beside it.
  *   What cannot be made is reported in `missing` (the reflink suites then skip, or fail under
  *   VMSPACE_REQUIRE_REFLINK=1).
  *
@@ -109,42 +110,48 @@ function checkBuild(): void {
     )
 }
 
+/** One worker's file systems: a scratch dir and the loop mounts, under `dir`. */
+function mountSet(dir: string, root: boolean): Mounts {
+  fs.mkdirSync(dir, { mode: 0o755 })
+  fs.chmodSync(dir, 0o755)
+  const scratch = path.join(dir, 'scratch')
+  fs.mkdirSync(scratch, { mode: 0o755 })
+  fs.chmodSync(scratch, 0o755)
+  const mounts: Mounts = { scratch, scratchFsType: fsTypeOf(scratch), xfs: null, btrfs: null, small: null, missing: {}, root }
+  const wanted = [
+    { key: 'xfs', size: 512 * MiB, mkfs: ['mkfs.xfs', '-q', '-f', '-m', 'reflink=1'] },
+    { key: 'btrfs', size: 512 * MiB, mkfs: ['mkfs.btrfs', '-q', '-f'] },
+    { key: 'small', size: 64 * MiB, mkfs: ['mkfs.ext4', '-q', '-F', '-m', '0'] },
+  ] as const
+  for (const w of wanted) {
+    if (!root) mounts.missing[w.key] = 'not running as root (loop mounts need root)'
+    else if (!commandExists(w.mkfs[0])) mounts.missing[w.key] = `${w.mkfs[0]} is not installed`
+    else {
+      try {
+        mounts[w.key] = makeLoopFs(dir, w.key, w.size, [...w.mkfs])
+      } catch (e) {
+        mounts.missing[w.key] = (e as Error).message
+      }
+    }
+  }
+  return mounts
+}
+
+/**
+ * A set of file systems per worker (vitest's `maxWorkers`; a test file finds its own through VITEST_POOL_ID, see
+ * test/helpers.ts): files that run at the same time share no loop mount, so one file filling the small ext4 or
+ * timing a sweep on XFS never sees another file's work there.
+ */
 export function setup(project: TestProject): void {
   checkBuild()
   base = fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-test-'))
   process.on('exit', cleanup)
   try {
     fs.chmodSync(base, 0o755)
-    const scratch = path.join(base, 'scratch')
-    fs.mkdirSync(scratch, { mode: 0o755 })
-    fs.chmodSync(scratch, 0o755)
     const root = process.getuid?.() === 0
-    const mounts: Mounts = {
-      scratch,
-      scratchFsType: fsTypeOf(scratch),
-      xfs: null,
-      btrfs: null,
-      small: null,
-      missing: {},
-      root,
-    }
-    const wanted = [
-      { key: 'xfs', size: 512 * MiB, mkfs: ['mkfs.xfs', '-q', '-f', '-m', 'reflink=1'] },
-      { key: 'btrfs', size: 512 * MiB, mkfs: ['mkfs.btrfs', '-q', '-f'] },
-      { key: 'small', size: 64 * MiB, mkfs: ['mkfs.ext4', '-q', '-F', '-m', '0'] },
-    ] as const
-    for (const w of wanted) {
-      if (!root) mounts.missing[w.key] = 'not running as root (loop mounts need root)'
-      else if (!commandExists(w.mkfs[0])) mounts.missing[w.key] = `${w.mkfs[0]} is not installed`
-      else {
-        try {
-          mounts[w.key] = makeLoopFs(base, w.key, w.size, [...w.mkfs])
-        } catch (e) {
-          mounts.missing[w.key] = (e as Error).message
-        }
-      }
-    }
-    project.provide('mounts', mounts)
+    const workers = Math.max(1, project.vitest.config.maxWorkers)
+    const sets = Array.from({ length: workers }, (_, i) => mountSet(path.join(base!, `w${i + 1}`), root))
+    project.provide('mounts', sets)
   } catch (e) {
     cleanup()
     throw e

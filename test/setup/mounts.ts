@@ -25,7 +25,8 @@ export interface Mounts {
 
 declare module 'vitest' {
   export interface ProvidedContext {
-    mounts: Mounts
+    /** One set per worker: the file of worker N (VITEST_POOL_ID) uses set N − 1. */
+    mounts: Mounts[]
   }
 }
 
