@@ -518,9 +518,10 @@ export interface ImageOptions {
   /**
    * Size in bytes of an image made here (a sparse file: host blocks are taken as the pool's file system writes
    * them, and given back as it frees them). At least 128 MiB (134217728), a multiple of 4096, and no more
-   * than the host file system has available. Ignored when the image exists.
+   * than the host file system has available. Ignored when the image exists; needed only to make one (without it,
+   * a missing image is `ERR_INVALID_ARG_TYPE` naming `options.image.size`, nothing made).
    */
-  size: number
+  size?: number
 }
 
 // ---- The warm reserve ----
