@@ -225,6 +225,20 @@ export function errnoError(errno: number, syscall: string, path?: string): Vmspa
   return fromNative({ errno: -errno, description: errnoDescription(errno), syscall, path }) as VmspaceError
 }
 
+/**
+ * `e` with the path `from` (or a path beneath it) named as `to` instead, in `path`, `dest`, the message and the
+ * cause's: an entry that was internal when the call failed (a staging entry) named where the caller looks for it.
+ */
+export function renamedPaths(e: unknown, from: string, to: string): unknown {
+  if (!(e instanceof VmspaceError)) return e
+  const swap = (p: string | undefined) => (p !== undefined && (p === from || p.startsWith(from + '/')) ? to + p.slice(from.length) : p)
+  const fields = { path: swap(e.path), dest: swap(e.dest), message: e.message.split(`'${from}`).join(`'${to}`) }
+  for (const [key, value] of Object.entries(fields))
+    if (value !== undefined) Object.defineProperty(e, key, { value, enumerable: key !== 'message', writable: true, configurable: true })
+  renamedPaths(e.cause, from, to)
+  return e
+}
+
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */
 export class AbortError extends Error {
   /** Always `'ABORT_ERR'`, as Node's own AbortError. */

@@ -292,7 +292,11 @@ export interface SweepReport {
    * allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
   failed: SweepFailure[]
-  /** Lease files removed because their workspace was gone (a build or dispose that died between two steps). */
+  /**
+   * Lease files removed because their workspace was gone (a build or dispose that died between two steps). The
+   * spare lease files of a process that died (`leases/<x>/.spare-<hex>`, docs/pool-on-disk.md) are removed too,
+   * and not counted: they never belonged to a workspace.
+   */
   leasesRemoved: number
   /**
    * Paths of entries in the root, staging or trash named like workspaces but without a lease file: vmspace did
