@@ -52,8 +52,8 @@ function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
 
 configure(program)
   .description(
-    'Private per-VM workspace directories: list, inspect, sweep, metrics; run in, commit, fork, templates; clone, probe; ' +
-      'mount, unmount (image-backed pools); demo.',
+    'Private per-VM workspace directories: ls, inspect, sweep, metrics; run, commit, fork, template (rm, prune); ' +
+      'clone, probe; mount, unmount (image-backed pools); demo.',
   )
   .enablePositionalOptions()
   .version((require('../../package.json') as { version: string }).version, '-V, --version')
