@@ -36,9 +36,7 @@ namespace {
 // The errno of opening (or reading a link at) a source entry the walk stat'ed as something else, or that went
 // after that stat: removed (ENOENT), now a file where a directory was (ENOTDIR), a symlink opened O_NOFOLLOW
 // (ELOOP), another inode (ESTALE, openRegularAtNoFollow). All are ERR_SOURCE_CHANGED, never a bare errno.
-bool goneSinceStat(int err) {
-  return err == ENOENT || err == ENOTDIR || err == ELOOP || err == ESTALE;
-}
+bool goneSinceStat(int err) { return err == ENOENT || err == ENOTDIR || err == ELOOP || err == ESTALE; }
 
 // An entry's name below the roots of a walk, linked to its directory's. No path is kept per level (a chain
 // 100,000 deep would cost the square of its depth in memory and outgrow PATH_MAX): one is built from the chain
