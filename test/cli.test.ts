@@ -675,7 +675,7 @@ describe('a reader that goes away (| head)', () => {
 })
 
 describe('vmspace run --from, template rm, template prune', () => {
-  test('run --from NAME starts CMD in a workspace cloned from the template; prune keeps the newest of a name; rm removes one', async () => {
+  test('run --from NAME starts CMD in a workspace cloned from the template; prune removes what --unused-for and --name choose (--dry-run: nothing); rm removes one', async () => {
     const pool = await newPool()
     const ws = await pool.allocate()
     onTestFinished(() => ws.dispose())
