@@ -153,6 +153,7 @@ describe('allocate', () => {
       const err = await pool.allocate({ template: { a: path.join(dir, 'a.img'), 'a/b': path.join(dir, 'a.img') } }).catch((e: unknown) => e)
       expect(err).toMatchObject({ code: 'ENOTDIR', path: expect.stringMatching(new RegExp(`^${pool.root}/vm-[0-9a-f]{32}/a$`)) })
       expect((err as Error).message).not.toContain('.vmspace')
+      expect((err as Error).stack).not.toContain('.vmspace')
       expect(poolState(pool.root)).toEqual(emptyPoolState)
     })
 
