@@ -15,7 +15,7 @@ export const EXIT_USAGE = 2
  */
 export const EXIT_RUN_FAILED = 125
 
-/** A bad argument, found before anything is touched: one line on stderr, exit 2. */
+/** A bad argument, found before anything is touched: one line on stderr, exit 2 (`run`: 125). */
 export class UsageError extends Error {}
 
 /** One line for an error: its message (VmspaceErrors carry code, syscall and path in it). */
