@@ -3,14 +3,19 @@ import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 
-/** Exit codes (documented in docs/cli.md). `run` exits with its command's status instead. */
+/** Exit codes (documented in docs/cli.md). `run` exits with its command's status instead, or EXIT_RUN_FAILED. */
 export const EXIT_OK = 0
 /** The command ran, and some entries (or the whole operation) failed. */
 export const EXIT_FAILED = 1
 /** Bad arguments: nothing was touched. */
 export const EXIT_USAGE = 2
+/**
+ * `run`: vmspace itself failed (bad arguments, the allocation, the dispose after a CMD that exited 0), a status
+ * apart from CMD's own, as env(1) and timeout(1) use it (126: CMD not executable, 127: not found).
+ */
+export const EXIT_RUN_FAILED = 125
 
-/** A bad argument, found before anything is touched: one line on stderr, exit 2. */
+/** A bad argument, found before anything is touched: one line on stderr, exit 2 (`run`: 125). */
 export class UsageError extends Error {}
 
 /** One line for an error: its message (VmspaceErrors carry code, syscall and path in it). */
@@ -63,6 +68,17 @@ export function nonNegativeInt(name: string, max: number, min = 0) {
     if (!/^\d+$/.test(value.trim()) || Number(value) > max || Number(value) < min)
       throw new UsageError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(value)}`)
     return Number(value)
+  }
+}
+
+/** A duration in ms, or with a unit: `500ms`, `45s`, `90m`, `12h`, `7d`. */
+export function parseDuration(name: string) {
+  const units: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }
+  return (value: string): number => {
+    const m = /^\s*(\d+)\s*(ms|s|m|h|d)?\s*$/.exec(value)
+    const n = m ? Number(m[1]) * units[m[2] ?? 'ms'] : NaN
+    if (!m || !Number.isSafeInteger(n)) throw new UsageError(`${name} must be a duration in ms, or with a unit (ms, s, m, h, d), got ${JSON.stringify(value)}`)
+    return n
   }
 }
 

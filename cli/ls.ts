@@ -5,20 +5,69 @@ import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 
-/** The members of a workspace's record about its allocating process, shown as they are (null where absent). */
-const OWNER_KEYS = ['pid', 'uid', 'hostname', 'bootId'] as const
-type OwnerJson = { [K in (typeof OWNER_KEYS)[number]]: NonNullable<WorkspaceInfo[K]> | null }
+/**
+ * The members of a workspace's record about the process that allocated it, shown as they are (null where absent).
+ * The allocator, not necessarily a holder: the lease may have been handed over or adopted since.
+ */
+const ALLOCATOR_KEYS = ['pid', 'uid', 'hostname', 'bootId'] as const
+type AllocatorJson = { [K in (typeof ALLOCATOR_KEYS)[number]]: NonNullable<WorkspaceInfo[K]> | null }
 
-function ownerJson(info: WorkspaceInfo): OwnerJson {
-  return Object.fromEntries(OWNER_KEYS.map((k) => [k, info[k] ?? null])) as OwnerJson
+function allocatorJson(info: WorkspaceInfo): AllocatorJson {
+  return Object.fromEntries(ALLOCATOR_KEYS.map((k) => [k, info[k] ?? null])) as AllocatorJson
+}
+
+/**
+ * Who holds a lease, from the OFD locks on its lease file in /proc/locks (docs/lifecycle.md): `pool`, the lock of
+ * a pool handle (the allocating process's, or an adopter's); `handedOver`, a lock of a process given `ws.leaseFd`
+ * (the VM). Informative only: the lease probe alone decides `live`.
+ */
+export interface LeaseHolders {
+  pool: boolean
+  handedOver: boolean
+}
+
+/** The OFD locks of /proc/locks by inode: the bytes locked (0: a pool handle's, 1: handed over), or null unreadable. */
+function ofdLocks(): Map<string, Set<string>> | null {
+  let text: string
+  try {
+    text = fs.readFileSync('/proc/locks', 'utf8')
+  } catch {
+    return null
+  }
+  const byInode = new Map<string, Set<string>>()
+  // "1: OFDLCK ADVISORY  READ -1 07:04:655627 0 0": the device is the superblock's, which a btrfs subvolume's
+  // st_dev is not; a lease file is matched by inode number among OFD locks.
+  for (const m of text.matchAll(/^\d+: OFDLCK\s+\S+\s+\S+\s+-?\d+\s+[0-9a-f]+:[0-9a-f]+:(\d+)\s+(\d+)\s+\S+$/gm)) {
+    const bytes = byInode.get(m[1]) ?? new Set<string>()
+    byInode.set(m[1], bytes.add(m[2]))
+  }
+  return byInode
+}
+
+function leaseHolders(root: string, info: WorkspaceInfo, locks: Map<string, Set<string>> | null): LeaseHolders | null {
+  if (locks === null) return null
+  let ino: string
+  try {
+    ino = String(fs.statSync(leaseFilePath(root, info), { bigint: true }).ino)
+  } catch {
+    return null
+  }
+  const bytes = locks.get(ino)
+  return { pool: bytes?.has('0') ?? false, handedOver: bytes?.has('1') ?? false }
+}
+
+function leaseFilePath(root: string, info: WorkspaceInfo): string {
+  return path.join(root, '.vmspace', 'leases', info.id.charAt(0), info.name)
 }
 
 /** One workspace in `ls --json` (every key always present; null where unknown). */
-export interface WorkspaceJson extends OwnerJson {
+export interface WorkspaceJson extends AllocatorJson {
   id: string
   name: string
   path: string
   live: boolean
+  /** Who holds the lease now (null: /proc/locks could not be read). */
+  lease: LeaseHolders | null
   /** ms since the epoch, and ms since then. */
   createdAt: number | null
   ageMs: number | null
@@ -43,7 +92,12 @@ function method(info: WorkspaceInfo): string | null {
   return methods.size === 1 ? [...methods][0] : 'mixed'
 }
 
-async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ json: WorkspaceJson; usage?: TreeUsage }> {
+async function describeWorkspace(
+  root: string,
+  info: WorkspaceInfo,
+  now: number,
+  locks: Map<string, Set<string>> | null,
+): Promise<{ json: WorkspaceJson; usage?: TreeUsage }> {
   let usage: TreeUsage | undefined
   let walkError: unknown
   try {
@@ -57,9 +111,10 @@ async function describeWorkspace(info: WorkspaceInfo, now: number): Promise<{ js
     name: info.name,
     path: info.path,
     live: info.live,
+    lease: leaseHolders(root, info, locks),
     createdAt: info.createdAt ?? null,
     ageMs: info.createdAt === undefined ? null : Math.max(0, now - info.createdAt),
-    ...ownerJson(info),
+    ...allocatorJson(info),
     meta: info.meta ?? null,
     method: method(info),
     template: info.template ?? [],
@@ -122,8 +177,9 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
   const { root, infos, templates } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
+  const locks = ofdLocks()
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
-    rows.push((await describeWorkspace(info, now)).json)
+    rows.push((await describeWorkspace(root, info, now, locks)).json)
   const tpl = templates.map(templateJson)
   const failed = rows.filter((r) => r.error !== null).length + tpl.filter((t) => t.error !== null).length
   if (opts.json) printJson({ root, workspaces: rows, templates: tpl })
@@ -131,10 +187,10 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
     const cell = (v: string | number | null, f: (x: never) => string = String) => (v === null ? '-' : f(v as never))
     process.stdout.write(
       table(
-        ['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'],
+        ['ID', 'STATE', 'AGE', 'ALLOCATOR', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'],
         rows.map((r) => [
           r.id,
-          r.live ? 'live' : 'free',
+          stateCell(r),
           cell(r.ageMs, humanAge),
           cell(r.pid),
           cell(r.hostname),
@@ -171,6 +227,16 @@ export async function ls(rootArg: string, opts: { json?: boolean }): Promise<num
   return failed ? EXIT_FAILED : EXIT_OK
 }
 
+/**
+ * `free`; `live` (a pool handle holds the lease: the allocator's, or an adopter's); `handed` (only processes given
+ * the lease hold it, the allocator let go); `live+handed` (both).
+ */
+function stateCell(r: WorkspaceJson): string {
+  if (!r.live) return 'free'
+  if (r.lease?.handedOver) return r.lease.pool ? 'live+handed' : 'handed'
+  return 'live'
+}
+
 /** "used/limit" of the quota's bytes (and inodes where limited). */
 function quotaCell(q: NonNullable<WorkspaceJson['quota']>): string {
   const bytes = `${humanBytes(q.usedBytes)}/${q.limitBytes ? humanBytes(q.limitBytes) : '-'}`
@@ -192,7 +258,7 @@ function currentBootId(): string | null {
  * Whether the process that made the workspace still runs: only knowable on its host in this boot (a pid is
  * reused after a reboot). Informative only: the lease alone decides liveness.
  */
-function ownerRunning(info: WorkspaceInfo, bootId: string | null): boolean | null {
+function allocatorRunning(info: WorkspaceInfo, bootId: string | null): boolean | null {
   if (info.pid === undefined || info.bootId === undefined || info.bootId !== bootId) return null
   try {
     process.kill(info.pid, 0)
@@ -210,7 +276,8 @@ interface Inspected extends WorkspaceJson {
   reclaimable: boolean
   /** The workspace was made in this boot (null: not recorded). */
   sameBoot: boolean | null
-  ownerRunning: boolean | null
+  /** Whether the allocating process still runs (null: not knowable here); informative only. */
+  allocatorRunning: boolean | null
   directory: { mode: string; uid: number; gid: number; dev: string; ino: string } | null
   usage: TreeUsage | null
 }
@@ -218,13 +285,14 @@ interface Inspected extends WorkspaceJson {
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
   if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
-  const { root, infos } = await listPool(rootArg)
+  // With usage, as ls: exclusiveBytes and sharedBytes are the same numbers in both (Pool.list walks every tree).
+  const { root, infos } = await listPool(rootArg, true)
   const info = infos.find((i) => i.id === idArg || i.name === idArg)
   if (!info) {
     process.stderr.write(`vmspace inspect: no workspace ${idArg} in ${root}\n`)
     return EXIT_FAILED
   }
-  const { json, usage } = await describeWorkspace(info, Date.now())
+  const { json, usage } = await describeWorkspace(root, info, Date.now(), ofdLocks())
   const bootId = currentBootId()
   let directory: Inspected['directory'] = null
   try {
@@ -233,20 +301,27 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
   } catch (e) {
     json.error ??= errorJson(e)
   }
-  const leaseFile = path.join(root, '.vmspace', 'leases', info.id.charAt(0), info.name)
   const full: Inspected = {
     ...json,
-    metadataPath: leaseFile,
+    metadataPath: leaseFilePath(root, info),
     metadataXattr: 'user.vmspace.record',
     reclaimable: !info.live,
     sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,
-    ownerRunning: ownerRunning(info, bootId),
+    allocatorRunning: allocatorRunning(info, bootId),
     directory,
     usage: usage ?? null,
   }
   if (opts.json) printJson(full)
   else process.stdout.write(inspectText(full))
   return full.error ? EXIT_FAILED : EXIT_OK
+}
+
+/** Who holds a live lease, in words. */
+function holdersText(lease: LeaseHolders | null): string {
+  const pool = 'a pool handle holds the lease (the allocator, or a process that adopted it)'
+  const handed = 'held by processes it was handed to (ws.leaseFd)'
+  if (lease?.handedOver) return lease.pool ? `${pool}; also ${handed}` : `${handed}, not by a pool handle`
+  return lease?.pool ? pool : 'a process holds the lease'
 }
 
 /** `key  value` lines for people. */
@@ -256,9 +331,9 @@ function inspectText(w: Inspected): string {
     ['id', w.id],
     ['name', w.name],
     ['path', w.path],
-    ['state', w.live ? 'live (a process holds the lease)' : 'free (no process holds the lease: a sweep reclaims it)'],
+    ['state', w.live ? `live (${holdersText(w.lease)})` : 'free (no process holds the lease: a sweep reclaims it)'],
     ['created', w.createdAt === null ? '-' : `${new Date(w.createdAt).toISOString()} (${humanAge(w.ageMs!)} ago)`],
-    ['owner', `${w.pid ?? '-'} on ${w.hostname ?? '-'}${w.ownerRunning === null ? '' : w.ownerRunning ? ' (running)' : ' (gone)'}`],
+    ['allocator', `${w.pid ?? '-'} on ${w.hostname ?? '-'}${w.allocatorRunning === null ? '' : w.allocatorRunning ? ' (running)' : ' (gone)'}`],
     ['boot', `${w.bootId ?? '-'}${w.sameBoot === null ? '' : w.sameBoot ? ' (this boot)' : ' (an earlier boot)'}`],
     ['meta', w.meta === null ? '-' : JSON.stringify(w.meta)],
     ['metadata', w.metadataXattr ? `${w.metadataPath} (xattr ${w.metadataXattr})` : w.metadataPath],
@@ -271,7 +346,9 @@ function inspectText(w: Inspected): string {
         : '-',
     ],
   ]
-  for (const t of w.template) lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}, ${humanBytes(t.size)})`])
+  // A tree's recorded size is its directory's st_size, not what it holds: its usage is the usage line's.
+  for (const t of w.template)
+    lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}${t.kind === 'file' ? `, ${humanBytes(t.size)}` : ''})`])
   if (w.error) lines.push(['error', w.error.message])
   const width = Math.max(...lines.map((l) => l[0].length))
   return lines.map(([k, v]) => `${k.padEnd(width)}  ${v}`).join('\n') + '\n'

@@ -1,5 +1,5 @@
 /**
- * `vmspace run --pool ROOT [--template [DEST=]PATH]… [--meta JSON] [--reflink MODE] -- CMD ARGS…`: a workspace for the life of one
+ * `vmspace run --pool ROOT [--from TEMPLATE] [--template [DEST=]PATH]… [--meta JSON] [--reflink MODE] -- CMD ARGS…`: a workspace for the life of one
  * command. The command runs in the workspace with the lease as its fd 3, so the workspace stays live while it (or
  * anything it passed fd 3 to) runs, even if this process is killed; it is disposed when the command exits.
  */
@@ -8,7 +8,7 @@ import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { openPool, type JsonObject, type Reflink, type Workspace } from 'vmspace'
-import { EXIT_FAILED, errorText, UsageError } from './common.js'
+import { EXIT_RUN_FAILED, errorText, UsageError } from './common.js'
 
 /** fd number of the lease in the command's process. */
 export const LEASE_FD = 3
@@ -20,6 +20,8 @@ const FORWARDED = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const
 export interface RunOptions {
   pool: string
   template: string[]
+  /** A template of the pool (id or name): allocate({ from }). */
+  from?: string
   meta?: string
   reflink?: Reflink
 }
@@ -134,7 +136,7 @@ export async function run(cmd: string[], opts: RunOptions): Promise<number> {
   })
   let ws: Workspace
   try {
-    ws = await pool.allocate({ template, meta, signal: abort.signal })
+    ws = await pool.allocate({ template, from: opts.from, meta, signal: abort.signal })
   } catch (e) {
     await pool.close()
     if (interrupted) return 128 + (os.constants.signals[interrupted] ?? 0)
@@ -152,7 +154,7 @@ export async function run(cmd: string[], opts: RunOptions): Promise<number> {
       await ws.dispose()
     } catch (e) {
       process.stderr.write(`vmspace run: dispose of ${ws.name} failed (a sweep finishes it): ${errorText(e)}\n`)
-      return status === 0 ? EXIT_FAILED : status
+      return status === 0 ? EXIT_RUN_FAILED : status
     }
     return status
   } finally {

@@ -1,9 +1,10 @@
 /**
- * `vmspace commit ROOT ID` and `vmspace fork ROOT ID N`: a workspace's current contents as a template,
- * and children of it. The CLI holds no workspace: fork's children are left with free leases for a sidecar to
- * `pool.adopt(id)` (a sweep reclaims those nobody adopts).
+ * `vmspace commit ROOT ID`, `vmspace fork ROOT ID N`, `vmspace template rm ROOT NAME` and `vmspace template prune
+ * ROOT …`: a workspace's current contents as a template, children of it, and templates removed. The CLI holds no
+ * workspace: fork's children are left with free leases for a sidecar to `pool.adopt(id)` (a sweep reclaims those
+ * nobody adopts). `vmspace run --from` allocates from a template (cli/run.ts).
  */
-import { openPool, type JsonObject } from 'vmspace'
+import { openPool, type JsonObject, type Template } from 'vmspace'
 import { EXIT_OK, printJson, poolRoot, UsageError } from './common.js'
 
 const ID = /^[0-9a-f]{32}$/
@@ -63,6 +64,58 @@ export async function fork(rootArg: string, idArg: string, count: number, o: { m
     else {
       for (const k of kids) process.stdout.write(`${k.id}\n`)
       process.stderr.write(`vmspace fork: ${count} children of ${id} in ${ms.toFixed(0)} ms (${(ms / count).toFixed(1)} ms each); leases free: adopt them (pool.adopt) before a sweep reclaims them\n`)
+    }
+    return EXIT_OK
+  } finally {
+    await pool.close()
+  }
+}
+
+/** A template id or name as the library takes it (1-128 of [A-Za-z0-9._-]); whether it exists is the pool's. */
+export function templateArg(what: string) {
+  return (value: string): string => {
+    if (!/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/.test(value))
+      throw new UsageError(`${what} must be a template id (32 hex characters) or name (1-128 of [A-Za-z0-9._-]), got ${JSON.stringify(value)}`)
+    return value
+  }
+}
+
+/** Removes one template: its name at once, its tree once no allocate reads it. */
+export async function templateRm(rootArg: string, ref: string, o: { json?: boolean }): Promise<number> {
+  const root = poolRoot(rootArg)
+  const pool = await openPool(root, { create: false })
+  try {
+    const r = await pool.removeTemplate(ref)
+    if (o.json) printJson({ root, ...r })
+    else process.stdout.write(`${r.id}: ${r.removed ? 'removed' : 'retired (removed once the allocates reading it finish, or by a sweep)'}\n`)
+    return EXIT_OK
+  } finally {
+    await pool.close()
+  }
+}
+
+export interface PruneArgs {
+  keepNewest?: number
+  unusedFor?: number
+  name?: string
+  dryRun?: boolean
+  json?: boolean
+}
+
+/** Pool.pruneTemplates: stale versions, in one call; one line per template (or --json). */
+export async function templatePrune(rootArg: string, o: PruneArgs): Promise<number> {
+  if (o.keepNewest === undefined && o.unusedFor === undefined) throw new UsageError('give --keep-newest N and/or --unused-for DURATION')
+  const root = poolRoot(rootArg)
+  const pool = await openPool(root, { create: false })
+  try {
+    const dryRun = o.dryRun ?? false
+    const r = await pool.pruneTemplates({ keepNewest: o.keepNewest, unusedForMs: o.unusedFor, name: o.name, dryRun })
+    const brief = (t: Template) => ({ id: t.id, name: t.name, createdAt: t.createdAt ?? null, lastUsedAt: t.lastUsedAt })
+    if (o.json) printJson({ root, dryRun, removed: r.removed.map(brief), deferred: r.deferred.map(brief) })
+    else {
+      for (const t of r.removed) process.stdout.write(`${dryRun ? 'would remove' : 'removed'} ${t.id}${t.name ? ` (${t.name})` : ''}\n`)
+      for (const t of r.deferred) process.stdout.write(`retired ${t.id}${t.name ? ` (${t.name})` : ''}: removed once its readers finish\n`)
+      process.stdout.write(`${root}: ${r.removed.length} template(s) ${dryRun ? 'to remove' : 'removed'}, ${r.deferred.length} retired\n`)
     }
     return EXIT_OK
   } finally {

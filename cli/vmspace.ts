@@ -2,10 +2,12 @@
 /**
  * The `vmspace` command (package.json `bin`): a thin layer over the library's public API (imported by the
  * package's own name) with commander for arguments. Exit codes: 0 done, 1 some entries (or the operation)
- * failed, 2 bad arguments (one line on stderr, nothing touched); `run` exits with its command's status.
+ * failed, 2 bad arguments (one line on stderr, nothing touched); `run` exits with its command's status, or 125
+ * when vmspace itself failed (bad arguments included).
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
-import { EXIT_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseSize, UsageError } from './common.js'
+import { EXIT_FAILED, EXIT_RUN_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseDuration, parseSize, UsageError } from './common.js'
+import { templateArg } from './template.js'
 
 const program = new Command('vmspace')
 
@@ -49,12 +51,16 @@ function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
 }
 
 configure(program)
-  .description('Private per-VM workspace directories: list, inspect, sweep, metrics, run in, clone, probe.')
+  .description(
+    'Private per-VM workspace directories: ls, inspect, sweep, metrics; run, commit, fork, template (rm, prune); ' +
+      'clone, probe; mount, unmount (image-backed pools); demo.',
+  )
   .enablePositionalOptions()
   .version((require('../../package.json') as { version: string }).version, '-V, --version')
   .addHelpText(
     'after',
-    '\nExit status: 0 done, 1 some entries failed, 2 bad arguments (nothing touched); run: the status of CMD.\n' +
+    '\nExit status: 0 done, 1 some entries failed, 2 bad arguments (nothing touched); run: the status of CMD, or 125 when\n' +
+      'vmspace failed (126: CMD not executable, 127: not found).\n' +
       '--json prints one JSON document on stdout (see docs/cli.md).',
   )
 
@@ -111,16 +117,38 @@ program
   .option('--json', 'JSON output')
   .action(action(async (root: string, id: string, n: number, o: { meta?: string; json?: boolean }) => (await import('./template.js')).fork(root, id, n, o)))
 
+const template = program.command('template').description('remove templates of a pool: one (rm), or stale versions (prune)')
+
+template
+  .command('rm')
+  .description('remove a template: its name at once, its tree once no allocate reads it (workspaces made from it stay)')
+  .argument('<root>', 'pool directory')
+  .argument('<template>', 'template id (32 hex characters) or name', parser(templateArg('TEMPLATE')))
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, ref: string, o: { json?: boolean }) => (await import('./template.js')).templateRm(root, ref, o)))
+
+template
+  .command('prune')
+  .description('remove stale templates: outside the newest N of their name, and/or unused for a while')
+  .argument('<root>', 'pool directory')
+  .option('--keep-newest <n>', 'keep the newest N of each name (the current one always counts first)', parser(nonNegativeInt('--keep-newest', 2 ** 31 - 1)))
+  .option('--unused-for <duration>', 'remove those not allocated from or committed for this long (ms, or 30s, 90m, 12h, 7d); current ones too', parser(parseDuration('--unused-for')))
+  .option('--name <name>', 'only templates of this name', parser(templateArg('--name')))
+  .option('--dry-run', 'report what would be removed, remove nothing')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: import('./template.js').PruneArgs) => (await import('./template.js')).templatePrune(root, o)))
+
 program
   .command('run')
   .description('allocate a workspace, run CMD in it holding the lease (fd 3), dispose it when CMD exits')
   .requiredOption('--pool <root>', 'pool directory (made if missing)')
+  .option('--from <template>', "start from a template of the pool (id or name; see vmspace commit)", parser(templateArg('--from')))
   .option('--template <[dest=]path>', 'clone PATH into the workspace as DEST (default: its basename); repeatable', (v: string, prev: string[]) => [...prev, v], [] as string[])
   .option('--meta <json>', 'a JSON object kept in the workspace metadata')
   .addOption(reflinkOption())
   .passThroughOptions()
   .argument('<cmd...>', 'the command and its arguments (after --)')
-  .action(action(async (cmd: string[], o: { pool: string; template: string[]; meta?: string; reflink?: 'always' | 'auto' | 'never' }) => (await import('./run.js')).run(cmd, o)))
+  .action(action(async (cmd: string[], o: { pool: string; from?: string; template: string[]; meta?: string; reflink?: 'always' | 'auto' | 'never' }) => (await import('./run.js')).run(cmd, o)))
 
 program
   .command('clone')
@@ -144,9 +172,9 @@ program
   .description('an image-backed pool: make IMAGE (sparse, btrfs) if missing, loop-mount it at ROOT with direct I/O, open the pool (root only)')
   .argument('<root>', 'pool directory (the mount point; made if missing)')
   .requiredOption('--image <path>', 'the image file (made if missing; an existing one must be a vmspace image)')
-  .requiredOption('--size <bytes>', 'size of an image made here, e.g. 8G (suffix K, M, G, T: binary units; at least 128M)', parser(parseSizeArg))
+  .option('--size <bytes>', 'size of an image made here, e.g. 8G (suffix K, M, G, T: binary units; at least 128M); needed only to make one', parser(parseSizeArg))
   .option('--json', 'JSON output')
-  .action(action(async (root: string, o: { image: string; size: number; json?: boolean }) => (await import('./mount.js')).mount(root, o)))
+  .action(action(async (root: string, o: { image: string; size?: number; json?: boolean }) => (await import('./mount.js')).mount(root, o)))
 
 program
   .command('unmount')
@@ -164,7 +192,7 @@ program
   .argument('[options...]', 'the demo options')
   .action(action(async (args: string[]) => (await import('../demo/main.js')).main(args)))
 
-for (const cmd of program.commands) configure(cmd)
+for (const cmd of program.commands) for (const c of [cmd, ...cmd.commands]) configure(c)
 
 async function main(): Promise<number> {
   // commander answers `help <unknown>` (`help help`, `help --help` too) with the whole help on stderr: the help asked
@@ -184,23 +212,36 @@ async function main(): Promise<number> {
   } catch (e) {
     // The command is the first argument (the program's own options, -h and -V, take no value).
     const sub = program.commands.find((c) => c.name() === process.argv[2])
-    const prefix = sub ? `vmspace ${sub.name()}` : 'vmspace'
+    const leaf = sub?.commands.find((c) => c.name() === process.argv[3])
+    const prefix = ['vmspace', sub?.name(), leaf?.name()].filter(Boolean).join(' ')
+    // run's own failures must not read as its command's status (which may be 1 or 2 too).
+    const [usageStatus, failedStatus] = sub?.name() === 'run' ? [EXIT_RUN_FAILED, EXIT_RUN_FAILED] : [EXIT_USAGE, EXIT_FAILED]
     if (e instanceof CommanderError) {
       // --help and --version end in a CommanderError too, with exit code 0.
       if (e.exitCode === 0) return 0
       // No command: commander has printed the help to stderr already; nothing more to say.
       if (e.code === 'commander.help') return EXIT_USAGE
       process.stderr.write(`${prefix}: ${e.message.replace(/^error: /, '').split('\n')[0]} (see ${prefix} --help)\n`)
-      return EXIT_USAGE
+      return usageStatus
     }
     if (e instanceof UsageError) {
       process.stderr.write(`${prefix}: ${e.message}\n`)
-      return EXIT_USAGE
+      return usageStatus
     }
     process.stderr.write(`${prefix}: ${errorText(e)}\n`)
-    return EXIT_FAILED
+    return failedStatus
   }
 }
+
+/**
+ * A reader that went away (`vmspace ls | head -1`) is not a failure: the rest of that stream's output is dropped
+ * (a destroyed stream ignores later writes) and the command finishes as it would, so that `run` still waits for
+ * its CMD and disposes. Any other write error stays fatal.
+ */
+for (const stream of [process.stdout, process.stderr])
+  stream.on('error', (e: NodeJS.ErrnoException) => {
+    if (e.code !== 'EPIPE') throw e
+  })
 
 // main() settles with an exit status: it catches every error itself.
 void main().then((code) => {

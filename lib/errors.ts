@@ -27,7 +27,7 @@ export type VmspaceErrorCode =
   | 'ERR_QUOTA_UNSUPPORTED' // allocate({ quota }) where the kernel cannot enforce it (cause: the errno; see probeQuota); nothing made
   | 'ERR_PROJECT_IDS_EXHAUSTED' // no free project id in 64 draws from the pool's projectIds range; nothing made
   | 'ERR_CORRUPT_INDEX' // updateJsonFile: the file does not parse, or is not of the declared type; nothing written
-  | 'ERR_SOURCE_CHANGED' // a clone's source (size, mtime, ctime or inode) changed while it was cloned; nothing published (path: the source)
+  | 'ERR_SOURCE_CHANGED' // a clone's source (size, mtime, ctime or inode) changed while it was cloned, or a tree's entry went after the walk saw it; nothing published (path: the source)
   | 'ERR_SOURCE_TYPE' // a clone's source is neither a regular file nor a directory (a fifo, socket, device); nothing made
   | 'ERR_IMAGE_NOT_PERMITTED' // an image-backed pool without CAP_SYS_ADMIN (cause: EPERM); nothing made
   | 'ERR_IMAGE_TOOL_MISSING' // a tool an image-backed pool needs is not installed (the message names its package)
@@ -223,6 +223,21 @@ export function vmspaceError(
 /** A system error from a bare errno (positive), shaped like the binding's. */
 export function errnoError(errno: number, syscall: string, path?: string): VmspaceError {
   return fromNative({ errno: -errno, description: errnoDescription(errno), syscall, path }) as VmspaceError
+}
+
+/**
+ * `e` with the path `from` (or a path beneath it) named as `to` instead, in `path`, `dest`, the message and the
+ * cause's: an entry that was internal when the call failed (a staging entry) named where the caller looks for it.
+ */
+export function renamedPaths(e: unknown, from: string, to: string): unknown {
+  if (!(e instanceof VmspaceError)) return e
+  const swap = (p: string | undefined) => (p !== undefined && (p === from || p.startsWith(from + '/')) ? to + p.slice(from.length) : p)
+  const text = (t: string | undefined) => t?.split(`'${from}`).join(`'${to}`)
+  const fields = { path: swap(e.path), dest: swap(e.dest), message: text(e.message), stack: text(e.stack) }
+  for (const [key, value] of Object.entries(fields))
+    if (value !== undefined) Object.defineProperty(e, key, { value, enumerable: key === 'path' || key === 'dest', writable: true, configurable: true })
+  renamedPaths(e.cause, from, to)
+  return e
 }
 
 /** The error an aborted operation rejects with, as Node's own APIs do (`name: 'AbortError'`, `code: 'ABORT_ERR'`). */

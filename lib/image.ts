@@ -33,7 +33,8 @@ const MOUNT_OPTIONS = 'discard=async'
 /** A checked `options.image`. */
 export interface Image {
   path: string
-  size: number
+  /** Needed only to make the image. */
+  size?: number
 }
 
 /** openPool's `image` option, checked strictly. */
@@ -42,7 +43,7 @@ export function imageOptions(value: unknown): Image | undefined {
   const o = optionsObject<ImageOptions>('options.image', value, { path: true, size: true })
   if (o.path === undefined) throw invalidType('options.image.path', 'a path string', undefined)
   const p = absolutePath('options.image.path', o.path)
-  if (o.size === undefined) throw invalidType('options.image.size', 'an integer', undefined)
+  if (o.size === undefined) return { path: p }
   const size = integerIn('options.image.size', o.size, IMAGE_MIN_BYTES, Number.MAX_SAFE_INTEGER, 0)
   if (size % 4096 !== 0) throw invalidValue('options.image.size', `a multiple of 4096 from ${IMAGE_MIN_BYTES}`, size, true)
   return { path: p, size }
@@ -216,7 +217,8 @@ const inProcess = new Map<string, Promise<unknown>>()
  * `ERR_IMAGE_FOREIGN` (an existing file that is not a vmspace image), `ERR_IMAGE_ROOT_MOUNTED` (root is the mount
  * of something else), `ERR_IMAGE_IN_USE` (the image is mounted at another path), `ENOSPC` (syscall statfs: the host cannot hold `size`), `ERR_POOL_NOT_EMPTY` (root holds
  * entries that the mount would hide), `ERR_IMAGE_TOOL_FAILED`, `ENOENT` (the image's directory, or the image
- * with `create: false`), or what `open` throws. Nothing made is left on failure.
+ * with `create: false`), `ERR_INVALID_ARG_TYPE` (the image is missing and no `size` was given), or what `open`
+ * throws. Nothing made is left on failure.
  */
 export async function withImage<T>(root: string, image: Image, create: boolean, open: () => Promise<T>): Promise<T> {
   if (!hasCapSysAdmin())
@@ -267,7 +269,10 @@ async function ensureMounted(root: string, image: Image, create: boolean, made: 
   if (st) await checkOurs(image.path, st)
   else {
     if (!create) throw errnoError(os.constants.errno.ENOENT, 'open', image.path)
-    await makeImage(image, made)
+    // Checked here, not with the options: an existing image needs no size.
+    if (image.size === undefined)
+      throw invalidType('options.image.size', `an integer (${image.path} does not exist: its size is needed to make it)`, undefined)
+    await makeImage({ path: image.path, size: image.size }, made)
     st = fs.statSync(image.path, { bigint: true })
   }
   checkRoot(root, create, made)
@@ -324,7 +329,7 @@ async function checkOurs(p: string, st: fs.BigIntStats): Promise<void> {
 }
 
 /** The sparse file and its btrfs, after the host's free space was checked. */
-async function makeImage(image: Image, made: Made): Promise<void> {
+async function makeImage(image: Required<Image>, made: Made): Promise<void> {
   const sfs = fs.statfsSync(path.dirname(image.path), { bigint: true })
   const available = sfs.bavail * sfs.bsize
   if (available < BigInt(image.size)) {

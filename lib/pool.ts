@@ -18,7 +18,7 @@ import {
   optionsObject,
   relativePath,
 } from './args.js'
-import { AbortError, call, errnoError, fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { AbortError, call, errnoError, fromNative, renamedPaths, vmspaceError, type VmspaceError } from './errors.js'
 import { reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
 import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
@@ -192,9 +192,28 @@ export class Pool implements AsyncDisposable {
     } catch (e) {
       this.#stats.failed++
       await this._forget()
-      throw e
+      throw this.#allocateError(e, req.dir)
     }
     return this.#published(r, req.signal, t, req.quotaBytes > 0 || req.quotaInodes > 0)
+  }
+
+  /**
+   * A failed build as the caller reads it: a directory template (a string) that is not a directory is a bad
+   * argument, not ENOTDIR; a path in the staging entry the workspace was built in is named at the workspace's path
+   * (`<root>/<name>`), where its files were going: the staging entry is internal, and gone already.
+   */
+  #allocateError(e: unknown, dir: string): unknown {
+    const { code, syscall, path: p, dest } = e as { code?: string; syscall?: string; path?: string; dest?: string }
+    if (dir && code === 'ENOTDIR' && syscall === 'open' && p === dir) {
+      const err = invalidValue('options.template', "a directory, whose contents become the workspace's (a file goes in a map: { 'name': path })", dir)
+      return Object.assign(err, { cause: e })
+    }
+    const staging = path.join(this.root, '.vmspace', 'staging') + '/'
+    for (const at of [p, dest]) {
+      const entry = at?.startsWith(staging) ? /^s\d+\/[^/]+/.exec(at.slice(staging.length))?.[0] : undefined
+      if (entry) return renamedPaths(e, staging + entry, path.join(this.root, path.basename(entry)))
+    }
+    return e
   }
 
   /** allocate()'s options, checked, and the metadata record's members (nothing is touched yet). */

@@ -292,7 +292,11 @@ export interface SweepReport {
    * allocate or sweep finished meanwhile is not a failure (it is in no list).
    */
   failed: SweepFailure[]
-  /** Lease files removed because their workspace was gone (a build or dispose that died between two steps). */
+  /**
+   * Lease files removed because their workspace was gone (a build or dispose that died between two steps). The
+   * spare lease files of a process that died (`leases/<x>/.spare-<hex>`, docs/pool-on-disk.md) are removed too,
+   * and not counted: they never belonged to a workspace.
+   */
   leasesRemoved: number
   /**
    * Paths of entries in the root, staging or trash named like workspaces but without a lease file: vmspace did
@@ -518,9 +522,10 @@ export interface ImageOptions {
   /**
    * Size in bytes of an image made here (a sparse file: host blocks are taken as the pool's file system writes
    * them, and given back as it frees them). At least 128 MiB (134217728), a multiple of 4096, and no more
-   * than the host file system has available. Ignored when the image exists.
+   * than the host file system has available. Ignored when the image exists; needed only to make one (without it,
+   * a missing image is `ERR_INVALID_ARG_TYPE` naming `options.image.size`, nothing made).
    */
-  size: number
+  size?: number
 }
 
 // ---- The warm reserve ----

@@ -1,7 +1,7 @@
 /**
  * The `vmspace` command, end to end: spawned as a user would (`node dist/cli/vmspace.js`, the package's bin),
  * on real pools. Exit codes: 0 done, 1 some entries failed, 2 bad arguments (one line on stderr, nothing
- * touched); `run` exits with its command's status.
+ * touched); `run` exits with its command's status, or 125 when vmspace itself failed.
  */
 import { spawn, spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
@@ -50,15 +50,15 @@ function json(args: string[], status = 0): any {
   return JSON.parse(r.stdout)
 }
 
-/** A usage error: exit 2, nothing on stdout, exactly one line on stderr naming the command. */
+/** A usage error: exit 2 (run: 125), nothing on stdout, exactly one line on stderr naming the command. */
 function usage(args: string[]): string {
   const r = vmspace(args)
-  expect(r.status, r.stderr + r.stdout).toBe(2)
+  expect(r.status, r.stderr + r.stdout).toBe(args[0] === 'run' ? 125 : 2)
   expect(r.stdout).toBe('')
   expect(r.stderr.endsWith('\n')).toBe(true)
   expect(r.stderr.trimEnd().split('\n')).toHaveLength(1)
-  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork']
-  expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}: `) : /^vmspace: /)
+  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork', 'template']
+  expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}[ :]`) : /^vmspace: /)
   return r.stderr.trim()
 }
 
@@ -103,6 +103,7 @@ describe('vmspace ls', () => {
       name: held.name,
       path: held.path,
       live: true,
+      lease: { pool: true, handedOver: false },
       createdAt: expect.any(Number),
       ageMs: expect.any(Number),
       pid: process.pid,
@@ -118,12 +119,12 @@ describe('vmspace ls', () => {
       quota: null,
       error: null,
     })
-    expect(byId.get(free.id)).toMatchObject({ live: false, meta: { vm: 'free' }, method: null, template: [], allocatedBytes: allocatedOf(free.path), error: null })
+    expect(byId.get(free.id)).toMatchObject({ live: false, lease: { pool: false, handedOver: false }, meta: { vm: 'free' }, method: null, template: [], allocatedBytes: allocatedOf(free.path), error: null })
 
     const text = vmspace(['ls', pool.root])
     expect(text.status).toBe(0)
     const lines = text.stdout.trimEnd().split('\n')
-    expect(lines[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
+    expect(lines[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'ALLOCATOR', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
     expect(lines.find((l) => l.startsWith(held.id))).toMatch(new RegExp(`^${held.id}\\s+live\\s+\\S+\\s+${process.pid}\\s.*\\{"vm":"held"\\}$`))
     expect(lines.find((l) => l.startsWith(free.id))).toMatch(/\sfree\s.*\{"vm":"free"\}$/)
   })
@@ -161,7 +162,9 @@ describe('vmspace inspect', () => {
       meta: { tenant: 'acme' },
       pid: process.pid,
       sameBoot: true,
-      ownerRunning: true,
+      allocatorRunning: true,
+      exclusiveBytes: expect.any(Number),
+      sharedBytes: expect.any(Number),
       metadataPath: leasePath(pool.root, ws.name),
       metadataXattr: 'user.vmspace.record',
       directory: { mode: '0700', uid: process.getuid!(), gid: process.getgid!() },
@@ -306,7 +309,7 @@ describe('vmspace run', () => {
     const dir = freshDir()
     fs.writeFileSync(path.join(dir, 'notes.txt'), 'mine')
     const child = runChild(['--pool', dir, '--', 'true'])
-    expect((await child.exited).code).toBe(2)
+    expect((await child.exited).code).toBe(125)
     expect(child.stderr()).toMatch(/is not a vmspace pool and holds other entries/)
     expect(ls(dir)).toEqual(['notes.txt'])
   })
@@ -345,7 +348,8 @@ describe('vmspace run', () => {
     child.proc.kill('SIGKILL')
     await vmspaceExit
     expect(json(['sweep', root, '--grace', '0'])).toMatchObject({ reclaimed: [], live: 1, failed: [] })
-    expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true })])
+    // Only the processes it was handed to hold it: the allocator (vmspace) is gone.
+    expect(json(['ls', root]).workspaces).toEqual([expect.objectContaining({ id, live: true, lease: { pool: false, handedOver: true } })])
 
     process.kill(pid, 'SIGTERM')
     await child.exited // the pipes close when sh, their last holder, exits
@@ -361,7 +365,15 @@ describe('vmspace run', () => {
     expect(poolState(root)).toEqual(emptyPoolState)
   })
 
-  test('bad arguments exit 2 with one line and make no pool', () => {
+  test("vmspace's own failure exits 125, apart from CMD's statuses (CMD's 1 and 2 stay 1 and 2)", async () => {
+    const root = path.join(freshDir(), 'pool')
+    const r = vmspace(['run', '--pool', root, '--from', 'no-such-template', '--', 'true'])
+    expect(r).toEqual({ status: 125, stdout: '', stderr: expect.stringMatching(/^vmspace run: ERR_TEMPLATE_NOT_FOUND: .*'no-such-template'/) })
+    for (const status of [1, 2]) expect(vmspace(['run', '--pool', root, '--', 'sh', '-c', `exit ${status}`]).status).toBe(status)
+    expect(poolState(root)).toEqual(emptyPoolState)
+  })
+
+  test('bad arguments exit 125 with one line and make no pool', () => {
     const dir = freshDir()
     const root = path.join(dir, 'pool')
     const cases: [string[], RegExp][] = [
@@ -379,7 +391,7 @@ describe('vmspace run', () => {
     expect(ls(dir)).toEqual([])
   })
 
-  test('--template with an empty PATH (a=, or empty) or an empty DEST (=/etc/hosts) exits 2 naming it and makes no pool', () => {
+  test('--template with an empty PATH (a=, or empty) or an empty DEST (=/etc/hosts) exits 125 naming it and makes no pool', () => {
     const dir = freshDir()
     const root = path.join(dir, 'pool')
     expect(usage(['run', '--pool', root, '--template', 'a=', '--', 'true'])).toBe('vmspace run: --template a=: PATH is empty')
@@ -585,7 +597,10 @@ describe('the vmspace command', () => {
     expect(help.status).toBe(0)
     expect(bare.stderr).toBe(help.stdout)
     for (const args of [['help'], ['help', 'help'], ['help', '--help'], ['help', '-h']]) expect(vmspace(args)).toEqual({ status: 0, stdout: help.stdout, stderr: '' })
-    for (const cmd of ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo']) expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
+    for (const cmd of ['ls', 'inspect', 'sweep', 'metrics', 'commit', 'fork', 'template', 'run', 'clone', 'probe', 'mount', 'unmount', 'demo']) {
+      expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
+      expect(help.stdout.split('\nOptions:')[0].replace(/\s+/g, ' ')).toMatch(new RegExp(`[ ,;]${cmd}[ ,;.]`))
+    }
     const version = vmspace(['--version'])
     expect(version).toEqual({ status: 0, stdout: `${JSON.parse(fs.readFileSync(path.join(repoRoot, 'package.json'), 'utf8')).version}\n`, stderr: '' })
   })
@@ -607,5 +622,104 @@ describe('the vmspace command', () => {
     }
     for (const file of fs.readdirSync(path.join(repoRoot, 'lib')))
       expect(fs.readFileSync(path.join(repoRoot, 'lib', file), 'utf8')).not.toMatch(/from '\.\.\/(cli|demo)\//)
+  })
+})
+
+describe('who holds a lease, and who made the workspace', () => {
+  test('after a hand-over, ls and inspect call the pid the allocator and say that only the processes handed the lease hold it', async () => {
+    const pool = await newPool()
+    const ws = await pool.allocate()
+    const vm = spawn('sleep', ['1000'], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
+    onTestFinished(() => void vm.kill('SIGKILL'))
+    await new Promise((r) => vm.once('spawn', r))
+    expect(json(['ls', pool.root]).workspaces).toEqual([expect.objectContaining({ id: ws.id, live: true, lease: { pool: true, handedOver: true }, pid: process.pid })])
+    await ws.release()
+
+    expect(json(['ls', pool.root]).workspaces).toEqual([expect.objectContaining({ id: ws.id, live: true, lease: { pool: false, handedOver: true }, pid: process.pid })])
+    const row = vmspace(['ls', pool.root]).stdout.split('\n').find((l) => l.startsWith(ws.id))!
+    expect(row.split(/\s+/).slice(1, 4)).toEqual(['handed', expect.any(String), String(process.pid)])
+    const out = json(['inspect', pool.root, ws.id])
+    expect(out).toMatchObject({ live: true, lease: { pool: false, handedOver: true }, pid: process.pid, allocatorRunning: true })
+    expect(out).not.toHaveProperty('ownerRunning')
+    const lines = vmspace(['inspect', pool.root, ws.id]).stdout.split('\n')
+    expect(lines.find((l) => l.startsWith('state'))).toMatch(/^state\s+live \(held by processes it was handed to \(ws\.leaseFd\), not by a pool handle\)$/)
+    expect(lines.find((l) => l.startsWith('allocator'))).toMatch(new RegExp(`^allocator\\s+${process.pid} on \\S+ \\(running\\)$`))
+  })
+
+  test('inspect gives a tree template no size (its directory inode is not its usage), a file template its size', async () => {
+    const pool = await newPool()
+    const src = freshDir()
+    writeRandomFile(path.join(src, 'a.bin'), 10_000)
+    const file = path.join(freshDir(), 'f.bin')
+    writeRandomFile(file, 8192)
+    const tree = await pool.allocate({ template: { t: src, 'f.bin': file } })
+    onTestFinished(() => tree.dispose())
+    const lines = vmspace(['inspect', pool.root, tree.id]).stdout.split('\n').filter((l) => l.startsWith('template'))
+    expect(lines.map((l) => l.replace(/^template\s+/, '').replace(/(reflink|copy)/, 'M')).sort()).toEqual(
+      [`f.bin <- ${file} (file, M, 8 KiB)`, `t <- ${src} (tree, M)`].sort(),
+    )
+  })
+})
+
+describe('a reader that goes away (| head)', () => {
+  test('stdout or stderr closed early: no stack trace, the status the command would have had', () => {
+    const pool = path.join(freshDir(), 'pool')
+    fs.mkdirSync(pool)
+    // `true` exits without reading: node's writes, long after it started, meet a closed pipe (EPIPE).
+    const pipe = (cmd: string) => spawnSync('bash', ['-c', `${cmd} | true; echo "\${PIPESTATUS[0]}"`], { encoding: 'utf8' })
+    const node = `${JSON.stringify(process.execPath)} ${JSON.stringify(bin)}`
+    expect(pipe(`${node} --help`)).toMatchObject({ status: 0, stdout: '0\n', stderr: '' })
+    expect(pipe(`${node} probe ${pool} --json`)).toMatchObject({ status: 0, stdout: '0\n', stderr: '' })
+    expect(pipe(`${node} ls ${pool} 2>&1 >/dev/null`)).toMatchObject({ status: 0, stdout: '2\n', stderr: '' })
+  })
+})
+
+describe('vmspace run --from, template rm, template prune', () => {
+  test('run --from NAME starts CMD in a workspace cloned from the template; prune removes what --unused-for and --name choose (--dry-run: nothing); rm removes one', async () => {
+    const pool = await newPool()
+    const ws = await pool.allocate()
+    onTestFinished(() => ws.dispose())
+    fs.writeFileSync(path.join(ws.path, 'v.txt'), 'one')
+    const first = await pool.commit(ws, { name: 'base' })
+    fs.writeFileSync(path.join(ws.path, 'v.txt'), 'two')
+    // The first is removed by the replace itself (no allocate was reading it).
+    const second = await pool.commit(ws, { name: 'base', replace: true })
+    const third = await pool.commit(ws, { name: 'other' })
+
+    const r = vmspace(['run', '--pool', pool.root, '--from', 'base', '--', 'cat', 'v.txt'])
+    expect(r).toEqual({ status: 0, stdout: 'two', stderr: '' })
+    const names = () => (json(['ls', pool.root]).templates as any[]).map((t) => t.id).sort()
+    expect(names()).not.toContain(first.id)
+    expect(names()).toEqual([second.id, third.id].sort())
+
+    expect(json(['template', 'prune', pool.root, '--unused-for', '0', '--name', 'other', '--dry-run'])).toEqual({
+      root: pool.root,
+      dryRun: true,
+      removed: [{ id: third.id, name: 'other', createdAt: expect.any(Number), lastUsedAt: expect.any(Number) }],
+      deferred: [],
+    })
+    expect(names()).toEqual([second.id, third.id].sort())
+    const pruned = vmspace(['template', 'prune', pool.root, '--unused-for', '0', '--name', 'other'])
+    expect(pruned).toEqual({ status: 0, stdout: `removed ${third.id} (other)\n${pool.root}: 1 template(s) removed, 0 retired\n`, stderr: '' })
+    expect(names()).toEqual([second.id])
+
+    expect(json(['template', 'rm', pool.root, 'base'])).toEqual({ root: pool.root, id: second.id, removed: true })
+    expect(names()).toEqual([])
+    const gone = vmspace(['template', 'rm', pool.root, 'base'])
+    expect(gone.status).toBe(1)
+    expect(gone.stderr).toMatch(/^vmspace template rm: ERR_TEMPLATE_NOT_FOUND: /)
+  })
+
+  test('bad arguments exit 2 with one line and remove nothing', async () => {
+    const pool = await newPool()
+    const ws = await orphan(pool)
+    const t = await pool.commit(ws.id, { name: 'keep' })
+    expect(usage(['template', 'prune', pool.root])).toBe('vmspace template prune: give --keep-newest N and/or --unused-for DURATION')
+    expect(usage(['template', 'prune', pool.root, '--unused-for', 'soon'])).toMatch(/--unused-for must be a duration in ms, or with a unit/)
+    expect(usage(['template', 'prune', pool.root, '--keep-newest', '-1'])).toMatch(/option '--keep-newest <n>' argument '-1' is invalid/)
+    expect(usage(['template', 'rm', pool.root, '../x'])).toMatch(/TEMPLATE must be a template id \(32 hex characters\) or name/)
+    expect(usage(['template', 'rm', freshDir(), 'keep'])).toMatch(/is not a vmspace pool/)
+    expect(usage(['run', '--pool', pool.root, '--from', 'a b', '--', 'true'])).toMatch(/--from must be a template id/)
+    expect((await pool.templates()).map((x) => x.id)).toEqual([t.id])
   })
 })

@@ -25,6 +25,7 @@ import {
   writeRandomFile,
 } from './helpers.js'
 import { makeSocket } from './tree-helpers.js'
+import { injectMissing, runInjected } from './inject-helpers.js'
 
 const ext4 = mounts.scratchFsType === 'ext4' ? mounts.scratch : null
 const ext4Missing = `os.tmpdir() is on ${mounts.scratchFsType}, and the copies here are bigger than the small ext4 loop mount`
@@ -509,5 +510,26 @@ describe('a source that is neither a regular file nor a directory', () => {
     expect(err).toMatchObject({ code: 'ERR_SOURCE_TYPE', path: sock })
     expect((err as Error).message).toContain('the source is a socket')
     expect(ls(d)).toEqual(['sock'])
+  })
+})
+
+// open(2) flags, x86-64 and aarch64: the walk opens a file it stat'ed by O_PATH|O_NOFOLLOW (openRegularAtNoFollow),
+// a directory never by O_PATH.
+const O_PATH = 0o10000000
+const O_DIRECTORY = 0o200000
+const noInject = injectMissing()
+
+describe.skipIf(noInject !== undefined)(`an entry gone between the walk's stat and its open ${needs('cc', noInject)}`, () => {
+  test('a tree clone is ERR_SOURCE_CHANGED naming the entry, as for any other change, never a bare ENOENT; nothing left', () => {
+    const d = freshDir()
+    const src = path.join(d, 'src')
+    fs.mkdirSync(src)
+    fs.writeFileSync(path.join(src, 'config'), 'x')
+    // Every O_PATH open of a file answers ENOENT: the file was removed after the walk stat'ed it.
+    const [r] = runInjected({ syscall: 'openat', answer: 'ENOENT', arg: { index: 2, mask: O_PATH | O_DIRECTORY, value: O_PATH } }, [
+      { op: 'clone', source: src, dest: path.join(d, 'dst') },
+    ])
+    expect(r).toMatchObject({ ok: false, code: 'ERR_SOURCE_CHANGED', path: path.join(src, 'config'), dest: path.join(d, 'dst', 'config') })
+    expect(ls(d)).toEqual(['src'])
   })
 })

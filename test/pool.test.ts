@@ -136,10 +136,40 @@ describe('allocate', () => {
       const err = await pool.allocate({ template: { 'rootfs.img': missing } }).catch((e: unknown) => e)
       expect(err).toBeInstanceOf(VmspaceError)
       expect(err).toMatchObject({ code: 'ENOENT', errno: -2, path: missing })
-      // The destination named is where the build was, in a staging shard: never a path in the root that never existed.
-      expect((err as VmspaceError).dest).toMatch(new RegExp(`^${pool.root}/\\.vmspace/staging/s[0-7]/vm-[0-9a-f]{32}/rootfs\\.img$`))
+      // The destination named is the template's place in the workspace, as the caller asked for it: never the
+      // internal staging entry it was built in (gone already, as the workspace never appeared).
+      const dest = (err as VmspaceError).dest!
+      expect(dest).toMatch(new RegExp(`^${pool.root}/vm-[0-9a-f]{32}/rootfs\\.img$`))
+      expect((err as Error).message).toBe(`ENOENT: no such file or directory, open '${missing}' -> '${dest}'`)
       expect(poolState(pool.root)).toEqual(emptyPoolState)
       expect(pool.stats()).toMatchObject({ allocated: 0, failed: 1 })
+    })
+
+    test('a tree template entry failing inside names the file in the workspace (path and dest), not the staging entry', async () => {
+      const dir = freshDir()
+      writeRandomFile(path.join(dir, 'a.img'), 4096)
+      const pool = await openPool(path.join(dir, 'pool'))
+      // 'a' is cloned as a file, then 'a/b' needs it as a directory.
+      const err = await pool.allocate({ template: { a: path.join(dir, 'a.img'), 'a/b': path.join(dir, 'a.img') } }).catch((e: unknown) => e)
+      expect(err).toMatchObject({ code: 'ENOTDIR', path: expect.stringMatching(new RegExp(`^${pool.root}/vm-[0-9a-f]{32}/a$`)) })
+      expect((err as Error).message).not.toContain('.vmspace')
+      expect((err as Error).stack).not.toContain('.vmspace')
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+    })
+
+    test('a directory template (a string) that is a file is ERR_INVALID_ARG_VALUE saying what to write, not ENOTDIR; nothing left', async () => {
+      const dir = freshDir()
+      const file = path.join(dir, 'rootfs.img')
+      writeRandomFile(file, 4096)
+      const pool = await openPool(path.join(dir, 'pool'))
+      const err = await pool.allocate({ template: file }).catch((e: unknown) => e)
+      expect(err).toBeInstanceOf(TypeError)
+      expect(err).toMatchObject({
+        code: 'ERR_INVALID_ARG_VALUE',
+        message: `Expected a directory, whose contents become the workspace's (a file goes in a map: { 'name': path }) for \`options.template\` but received "${file}" of type string`,
+        cause: expect.objectContaining({ code: 'ENOTDIR', path: file }),
+      })
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
     })
 
     test('a second template entry failing after the first was cloned leaves nothing either', async () => {

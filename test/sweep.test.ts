@@ -23,6 +23,7 @@ import {
   needs,
   orphan,
   poolState,
+  repoRoot,
   runCommand,
   snapshotTree,
   setRecord,
@@ -115,6 +116,27 @@ describe('a live owner’s workspace is never swept', () => {
     await new Promise((r) => builder.once('exit', r))
     expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 1, foreign: [] })
     expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
+  test('the spare lease files of a process that died are removed by a sweep and not counted as lease files removed (no workspace had them)', async () => {
+    const root = path.join(freshDir(), 'pool')
+    // Empty workspaces disposed: their lease files stay behind as this process's spares; it exits without close().
+    const script = `require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))}).openPool(process.argv[1]).then(async (p) => {
+      for (let i = 0; i < 3; i++) await (await p.allocate()).dispose()
+      process.exit(0)
+    })`
+    expect(runCommand(process.execPath, ['-e', script, root]).status).toBe(0)
+    const spares = () => fs.readdirSync(path.join(root, '.vmspace', 'leases')).flatMap((x) => fs.readdirSync(path.join(root, '.vmspace', 'leases', x)))
+    expect(spares().length).toBeGreaterThan(0)
+    expect(spares().every((n) => /^\.spare-[0-9a-f]{16}$/.test(n))).toBe(true)
+    const pool = await openPool(root)
+    try {
+      expect(await pool.sweep({ graceMs: 0, dryRun: true })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [] })
+      expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 0, failed: [], leasesRemoved: 0, foreign: [] })
+      expect(spares()).toEqual([])
+    } finally {
+      await pool.close()
+    }
   })
 
   // A build's lease is held before its entry exists, and a sweep's take of a free lease never blocks a build.

@@ -119,7 +119,8 @@ struct SweepReport {
   // finished it: ENOENT at its name) is not a failure and is in no list.
   std::vector<SweepEntry> failed;
   uint64_t live = 0;           // published workspaces whose lease is held
-  uint64_t leasesRemoved = 0;  // lease files whose workspace was gone (a build or dispose that died between steps)
+  uint64_t leasesRemoved = 0;  // lease files whose workspace was gone (a build or dispose that died between steps);
+                               // a dead process's spare lease files are removed without being counted
   // Entries of the root, staging or trash named like a workspace but without a lease file: not vmspace's, left
   // as they are (paths).
   std::vector<std::string> foreign;

@@ -323,8 +323,10 @@ class PoolSweep {
           // has not taken its lock yet: free and past the grace period.
           UniqueFd fd(openLeaseFile(dirFd, file));
           if (!fd || (!spare && ageMs(dirFd, file) < graceMs_) || !takeFreeLease(fd.get())) continue;
-          // Counted once: another sweep may have unlinked it between our take and our unlink.
-          if (dryRun_ || unlinkat(dirFd, file.c_str(), 0) == 0) report_.leasesRemoved++;
+          // Counted once: another sweep may have unlinked it between our take and our unlink. A spare was never a
+          // workspace's lease file (a dead process's unused one): removed, not counted in leasesRemoved.
+          bool removed = dryRun_ || unlinkat(dirFd, file.c_str(), 0) == 0;
+          if (removed && !spare) report_.leasesRemoved++;
           continue;
         }
         if (!isWorkspaceName(file.c_str()) || handled_.count(file)) continue;

@@ -33,6 +33,11 @@
 namespace vmspace {
 namespace {
 
+// The errno of opening (or reading a link at) a source entry the walk stat'ed as something else, or that went
+// after that stat: removed (ENOENT), now a file where a directory was (ENOTDIR), a symlink opened O_NOFOLLOW
+// (ELOOP), another inode (ESTALE, openRegularAtNoFollow). All are ERR_SOURCE_CHANGED, never a bare errno.
+bool goneSinceStat(int err) { return err == ENOENT || err == ENOTDIR || err == ELOOP || err == ESTALE; }
+
 // An entry's name below the roots of a walk, linked to its directory's. No path is kept per level (a chain
 // 100,000 deep would cost the square of its depth in memory and outgrow PATH_MAX): one is built from the chain
 // only where it is reported (an error) or needed (a hard link to an earlier entry).
@@ -432,6 +437,8 @@ class TreeCloner {
         // The target's bytes verbatim: dangling, absolute or pointing outside, it is never resolved.
         char target[PATH_MAX + 1];
         ssize_t n = readlinkat(sdir, name, target, PATH_MAX);
+        // EINVAL: no longer a symlink.
+        if (n < 0 && (goneSinceStat(errno) || errno == EINVAL)) throwSourceChanged(srcPath(rel), dstPath(rel));
         if (n < 0) throwErrno(errno, "readlink", srcPath(rel), dstPath(rel));
         target[n] = 0;
         if (symlinkat(target, ddir, name) != 0) throwErrno(errno, "symlink", srcPath(rel), dstPath(rel));
@@ -471,6 +478,7 @@ class TreeCloner {
     NameRef node = std::make_shared<Name>(top.dir.name, name);
     Rel rel{node.get(), nullptr};
     task->src.reset(openIn(stack, dirfd(top.src), name, kDirFlags));
+    if (!task->src && goneSinceStat(errno)) throwSourceChanged(srcPath(rel), dstPath(rel));
     if (!task->src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     task->dst.reset(openIn(stack, top.dst, name, kDirFlags));
     if (!task->dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
@@ -530,7 +538,7 @@ class TreeCloner {
     };
     UniqueFd src(open(flags));
     if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(open(flags & ~O_NOATIME));
-    if (!src && errno == ESTALE) throwSourceChanged(srcPath(rel), dstPath(rel));
+    if (!src && goneSinceStat(errno)) throwSourceChanged(srcPath(rel), dstPath(rel));
     if (!src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     return src;
   }
