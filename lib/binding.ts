@@ -194,6 +194,8 @@ export interface Native {
   dispose(handle: PoolHandle, name: string, leaseFd: number, handoverFd: number, claim: boolean): Promise<void>
   /** A new read-only fd of the workspace's lease file, holding the handover byte (synchronous). */
   openHandover(handle: PoolHandle, name: string, leaseFd: number): number
+  /** Whether another open file description holds the lease `leaseFd` holds (synchronous: one F_OFD_GETLK). */
+  leaseHandedOver(handle: PoolHandle, name: string, leaseFd: number): boolean
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>

@@ -20,6 +20,7 @@ export type VmspaceErrorCode =
   | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
   | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)
+  | 'ERR_LEASE_NOT_HANDED_OVER' // release() while no other process holds the lease (never handed over, or dropped); the lease is kept
   | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
   | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
   | 'ERR_LOCK_REENTRANT' // lockFile/updateJsonFile on a file this process holds: the wait would wait on itself (cause: EDEADLK); nothing done

@@ -494,7 +494,7 @@ describe.skipIf(!unprivilegedChildren)(`a workspace whose owner write bit a gues
         const b = await p.allocate()
         fs.writeFileSync(b.path + '/x', 'x')
         fs.chmodSync(b.path, 0o500)
-        await b.release()
+        await b.release({ force: true })
         const swept = await p.sweep()
         const mode = await p.allocate({ mode: 0o555 }).then(() => 'allocated', (e) => e.code)
         await p.close() // its spare lease files go

@@ -392,6 +392,12 @@ int Pool::openHandover(const std::string& name, int leaseFd) {
   return fd.release();
 }
 
+bool Pool::leaseHandedOver(const std::string& name, int leaseFd) {
+  int held = leaseHeldByOther(leaseFd);
+  if (held < 0) throwErrno(-held, "fcntl(F_OFD_GETLK)", leasePath(name));
+  return held > 0;
+}
+
 UniqueFd Pool::openWorkspaceDir(const std::string& name) {
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno, "open", path(name));

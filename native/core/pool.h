@@ -170,6 +170,10 @@ class Pool {
   // close-on-exec, holding LeaseByte::Handover: what a caller hands to the sandbox's process.
   int openHandover(const std::string& name, int leaseFd);
 
+  // Whether an open file description other than `leaseFd`'s (a child given the handover fd) holds the lease of
+  // workspace `name` (F_OFD_GETLK); throws the errno when the kernel cannot tell.
+  bool leaseHandedOver(const std::string& name, int leaseFd);
+
   // The published workspace `name`'s directory (O_DIRECTORY|O_NOFOLLOW), for clones into it.
   UniqueFd openWorkspaceDir(const std::string& name);
 
