@@ -173,7 +173,7 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
         code: 'ERR_LEASE_HELD', errno: -11, syscall: 'fcntl(F_OFD_GETLK)', path: ws.path,
       })
       expect(ws.status).toBe('released')
-      expect(ws.leaseFd).toBe(-1)
+      expect(() => ws.leaseFd).toThrow(expect.objectContaining({ code: 'ERR_DISPOSED' }))
       expect(exactSnapshot(pool.root)).toEqual(before)
       expect(await pool.list()).toEqual([expect.objectContaining({ name: ws.name, live: true, meta: { vm: 1 } })])
       for (const options of [{}, { graceMs: 0 }])
