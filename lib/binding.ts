@@ -248,7 +248,7 @@ export interface Native {
 export interface NativeTestHooks {
   setTestIds(ids: string[]): void
   /** The next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
-  setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
+  setSweepFaultsForTest(faults: ([name: string, probeErrno: number] | [name: string, probeErrno: number, probeStep: 'flock' | 'fcntl(F_OFD_GETLK)'])[]): void
 }
 
 /** The C library this process runs on, as node-gyp-build tells prebuilds apart: `glibc 2.36`, or `musl`. */
