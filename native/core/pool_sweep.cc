@@ -96,7 +96,7 @@ Error entryError(const std::string& shown) {
     e = outOfMemoryError();
   } catch (const std::exception& x) {
     e.code = "ERR_INTERNAL";
-    e.detail = std::string("unexpected C++ exception: ") + x.what();
+    e.detail = boundedText(std::string("unexpected C++ exception: ") + x.what());
   } catch (...) {
     e.code = "ERR_INTERNAL";
     e.detail = "unexpected C++ exception";
