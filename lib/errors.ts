@@ -173,7 +173,7 @@ const MESSAGE_PATH_MAX = 4096
  * has no bound (a guest's tree 20,000 directories deep of 255-byte names is 5 MB), and a message is copied into
  * every log line and stack; the error's `path` and `dest` keep the whole path.
  */
-export function shownPath(p: string): string {
+function shownPath(p: string): string {
   if (p.length <= MESSAGE_PATH_MAX) return p
   const half = MESSAGE_PATH_MAX / 2
   let head = half
