@@ -302,6 +302,23 @@ describe('adopt', () => {
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
+  test('an orphan whose lease file another taker has flocked (a sweep or adopt at work) is refused ERR_LEASE_HELD naming flock, and left', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await orphan(pool)
+    const file = leasePath(pool.root, ws.name)
+    // flock(1) holds LOCK_EX on the lease file, as a sweep taking it does, until its `cat` reads end of input.
+    const taker = spawn('flock', ['-o', '-x', file, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
+    onTestFinished(() => void taker.kill('SIGKILL'))
+    await eventually(() => flocksOn(file).some((e) => !e.shared && !e.blocked && e.pid !== process.pid))
+    expect(await errorOf(pool.adopt(ws.id))).toMatchObject({ code: 'ERR_LEASE_HELD', syscall: 'flock', path: ws.path })
+    expect(fs.readFileSync(path.join(ws.path, 'own.txt'), 'utf8')).toBe(ws.id)
+    taker.stdin!.end()
+    await new Promise((r) => taker.once('exit', r))
+    const adopted = await pool.adopt(ws.id)
+    await adopted.dispose()
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
   test('a flock put on a workspace directory by someone else changes nothing: adopt and sweep judge the lease file alone', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     for (const op of ['adopt', 'sweep'] as const) {
