@@ -118,7 +118,7 @@ async function scrape() {
         made++
         const ws = await pool.allocate({ meta: { vm: made } })
         if (held.length < 100) held.push(ws)
-        else await ws.release()
+        else await ws.release({ force: true })
       }
     }),
   )
@@ -138,7 +138,7 @@ async function scrape() {
   console.log(`\nmetrics: one gauge scrape of a pool of ${n} workspaces (live ${g.workspaces.live}, free ${g.workspaces.free}; median ms); load average ${load()}`)
   console.table(rows.map((r) => ({ what: r.what, ms: r.ms.toFixed(1), 'µs per workspace': ((r.ms * 1000) / n).toFixed(1) })))
   reg.close()
-  for (const ws of held) await ws.release()
+  for (const ws of held) await ws.release({ force: true })
   await pool.close()
 }
 

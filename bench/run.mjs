@@ -347,7 +347,7 @@ if (want('lease')) {
     })`], { stdio: ['pipe', 'pipe', 'inherit'] })
   const liveIds = JSON.parse(await new Promise((r) => holder.stdout.once('data', (d) => r(String(d)))))
   const orphan = await pool.allocate()
-  await orphan.release()
+  await orphan.release({ force: true })
   const probes = new Bench({ time: timeMs, warmupTime: 300 })
   probes.add('no-op pool hop', () => binding.lockRelease(-1))
   probes.add('list() (9 workspaces)', () => pool.list())
@@ -356,7 +356,7 @@ if (want('lease')) {
       () => { throw new Error('adopted a live workspace') },
       (e) => { if (e.code !== 'ERR_LEASE_HELD') throw e },
     ))
-  probes.add('adopt() + release() of an orphan', async () => (await pool.adopt(orphan.id)).release())
+  probes.add('adopt() + release() of an orphan', async () => (await pool.adopt(orphan.id)).release({ force: true }))
   await probes.run()
   // Now held here as well, so that a sweep counts 9 live and reclaims nothing.
   const held = await pool.adopt(orphan.id)

@@ -177,7 +177,7 @@ async function growth(entries) {
   // Fill: orphaned workspaces (allocated, lease released), 64 at a time.
   const t0 = performance.now()
   for (let i = 0; i < entries; i += 64)
-    await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release()))
+    await Promise.all(Array.from({ length: Math.min(64, entries - i) }, async () => (await full.allocate()).release({ force: true })))
   const fillS = (performance.now() - t0) / 1000
   const lat = { full: [], empty: [] }
   const pair = async (pool) => {

@@ -59,7 +59,7 @@ export async function fork(rootArg: string, idArg: string, count: number, o: { m
     const kids = await pool.fork(id, count, { meta })
     const ms = Number(process.hrtime.bigint() - started) / 1e6
     // Released, not disposed: the children outlive this command until someone adopts them (or a sweep runs).
-    for (const k of kids) await k.release()
+    for (const k of kids) await k.release({ force: true })
     if (o.json) printJson({ root, parent: id, msPerChild: ms / count, children: kids.map((k) => ({ id: k.id, name: k.name, path: k.path })) })
     else {
       for (const k of kids) process.stdout.write(`${k.id}\n`)

@@ -194,6 +194,8 @@ export interface Native {
   dispose(handle: PoolHandle, name: string, leaseFd: number, handoverFd: number, claim: boolean): Promise<void>
   /** A new read-only fd of the workspace's lease file, holding the handover byte (synchronous). */
   openHandover(handle: PoolHandle, name: string, leaseFd: number): number
+  /** Whether another open file description holds the lease `leaseFd` holds (synchronous: one F_OFD_GETLK). */
+  leaseHandedOver(handle: PoolHandle, name: string, leaseFd: number): boolean
   list(handle: PoolHandle): Promise<NativeListEntry[]>
   adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>
@@ -246,7 +248,7 @@ export interface Native {
 export interface NativeTestHooks {
   setTestIds(ids: string[]): void
   /** The next sweep entry of each name fails with std::bad_alloc (0) or its flock probe with that errno. */
-  setSweepFaultsForTest(faults: [name: string, flockErrno: number][]): void
+  setSweepFaultsForTest(faults: ([name: string, probeErrno: number] | [name: string, probeErrno: number, probeStep: 'flock' | 'fcntl(F_OFD_GETLK)'])[]): void
 }
 
 /** The C library this process runs on, as node-gyp-build tells prebuilds apart: `glibc 2.36`, or `musl`. */

@@ -20,6 +20,7 @@ export type VmspaceErrorCode =
   | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
   | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)
+  | 'ERR_LEASE_NOT_HANDED_OVER' // release() while no other process holds the lease (never handed over, or dropped); the lease is kept
   | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
   | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
   | 'ERR_LOCK_REENTRANT' // lockFile/updateJsonFile on a file this process holds: the wait would wait on itself (cause: EDEADLK); nothing done
@@ -164,10 +165,31 @@ export function errnoName(errno: number): string {
   return errnoNames.get(errno) ?? 'EUNKNOWN'
 }
 
+// The most of a path a message shows, in UTF-16 units (native/core/error.h bounds its texts alike, in bytes).
+const MESSAGE_PATH_MAX = 4096
+
+/**
+ * `p` as a message shows it: whole up to MESSAGE_PATH_MAX, else its head and tail around an ellipsis. A walk's path
+ * has no bound (a guest's tree 20,000 directories deep of 255-byte names is 5 MB), and a message is copied into
+ * every log line and stack; the error's `path` and `dest` keep the whole path.
+ */
+function shownPath(p: string): string {
+  if (p.length <= MESSAGE_PATH_MAX) return p
+  const half = MESSAGE_PATH_MAX / 2
+  let head = half
+  let tail = p.length - half
+  // Never split a surrogate pair: a cut between its halves would leave a lone surrogate in the message.
+  if (isLowSurrogate(p.charCodeAt(head))) head--
+  if (isLowSurrogate(p.charCodeAt(tail))) tail++
+  return `${p.slice(0, head)}…${p.slice(tail)}`
+}
+
+const isLowSurrogate = (c: number) => c >= 0xdc00 && c <= 0xdfff
+
 function where(e: { syscall?: string; path?: string; dest?: string }): string {
   let s = e.syscall ? `, ${e.syscall}` : ''
-  if (e.path !== undefined) s += ` '${e.path}'`
-  if (e.dest !== undefined) s += ` -> '${e.dest}'`
+  if (e.path !== undefined) s += ` '${shownPath(e.path)}'`
+  if (e.dest !== undefined) s += ` -> '${shownPath(e.dest)}'`
   return s
 }
 

@@ -27,6 +27,8 @@ export interface WorkspaceHost {
   readonly _handle: PoolHandle
   /** A new handover fd of workspace `name`'s lease, which `leaseFd` holds (synchronous). */
   _openHandover(name: string, leaseFd: number): number
+  /** Whether another open file description holds workspace `name`'s lease, which `leaseFd` holds (synchronous). */
+  _leaseHandedOver(name: string, leaseFd: number): boolean
   /** Counts a clone into the pool's stats. */
   _countClone(r: NativeCloneResult): void
   /** The native dispose of workspace `ws.name`; it owns both fds from the call on. */

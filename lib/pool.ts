@@ -662,6 +662,15 @@ export class Pool implements AsyncDisposable {
     }
   }
 
+  /** @internal Whether another open file description holds workspace `name`'s lease, which `leaseFd` holds (synchronous). */
+  _leaseHandedOver(name: string, leaseFd: number): boolean {
+    try {
+      return native.leaseHandedOver(this.#handle, name, leaseFd)
+    } catch (e) {
+      throw fromNative(e)
+    }
+  }
+
   /** @internal */
   _countClone(r: NativeCloneResult): void {
     this.#stats.clones.reflink += r.reflinked

@@ -5,7 +5,7 @@
  */
 import * as path from 'node:path'
 import { native, type NativeCloneArray, type ProgressHandle } from './binding.js'
-import { abortSignal, absolutePath, integerIn, invalidValue, optionsObject, relativePath } from './args.js'
+import { abortSignal, absolutePath, boolean, integerIn, invalidValue, optionsObject, relativePath } from './args.js'
 import { call, vmspaceError } from './errors.js'
 import { cloneOptions, cloneResultOf, reflinkValues, withProgress, writebackValues } from './clone.js'
 import { cloneChannel, cloneResult, disposeChannel, traced } from './trace.js'
@@ -33,12 +33,14 @@ export class Workspace implements AsyncDisposable {
    * a read-only regular file in the pool's `.vmspace/leases/`, not the workspace directory, so a holder can open
    * nothing through it (no `openat`, `fchdir` or `/proc/self/fd/N/..`), cannot write it, and cannot chmod it
    * when root made the pool (it belongs to uid 4294967294 then). After the hand-over, release() this process's
-   * hold, or dispose() once the child exited (dispose() rejects with `ERR_LEASE_HELD` while it runs). -1 after
-   * dispose() and release(): the number itself may be reused by the next fd this process opens, so a stale copy
-   * must never be handed to a child. Throws the errno of the open (`EMFILE`, ...).
+   * hold (it checks that another process holds the lease), or dispose() once the child exited (dispose() rejects
+   * with `ERR_LEASE_HELD` while it runs). Throws `ERR_DISPOSED` once release() or dispose() has begun: the number
+   * this process had may be reused by the next fd it opens, so a read after release() (a spawn in the wrong
+   * order) fails instead of handing the child nothing (spawn takes -1 without a word) or another file. Throws
+   * the errno of the open (`EMFILE`, ...).
    */
   get leaseFd(): number {
-    if (this.#leaseFd < 0 || this.#disposing) return -1
+    if (this.#leaseFd < 0 || this.#disposing) throw this.#gone()
     if (this.#handoverFd < 0) this.#handoverFd = this.#pool._openHandover(this.name, this.#leaseFd)
     return this.#handoverFd
   }
@@ -105,8 +107,7 @@ export class Workspace implements AsyncDisposable {
       const src = absolutePath('source', source)
       const rel = relativePath('dest', dest ?? path.basename(src))
       const opts = cloneOptions(options)
-      if (this.#status !== 'ready' || this.#disposing)
-        throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+      if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
       // `rel` is normalised (no "." or ".." component, no slash at either end) and this.path absolute: the same
       // string path.join would give, without its normalising pass.
       destPath = this.path + '/' + rel
@@ -180,26 +181,50 @@ export class Workspace implements AsyncDisposable {
   }
 
   /**
-   * Drops this process's hold of the lease (its fds closed) without removing the workspace: after handing
-   * {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long as that child (and
-   * any other holder); once the lease is free, a sweep reclaims it or another process adopts it. Later calls to
-   * dispose()/clone() throw `ERR_DISPOSED`.
+   * Drops this process's hold of the lease (its fds closed) without removing the workspace, once another process
+   * holds it: after handing {@link Workspace.leaseFd} to a child process, the workspace then lives exactly as long
+   * as that child (and any other holder); once the lease is free, a sweep reclaims it or another process adopts
+   * it. Later calls to dispose()/clone() throw `ERR_DISPOSED`.
+   *
+   * Rejects with `ERR_LEASE_NOT_HANDED_OVER`, keeping the lease (status stays `'ready'`: dispose() it, or hand it
+   * over and call release() again), when no other process holds it: leaseFd never handed over, a child that
+   * failed to start or already exited, or a launcher that closed the fds it inherited (see docs/lifecycle.md).
+   * `spawn()` returns once the child has exec'd with the fd, so a release() right after it sees the child's hold.
+   * `force: true` releases anyway, leaving a workspace no process holds to the next sweep or adopt. Throws
+   * `ERR_DISPOSED` after dispose() or release(), and the errno of `fcntl(F_OFD_GETLK)` (lease kept).
    */
-  async release(): Promise<void> {
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${this.#status === 'released' ? 'released' : 'disposed'}`, { path: this.path })
-    this.#disposing = Promise.reject(
-      vmspaceError('ERR_DISPOSED', `workspace ${this.name} was released`, { path: this.path }),
-    )
+  async release(options?: { force?: boolean }): Promise<void> {
+    const o = optionsObject<{ force?: boolean }>('options', options, { force: true })
+    const force = boolean('options.force', o.force, false)
+    if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
+    // Set before the first await: dispose(), clone() and leaseFd refuse while the release runs.
+    this.#disposing = Promise.reject(this.#gone('released'))
     this.#disposing.catch(() => {})
     await this.#inFlight.idle()
+    try {
+      // This process's handover description goes first: what still holds the lease then is another process's.
+      const handover = this.#handoverFd
+      this.#handoverFd = -1 // close(2) frees the number even when it reports an error
+      if (handover >= 0) await call(native.releaseLease(handover))
+      if (!force && !this.#pool._leaseHandedOver(this.name, this.#leaseFd))
+        throw vmspaceError(
+          'ERR_LEASE_NOT_HANDED_OVER',
+          `no other process holds the lease of workspace ${this.name}: hand ws.leaseFd to the sandbox's process ` +
+            '(a launcher that closes inherited fds drops it), or release({ force: true }); the lease is kept',
+          { path: this.path, syscall: 'fcntl(F_OFD_GETLK)' },
+        )
+    } catch (e) {
+      this.#disposing = undefined
+      throw e
+    }
     const fd = this.#leaseFd
-    const handover = this.#handoverFd
-    this.#leaseFd = this.#handoverFd = -1  // close(2) frees the number even when it reports an error
-    if (handover >= 0) await call(native.releaseLease(handover))
-    await call(native.releaseLease(fd))
+    this.#leaseFd = -1
     this.#status = 'released'
-    await this.#pool._forget()
+    try {
+      await call(native.releaseLease(fd))
+    } finally {
+      await this.#pool._forget()
+    }
   }
 
   /**
@@ -212,9 +237,13 @@ export class Workspace implements AsyncDisposable {
   async usage(options?: { signal?: AbortSignal }): Promise<WorkspaceUsage> {
     const o = optionsObject<{ signal?: AbortSignal }>('options', options, { signal: true })
     const signal = abortSignal('options.signal', o.signal)
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+    if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
     return this.#inFlight.track(this.#pool._usage(this.name, signal))
+  }
+
+  // ERR_DISPOSED, naming what ended this workspace's hold (release() in progress: 'released').
+  #gone(how: 'released' | 'disposed' = this.#status === 'released' ? 'released' : 'disposed') {
+    return vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${how}`, { path: this.path })
   }
 
   /** dispose(), for `await using ws = await pool.allocate()`. */

@@ -7,6 +7,7 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
+import { removeTree } from '../lib/index.js'
 import { Child, emptyPoolState, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, spinCpus, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
@@ -260,3 +261,42 @@ describe.skipIf(!unprivilegedChildren)(
     })
   },
 )
+
+describe.skipIf(!mounts.xfs)(`an error deep in a tree ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
+  const NAME = 'd'.repeat(255)
+  const LEVELS = 64 // a path of 16 KiB: four times what a message shows
+
+  /**
+   * Runs the shell command `then` in the bottom directory of the chain below `top`, made where missing, reached by
+   * one relative chdir per level (python3: a shell's cd tracks the whole path, and refuses it past PATH_MAX).
+   */
+  function atBottom(top: string, then: string): void {
+    const script = [
+      'import os, subprocess, sys',
+      'os.chdir(sys.argv[1])',
+      `for _ in range(${LEVELS}):`,
+      '    os.makedirs(sys.argv[2], exist_ok=True)',
+      '    os.chdir(sys.argv[2])',
+      'sys.exit(subprocess.run(["sh", "-c", sys.argv[3]]).returncode)',
+    ].join('\n')
+    const r = runCommand('python3', ['-c', script, top, NAME, then])
+    expect(r.status, r.stderr).toBe(0)
+  }
+
+  test('has a message of at most 4 KiB of its path (head … tail), and its whole path in `path`', async () => {
+    const top = path.join(deepDir(), 'tree')
+    fs.mkdirSync(top)
+    // An immutable file at the bottom: unlinkat(2) refuses it with EPERM, even to root.
+    atBottom(top, 'echo x > f && chattr +i f')
+    onTestFinished(() => atBottom(top, 'chattr -i f'))
+    const full = top + `/${NAME}`.repeat(LEVELS) + '/f'
+    const err = await removeTree(top).then(
+      () => expect.fail('expected a rejection'),
+      (e: unknown) => e as { code: string; syscall: string; path: string; message: string },
+    )
+    expect(err).toMatchObject({ code: 'EPERM', syscall: 'unlinkat' })
+    expect(err.path).toBe(full)
+    const prefix = `EPERM: operation not permitted, unlinkat '`
+    expect(err.message).toBe(`${prefix}${full.slice(0, 2048)}…${full.slice(full.length - 2048)}'`)
+  })
+})

@@ -354,8 +354,8 @@ describe('sweep reports real failures only, each in its entry', () => {
 })
 
 // Faults no real file system gives on demand come from the native test seam setSweepFaultsForTest: the next sweep
-// entry of a name fails as if handling it threw std::bad_alloc, or as if its lease probe (fcntl F_OFD_GETLK, the seam's
-// flockErrno) failed with an errno.
+// entry of a name fails as if handling it threw std::bad_alloc, or as if its lease probe failed with an errno at one
+// of its two calls (flock, or fcntl F_OFD_GETLK: the default).
 describe('sweep: one entry fault stays in that entry', () => {
   afterEach(() => native.setSweepFaultsForTest([]))
   const ENOLCK = 37
@@ -442,6 +442,39 @@ describe('sweep: one entry fault stays in that entry', () => {
   })
 })
 
+describe('sweep: each workspace is reported once, at the call that failed', () => {
+  afterEach(() => native.setSweepFaultsForTest([]))
+  const ENOLCK = 37
+
+  test('a lease probe that fails in every pass that meets it is one entry of failed (from published), not one per pass', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const dead = await orphan(pool)
+    // As a file system whose locks keep failing: the published pass's probe, and the lease pass's after it.
+    native.setSweepFaultsForTest([
+      [dead.name, ENOLCK],
+      [dead.name, ENOLCK],
+    ])
+    const report = await pool.sweep()
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall}`)).toEqual([
+      `${dead.name} published ENOLCK fcntl(F_OFD_GETLK)`,
+    ])
+    expect(report).toMatchObject({ reclaimed: [], live: 0, leasesRemoved: 0, foreign: [] })
+    expect(fs.readFileSync(path.join(dead.path, 'own.txt'), 'utf8')).toBe(dead.id)
+  })
+
+  test('a flock that fails in the sweep\'s probe is reported with syscall flock, the lease left untaken', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const dead = await orphan(pool)
+    native.setSweepFaultsForTest([[dead.name, ENOLCK, 'flock']])
+    const report = await pool.sweep()
+    expect(report.failed.map((e) => `${e.name} ${e.from} ${e.code} ${e.error.syscall}`)).toEqual([`${dead.name} published ENOLCK flock`])
+    expect(report.failed[0].error).toMatchObject({ errno: -ENOLCK, path: leasePath(pool.root, dead.name) })
+    expect(tryLease(pool.root, dead.name)).toBe(0)
+    expect(await pool.sweep()).toMatchObject({ failed: [], reclaimed: [expect.objectContaining({ name: dead.name })] })
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+})
+
 describe.skipIf(!unprivilegedChildren)(`list() never hides a workspace whose lease it cannot open ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
   test('a workspace whose lease file the caller cannot open (EACCES) is listed with that error and counted live; the others as ever', async () => {
     const dir = freshDir()
@@ -494,7 +527,7 @@ describe.skipIf(!unprivilegedChildren)(`a workspace whose owner write bit a gues
         const b = await p.allocate()
         fs.writeFileSync(b.path + '/x', 'x')
         fs.chmodSync(b.path, 0o500)
-        await b.release()
+        await b.release({ force: true })
         const swept = await p.sweep()
         const mode = await p.allocate({ mode: 0o555 }).then(() => 'allocated', (e) => e.code)
         await p.close() // its spare lease files go

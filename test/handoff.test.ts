@@ -8,7 +8,7 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
-import { openPool, VmspaceError, type Workspace } from '../lib/index.js'
+import { openPool, VmspaceError, type Pool, type Workspace } from '../lib/index.js'
 import {
   allocateIn,
   Child,
@@ -137,6 +137,71 @@ describe('a lease handed to a child process', () => {
   })
 })
 
+describe('a hand-over that did not happen', () => {
+  /** A workspace whose release() must reject and keep it: ERR_LEASE_NOT_HANDED_OVER, then still live and disposable. */
+  async function expectKept(pool: Pool, ws: Workspace): Promise<void> {
+    const err = await errorOf(ws.release())
+    expect(err).toMatchObject({ code: 'ERR_LEASE_NOT_HANDED_OVER', path: ws.path })
+    expect(ws.status).toBe('ready')
+    expect(tryLease(pool.root, ws.name)).toBe(99)
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 1, failed: [], leasesRemoved: 0, foreign: [] })
+    expect(fs.readFileSync(path.join(ws.path, 'own.txt'), 'utf8')).toBe(ws.id)
+    await ws.dispose()
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  }
+
+  async function allocated(): Promise<{ pool: Pool; ws: Workspace }> {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await pool.allocate()
+    fs.writeFileSync(path.join(ws.path, 'own.txt'), ws.id)
+    return { pool, ws }
+  }
+
+  test('a child that closes the fds it inherited (sh: exec 3>&-) drops the lease: release() rejects and keeps it', async () => {
+    const { pool, ws } = await allocated()
+    const child = spawn('sh', ['-c', 'exec 3>&-; exec sleep 60'], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
+    onTestFinished(() => void child.kill('SIGKILL'))
+    await eventually(() => fs.readlinkSync(`/proc/${child.pid}/exe`).endsWith('/sleep'))
+    expect(openFdTargets(child.pid!).has(3)).toBe(false)
+    await expectKept(pool, ws)
+  })
+
+  test('a launcher that starts the VM without the fd and exits (Python subprocess, close_fds by default) drops it: release() rejects', async () => {
+    const { pool, ws } = await allocated()
+    const launcher = 'import subprocess; print(subprocess.Popen(["sleep", "60"], start_new_session=True).pid)'
+    const child = spawn('python3', ['-c', launcher], { stdio: ['ignore', 'pipe', 'inherit', ws.leaseFd] })
+    let out = ''
+    child.stdout!.on('data', (d: Buffer) => (out += String(d)))
+    expect(await new Promise((resolve) => child.once('exit', resolve))).toBe(0)
+    const vm = Number(out)
+    killOnFinish(vm)
+    expect([...openFdTargets(vm).values()]).not.toContain(leasePath(pool.root, ws.name))
+    await expectKept(pool, ws)
+  })
+
+  test('a command that cannot start (ENOENT) never held it: release() rejects and keeps it', async () => {
+    const { pool, ws } = await allocated()
+    const child = spawn('/nonexistent/vm', [], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
+    const failed = new Promise((resolve) => child.once('error', resolve))
+    await expectKept(pool, ws)
+    expect(await failed).toMatchObject({ code: 'ENOENT' })
+  })
+
+  // spawn() returns once the child has exec'd (libuv waits on a close-on-exec pipe), so its fd 3 is in place.
+  test('release() right after spawn(), without waiting for its spawn event, finds the child holding the lease', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    for (let i = 0; i < 20; i++) {
+      const ws = await pool.allocate()
+      const child = spawn('sleep', ['60'], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
+      onTestFinished(() => void child.kill('SIGKILL'))
+      await ws.release()
+      expect(ws.status).toBe('released')
+      expect(openFdTargets(child.pid!).get(3)).toBe(leasePath(pool.root, ws.name))
+    }
+    expect(await pool.sweep({ graceMs: 0 })).toMatchObject({ reclaimed: [], live: 20, failed: [] })
+  })
+})
+
 describe('adopt', () => {
   test('two processes adopting one orphan at once (released by a barrier): exactly one wins, the other gets ERR_LEASE_HELD; the winner disposes it', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
@@ -237,6 +302,23 @@ describe('adopt', () => {
     expect(poolState(pool.root)).toEqual(emptyPoolState)
   })
 
+  test('an orphan whose lease file another taker has flocked (a sweep or adopt at work) is refused ERR_LEASE_HELD naming flock, and left', async () => {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const ws = await orphan(pool)
+    const file = leasePath(pool.root, ws.name)
+    // flock(1) holds LOCK_EX on the lease file, as a sweep taking it does, until its `cat` reads end of input.
+    const taker = spawn('flock', ['-o', '-x', file, 'cat'], { stdio: ['pipe', 'ignore', 'ignore'] })
+    onTestFinished(() => void taker.kill('SIGKILL'))
+    await eventually(() => flocksOn(file).some((e) => !e.shared && !e.blocked && e.pid !== process.pid))
+    expect(await errorOf(pool.adopt(ws.id))).toMatchObject({ code: 'ERR_LEASE_HELD', syscall: 'flock', path: ws.path })
+    expect(fs.readFileSync(path.join(ws.path, 'own.txt'), 'utf8')).toBe(ws.id)
+    taker.stdin!.end()
+    await new Promise((r) => taker.once('exit', r))
+    const adopted = await pool.adopt(ws.id)
+    await adopted.dispose()
+    expect(poolState(pool.root)).toEqual(emptyPoolState)
+  })
+
   test('a flock put on a workspace directory by someone else changes nothing: adopt and sweep judge the lease file alone', async () => {
     const pool = await openPool(path.join(freshDir(), 'pool'))
     for (const op of ['adopt', 'sweep'] as const) {
@@ -276,7 +358,7 @@ describe('adopt', () => {
     for (let i = 0; i < 2000; i++) {
       try {
         const adopted = await pool.adopt(ws.id)
-        await adopted.release()
+        await adopted.release({ force: true })
       } catch (e) {
         refused.push((e as VmspaceError).code)
       }

@@ -260,7 +260,7 @@ export function setRecord(root: string, name: string, text: string): void {
 export async function orphan(pool: Pool, meta = {}): Promise<Workspace> {
   const ws = await pool.allocate({ meta })
   fs.writeFileSync(path.join(ws.path, 'own.txt'), ws.id)
-  await ws.release()
+  await ws.release({ force: true })
   return ws
 }
 

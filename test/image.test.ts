@@ -147,7 +147,7 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     const { root, image } = paths('reattach')
     const pool = await open(root, image)
     const ws = await pool.allocate({ meta: { kept: true } })
-    await ws.release()
+    await ws.release({ force: true })
     await pool.close()
     expect(runCommand('umount', [root]).status).toBe(0)
     expect(loopsOf(image)).toHaveLength(1)

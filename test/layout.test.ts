@@ -74,7 +74,7 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
       const pool = await openPool(root)
       const ws = await pool.allocate({ meta: { keep: true } })
       fs.writeFileSync(path.join(ws.path, 'data.txt'), 'guest data')
-      await ws.release()
+      await ws.release({ force: true })
       await pool.close()
       return { root, name: ws.name }
     }

@@ -57,17 +57,55 @@ describe('the lease', () => {
     expect(() => fs.opendirSync(`/proc/self/fd/${ws.leaseFd}/..`)).toThrow(expect.objectContaining({ code: 'ENOTDIR' }))
   })
 
-  test('leaseFd is -1 after dispose() and after release() (its number may be reused by the next fd opened)', async () => {
+  test('leaseFd throws ERR_DISPOSED after dispose() and after release(): a spawn after them gets no stale number', async () => {
     const { pool, ws } = await setup()
     await ws.dispose()
-    expect(ws.leaseFd).toBe(-1)
+    expect(() => ws.leaseFd).toThrow(expect.objectContaining({ code: 'ERR_DISPOSED', path: ws.path }))
     const next = await pool.allocate()
     onTestFinished(async () => {
       await next.dispose().catch(() => {})
     })
     expect(next.leaseFd).toBeGreaterThanOrEqual(0)
-    await next.release()
-    expect(next.leaseFd).toBe(-1)
+    await next.release({ force: true })
+    expect(() => next.leaseFd).toThrow(expect.objectContaining({ code: 'ERR_DISPOSED', message: `ERR_DISPOSED: workspace ${next.name} was released` }))
+  })
+
+  test('release() before the hand-over (the wrong order) rejects ERR_LEASE_NOT_HANDED_OVER and keeps the lease: live, never swept, disposable', async () => {
+    const { pool, ws } = await setup()
+    expect(ws.leaseFd).toBeGreaterThanOrEqual(0) // opened, never given to a child
+    const err = await ws.release().then(
+      () => expect.fail('expected a rejection'),
+      (e: unknown) => e,
+    )
+    expect(err).toMatchObject({ code: 'ERR_LEASE_NOT_HANDED_OVER', path: ws.path, syscall: 'fcntl(F_OFD_GETLK)' })
+    expect(ws.status).toBe('ready')
+    // The handover fd was closed (no child had it); the owner's hold was not: another process sees the lease held.
+    expect(tryLease(pool.root, ws.name)).toBe(99)
+    expect(await pool.sweep({ graceMs: 0 })).toEqual({ reclaimed: [], live: 1, failed: [], leasesRemoved: 0, foreign: [] })
+    expect(await pool.list()).toEqual([expect.objectContaining({ id: ws.id, live: true })])
+    // Still this handle's: a new handover fd, and a dispose that removes everything.
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name))
+    await ws.dispose()
+    expect(ws.status).toBe('disposed')
+    expect(fs.existsSync(ws.path)).toBe(false)
+    expect(fs.existsSync(leasePath(pool.root, ws.name))).toBe(false)
+  })
+
+  test('release({ force: true }) lets go without a holder: the workspace is an orphan a sweep reclaims', async () => {
+    const { pool, ws } = await setup()
+    await ws.release({ force: true })
+    expect(ws.status).toBe('released')
+    expect(tryLease(pool.root, ws.name)).toBe(0)
+    expect((await pool.sweep()).reclaimed.map((e) => e.id)).toEqual([ws.id])
+  })
+
+  test('release() options are strict: an unknown key or a non-boolean force is ERR_INVALID_ARG_VALUE/TYPE, and nothing is released', async () => {
+    const { pool, ws } = await setup()
+    await expect(ws.release({ forse: true } as never)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining('forse') })
+    await expect(ws.release({ force: 1 } as never)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+    await expect(ws.release(null as never)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+    expect(ws.status).toBe('ready')
+    expect(tryLease(pool.root, ws.name)).toBe(99)
   })
 })
 

@@ -112,7 +112,7 @@ describe('poolGauges and metricsText', () => {
   test('workspaces by state equal what is held and released; the text passes promtool check metrics', async () => {
     const p = await pool()
     const held = [await p.allocate(), await p.allocate(), await p.allocate()]
-    await (await p.allocate()).release()
+    await (await p.allocate()).release({ force: true })
     const g = await poolGauges(p)
     expect(g.workspaces).toEqual({ live: 3, free: 1, staging: 0, trash: 0 })
     expect(g).toMatchObject({ root: p.root, unreadable: 0, quota: 0 })

@@ -296,6 +296,6 @@ describe('list', () => {
     expect(info).toMatchObject({ id: ws.id })
     expect(info.meta).toBeUndefined()
     expect(info.error).toMatchObject({ code: 'ENODATA', syscall: 'fgetxattr', path: leasePath(pool.root, ws.name) })
-    await ws.release()
+    await ws.release({ force: true })
   })
 })

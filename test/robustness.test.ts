@@ -142,7 +142,7 @@ describe('a worker thread terminated while handles and leases are being made', (
     const scripts = [
       `v.openPool(root, { warm: { template: { 'a.bin': ${JSON.stringify(image)} }, count: 2 } }).then(async (p) => { parentPort.postMessage('go'); for (;;) { const ws = await p.allocate({ template: { 'a.bin': ${JSON.stringify(image)} } }); await ws.dispose() } })`,
       `parentPort.postMessage('go'); for (let i = 0; i < 8; i++) v.openPool(root).catch(() => {})`,
-      `v.openPool(root).then(async (p) => { parentPort.postMessage('go'); for (;;) { const ws = await Promise.all([1, 2, 3, 4].map(() => p.allocate())); await Promise.all(ws.map((w) => w.release())) } })`,
+      `v.openPool(root).then(async (p) => { parentPort.postMessage('go'); for (;;) { const ws = await Promise.all([1, 2, 3, 4].map(() => p.allocate())); await Promise.all(ws.map((w) => w.release({ force: true }))) } })`,
     ]
     for (let i = 0; i < 24; i++) {
       const w = new Worker(

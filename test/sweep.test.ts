@@ -327,7 +327,7 @@ describe('openPool of another on-disk format', () => {
       const pool = await openPool(root)
       const kept = await pool.allocate({ meta: { keep: true } })
       fs.writeFileSync(path.join(kept.path, 'data.txt'), 'data')
-      await kept.release()
+      await kept.release({ force: true })
       fs.mkdirSync(path.join(root, '.vmspace', 'staging', `vm-${'a'.repeat(32)}`))
       fs.mkdirSync(path.join(root, '.vmspace', 'trash', `vm-${'b'.repeat(32)}`))
       await pool.close()

@@ -177,7 +177,7 @@ describe('vmspace:sweep', () => {
     const kept = await pool.allocate()
     const orphaned: Workspace = await pool.allocate()
     fs.writeFileSync(path.join(orphaned.path, 'data'), Buffer.alloc(8192, 1))
-    await orphaned.release()
+    await orphaned.release({ force: true })
     // A directory named like a workspace without a lease file (not vmspace's: foreign, left), and a lease file whose
     // workspace is nowhere (removed: leasesRemoved).
     const foreign = path.join(root, `vm-${randomId()}`)

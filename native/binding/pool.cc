@@ -150,6 +150,21 @@ Napi::Value OpenHandover(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(), fd);
 }
 
+// leaseHandedOver(pool, name, leaseFd): whether another description holds the lease (Pool::leaseHandedOver), for
+// release(). Synchronous: one fcntl(F_OFD_GETLK), which never waits.
+Napi::Value LeaseHandedOver(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  int leaseFd = static_cast<int>(integerArg(info, 2, 0, INT32_MAX, "leaseHandedOver"));
+  if (instance(info.Env()).leases.count(leaseFd) == 0)
+    throw Napi::TypeError::New(info.Env(), "vmspace binding: leaseHandedOver: not a lease of this thread");
+  try {
+    return Napi::Boolean::New(info.Env(), pool->leaseHandedOver(name, leaseFd));
+  } catch (const vmspace::Error& e) {
+    throw Napi::Error(info.Env(), errorObject(info.Env(), e));
+  }
+}
+
 // A workspace's record on `o`: `metaText`, or `metaError` (the errno of reading its lease file, with that path).
 void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
              const std::string& metaText) {
@@ -325,6 +340,7 @@ void initPool(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "sweep", Sweep);
   exportFunction(env, exports, "releaseLease", ReleaseLease);
   exportFunction(env, exports, "openHandover", OpenHandover);
+  exportFunction(env, exports, "leaseHandedOver", LeaseHandedOver);
   exportFunction(env, exports, "stopBatch", StopBatch);
 }
 

@@ -25,7 +25,8 @@ Napi::Value SetTestIds(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
-// Test seam (see core/pool.h): [name, flockErrno] pairs, the faults of the next sweep entries of those names.
+// Test seam (see core/pool.h): [name, probeErrno, probeStep?] entries, the faults of the next sweep entries of those
+// names.
 Napi::Value SetSweepFaultsForTest(const Napi::CallbackInfo& info) {
   std::vector<vmspace::SweepFault> faults;
   if (info[0].IsArray()) {
@@ -34,8 +35,10 @@ Napi::Value SetSweepFaultsForTest(const Napi::CallbackInfo& info) {
       Napi::Value v = a.Get(i);
       if (!v.IsArray()) continue;
       Napi::Array pair = v.As<Napi::Array>();
-      if (pair.Length() != 2 || !pair.Get(0u).IsString() || !pair.Get(1u).IsNumber()) continue;
-      faults.push_back({pair.Get(0u).As<Napi::String>().Utf8Value(), pair.Get(1u).As<Napi::Number>().Int32Value()});
+      if (pair.Length() < 2 || !pair.Get(0u).IsString() || !pair.Get(1u).IsNumber()) continue;
+      vmspace::SweepFault f{pair.Get(0u).As<Napi::String>().Utf8Value(), pair.Get(1u).As<Napi::Number>().Int32Value()};
+      if (pair.Length() > 2 && pair.Get(2u).IsString()) f.probeStep = pair.Get(2u).As<Napi::String>().Utf8Value();
+      faults.push_back(std::move(f));
     }
   }
   vmspace::setSweepFaultsForTest(std::move(faults));

@@ -48,6 +48,22 @@ inline std::string errnoDescription(int err) {
   return msg && *msg ? msg : "unknown error";
 }
 
+// The most of a text (a condition's detail, which may name a path) an error's message carries, in bytes.
+constexpr size_t kMessageTextMax = 4096;
+
+// `text` as a message carries it: whole up to kMessageTextMax bytes, else its head and tail around "…", cut on
+// UTF-8 character boundaries. A walk's path has no bound (20,000 directories of 255-byte names are 5 MB) and a
+// message is copied into every log line; the error's path and dest fields keep the whole path (lib/errors.ts
+// bounds the message it builds from them alike).
+inline std::string boundedText(std::string text) {
+  if (text.size() <= kMessageTextMax) return text;
+  size_t head = kMessageTextMax / 2, tail = text.size() - kMessageTextMax / 2;
+  auto continuation = [&](size_t i) { return (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80; };
+  while (head > 0 && continuation(head)) head--;
+  while (tail < text.size() && continuation(tail)) tail++;
+  return text.substr(0, head) + "\xE2\x80\xA6" + text.substr(tail);  // U+2026 "…"
+}
+
 // Throws the errno of a failed syscall with the paths it concerns.
 [[noreturn]] inline void throwErrno(int err, const char* syscall, std::string path = {}, std::string dest = {}) {
   Error e;
@@ -65,7 +81,7 @@ inline std::string errnoDescription(int err) {
   e.err = cause;
   e.code = code;
   e.syscall = syscall;
-  e.detail = std::move(detail);
+  e.detail = boundedText(std::move(detail));
   e.path = std::move(path);
   e.dest = std::move(dest);
   throw e;
@@ -97,10 +113,10 @@ inline Error currentError() {
     bool isErrno = cat == std::generic_category() || cat == std::system_category();
     r.err = isErrno && e.code().value() > 0 ? e.code().value() : EIO;
     if (r.err == EAGAIN) r.syscall = "pthread_create";  // the one system_error the walks can meet
-    r.detail = e.what();
+    r.detail = boundedText(e.what());
   } catch (const std::exception& e) {
     r.err = EIO;
-    r.detail = e.what();
+    r.detail = boundedText(e.what());
   } catch (...) {
     r.err = EIO;
   }

@@ -118,8 +118,10 @@ int openLeaseFile(int dirFd, const std::string& name) {
   return openat(dirFd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
 }
 
-bool takeFreeLease(int fd) {
+bool takeFreeLease(int fd, const char** step) {
+  *step = "flock";
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) return false;
+  *step = "fcntl(F_OFD_GETLK)";
   int held = leaseHeldByOther(fd);
   if (held == 0) return true;
   flock(fd, LOCK_UN);

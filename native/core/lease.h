@@ -50,7 +50,8 @@ int openLeaseFile(int dirFd, const std::string& name);
 
 // flock(LOCK_EX|LOCK_NB) on the lease `fd`, then whether it is free: true when this caller may reclaim or adopt it
 // (the flock stays held until `fd` is closed or unlocked), false when another taker has it or a holder holds the
-// lease (errno EWOULDBLOCK), or on another error (errno set).
-bool takeFreeLease(int fd);
+// lease (errno EWOULDBLOCK), or on another error (errno set). When false, *step is the call that said so: "flock"
+// or "fcntl(F_OFD_GETLK)".
+bool takeFreeLease(int fd, const char** step);
 
 }  // namespace vmspace

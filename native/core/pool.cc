@@ -392,6 +392,12 @@ int Pool::openHandover(const std::string& name, int leaseFd) {
   return fd.release();
 }
 
+bool Pool::leaseHandedOver(const std::string& name, int leaseFd) {
+  int held = leaseHeldByOther(leaseFd);
+  if (held < 0) throwErrno(-held, "fcntl(F_OFD_GETLK)", leasePath(name));
+  return held > 0;
+}
+
 UniqueFd Pool::openWorkspaceDir(const std::string& name) {
   UniqueFd fd(openat(rootFd_.get(), name.c_str(), kDirFlags));
   if (!fd) throwErrno(errno, "open", path(name));
@@ -406,11 +412,12 @@ AdoptResult Pool::adopt(const std::string& name) {
   struct stat st;
   if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", leasePath(name));
   if (!S_ISREG(st.st_mode)) throwErrno(ENOENT, "open", path(name));
-  if (!takeFreeLease(fd.get())) {
+  const char* step;
+  if (!takeFreeLease(fd.get(), &step)) {
     if (errno == EWOULDBLOCK)
-      throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK,
-                "fcntl(F_OFD_GETLK)", path(name));
-    throwErrno(errno, "fcntl(F_OFD_GETLK)", leasePath(name));
+      throwCode("ERR_LEASE_HELD", "another process holds the lease of workspace " + name, EWOULDBLOCK, step,
+                path(name));
+    throwErrno(errno, step, leasePath(name));
   }
   // A sweep may have removed it between our open and our take: its lease file is then unlinked, and its
   // directory gone from the root.

@@ -171,6 +171,10 @@ class Pool {
   // close-on-exec, holding LeaseByte::Handover: what a caller hands to the sandbox's process.
   int openHandover(const std::string& name, int leaseFd);
 
+  // Whether an open file description other than `leaseFd`'s (a child given the handover fd) holds the lease of
+  // workspace `name` (F_OFD_GETLK); throws the errno when the kernel cannot tell.
+  bool leaseHandedOver(const std::string& name, int leaseFd);
+
   // The published workspace `name`'s directory (O_DIRECTORY|O_NOFOLLOW), for clones into it.
   UniqueFd openWorkspaceDir(const std::string& name);
 
@@ -289,12 +293,14 @@ class Pool {
 const std::string& bootId();
 
 // Test seam: faults no real file system gives on demand. The next sweep entry named `name` fails as if handling it
-// threw std::bad_alloc (flockErrno 0), or as if its lease probe failed with `flockErrno`; each applies once.
-// Process-wide; an empty list clears it. Test builds only (-DVMSPACE_TEST_HOOKS), as setTestIds.
+// threw std::bad_alloc (probeErrno 0), or as if its lease probe failed with `probeErrno` at `probeStep` ("flock"
+// or "fcntl(F_OFD_GETLK)"; list() takes no flock, and takes a fault of either step as its probe's); each applies
+// once. Process-wide; an empty list clears it. Test builds only (-DVMSPACE_TEST_HOOKS), as setTestIds.
 #ifdef VMSPACE_TEST_HOOKS
 struct SweepFault {
   std::string name;
-  int flockErrno = 0;
+  int probeErrno = 0;
+  std::string probeStep = "fcntl(F_OFD_GETLK)";
 };
 void setSweepFaultsForTest(std::vector<SweepFault> faults);
 #endif

@@ -47,15 +47,19 @@ bool g_faultsActive = false;       // read without the mutex: a stale false only
 
 // Whether setSweepFaultsForTest set a fault for `name` of that kind (a probe errno, or bad_alloc when
 // `probeErrno` is false); taken when it did (it applies once). Returns the errno, or 1 for bad_alloc; 0: none.
-int takeSweepFault(const std::string& name, bool probeErrno) {
+// *step (probe faults) is the call the fault stands for.
+int takeSweepFault(const std::string& name, bool probeErrno, const char** step = nullptr) {
 #ifndef VMSPACE_TEST_HOOKS
+  (void)name, (void)probeErrno, (void)step;
   return 0;  // a release build has no seam
 #else
   if (!__atomic_load_n(&g_faultsActive, __ATOMIC_ACQUIRE)) return 0;
   std::lock_guard<std::mutex> hold(g_faultMutex);
   for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
-    if (it->name != name || (it->flockErrno != 0) != probeErrno) continue;
-    int err = probeErrno ? it->flockErrno : 1;
+    if (it->name != name || (it->probeErrno != 0) != probeErrno) continue;
+    int err = probeErrno ? it->probeErrno : 1;
+    // The step's own string literal: the fault's std::string dies with the erase below.
+    if (step) *step = it->probeStep == "flock" ? "flock" : "fcntl(F_OFD_GETLK)";
     g_faults.erase(it);
     return err;
   }
@@ -92,7 +96,7 @@ Error entryError(const std::string& shown) {
     e = outOfMemoryError();
   } catch (const std::exception& x) {
     e.code = "ERR_INTERNAL";
-    e.detail = std::string("unexpected C++ exception: ") + x.what();
+    e.detail = boundedText(std::string("unexpected C++ exception: ") + x.what());
   } catch (...) {
     e.code = "ERR_INTERNAL";
     e.detail = "unexpected C++ exception";
@@ -154,7 +158,10 @@ class PoolSweep {
       handle();
     } catch (...) {
       Error err = entryError(shown);
-      if (!vanished(err, shown)) report_.failed.push_back({name, from, 0, std::move(err)});
+      if (vanished(err, shown)) return;
+      // Reported once: a later pass (trash, the lease files) would meet the same name and fail it again.
+      handled_.insert(name);
+      report_.failed.push_back({name, from, 0, std::move(err)});
     }
   }
 
@@ -169,14 +176,15 @@ class PoolSweep {
     struct stat st;
     if (fstat(fd.get(), &st) != 0) throwErrno(errno, "fstat", pool_.leasePath(name));
     if (!S_ISREG(st.st_mode)) return Lease::None;
-    bool free = takeFreeLease(fd.get());
-    if (int fault = takeSweepFault(name, true)) {  // test seam: a probe failing as no local fs makes it
+    const char* step;
+    bool free = takeFreeLease(fd.get(), &step);
+    if (int fault = takeSweepFault(name, true, &step)) {  // test seam: a probe failing as no local fs makes it
       free = false;
       errno = fault;
     }
     if (!free) {
       if (errno == EWOULDBLOCK) return Lease::Held;
-      throwErrno(errno, "fcntl(F_OFD_GETLK)", pool_.leasePath(name));  // a probe that cannot decide
+      throwErrno(errno, step, pool_.leasePath(name));  // a probe that cannot decide, at the call that failed
     }
     *out = std::move(fd);
     return Lease::Free;
@@ -322,7 +330,8 @@ class PoolSweep {
           // A spare is held while its process lives: free, that process is gone. A temp one may be a build's that
           // has not taken its lock yet: free and past the grace period.
           UniqueFd fd(openLeaseFile(dirFd, file));
-          if (!fd || (!spare && ageMs(dirFd, file) < graceMs_) || !takeFreeLease(fd.get())) continue;
+          const char* step;
+          if (!fd || (!spare && ageMs(dirFd, file) < graceMs_) || !takeFreeLease(fd.get(), &step)) continue;
           // Counted once: another sweep may have unlinked it between our take and our unlink. A spare was never a
           // workspace's lease file (a dead process's unused one): removed, not counted in leasesRemoved.
           bool removed = dryRun_ || unlinkat(dirFd, file.c_str(), 0) == 0;

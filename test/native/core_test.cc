@@ -642,6 +642,29 @@ static void sweepPassesOnAHandBuiltPool() {
   removeTreeNoFollow(d);
 }
 
+// A condition's detail over kMessageTextMax bytes keeps its head and tail around "…", cut between UTF-8 characters;
+// the error's path keeps every byte.
+static void errorTextIsBoundedPathIsWhole() {
+  std::string euro = "\xE2\x82\xAC";  // U+20AC, 3 bytes: 4096 / 2 falls inside one
+  std::string path;
+  while (path.size() < 3 * kMessageTextMax) path += "/" + euro;
+  CHECK(boundedText("short") == "short");
+  try {
+    throwCode("ERR_INTERNAL", "at " + path, 0, "", path);
+  } catch (const Error& e) {
+    CHECK(e.path == path);
+    CHECK(e.detail.size() <= kMessageTextMax + 3);
+    size_t cut = e.detail.find("\xE2\x80\xA6");
+    CHECK(cut != std::string::npos && cut > 0);
+    CHECK(e.detail.compare(0, cut, ("at " + path).substr(0, cut)) == 0);
+    std::string tail = e.detail.substr(cut + 3);
+    CHECK(!tail.empty() && path.compare(path.size() - tail.size(), tail.size(), tail) == 0);
+    // Both pieces whole characters: the cuts fall where no continuation byte (10xxxxxx) is.
+    CHECK((static_cast<unsigned char>(tail[0]) & 0xC0) != 0x80);
+    CHECK((static_cast<unsigned char>(("at " + path)[cut]) & 0xC0) != 0x80);
+  }
+}
+
 int main() {
   removeNeverFollowsSymlinks();
   cloneKeepsHolesAndRefusesExisting();
@@ -665,6 +688,7 @@ int main() {
   removeTakesASmallTreeAndCountsItsBytes();
   cloneOfATreeCountsEveryKindAndLeavesNoTemp();
   sweepPassesOnAHandBuiltPool();
+  errorTextIsBoundedPathIsWhole();
   std::printf("%s\n", failures ? "core tests FAILED" : "core tests passed");
   return failures ? 1 : 0;
 }
