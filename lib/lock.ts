@@ -157,8 +157,8 @@ export function lockFile(path: string, options?: LockOptions): Promise<FileLock>
   } catch (e) {
     run = () => Promise.reject(e)
   }
-  // The context is set above, outside the trace: a tracing subscriber's bound store runs the traced call in a
-  // scope of its own (AsyncLocalStorage.run), which on Node 24 would undo it on the way out.
+  // The context is set above, in the caller's synchronous frame (the caller's `await` must see it), whatever the
+  // trace runs the rest in (a subscriber's bound stores run it inside AsyncLocalStorage.run).
   return traced(lockChannel, () => ({ path, options }), run)
 }
 
