@@ -230,7 +230,7 @@ export interface Native {
   releaseLease(fd: number): Promise<void>
   /** Drops the batched allocate/dispose calls not run yet; the pool threads stop after their current call. */
   stopBatch(): void
-  /** `create`: make a missing file (else ENOENT); `owner`: 0 for lockFile, thread number + 1 for updateJsonFile (native/core/lock.h, lockClaim). */
+  /** `create`: make a missing file (else ENOENT); `owner`: the requesting thread, threadId + 1 (native/core/lock.h, lockClaim). */
   lockOpen(options: { path: string; shared: boolean; create: boolean; owner: number }): Promise<{ fd: number; acquired: boolean }>
   /** done gets the fd the wait ends with (a new one when the file at `path` was replaced meanwhile): the caller's to release. */
   lockWait(options: { fd: number; path: string; shared: boolean }, done: (errno: number, fd: number, syscall: string) => void): WaitHandle

@@ -23,7 +23,7 @@ export type VmspaceErrorCode =
   | 'ERR_LEASE_NOT_HANDED_OVER' // release() while no other process holds the lease (never handed over, or dropped); the lease is kept
   | 'ERR_LOCK_HELD' // lockFile with wait: false, and the lock is held
   | 'ERR_LOCK_TIMEOUT' // lockFile's timeoutMs passed before the lock was granted
-  | 'ERR_LOCK_REENTRANT' // lockFile/updateJsonFile on a file this process holds: the wait would wait on itself (cause: EDEADLK); nothing done
+  | 'ERR_LOCK_REENTRANT' // lockFile/updateJsonFile inside a critical section of a lock it would wait for: it would wait on itself (cause: EDEADLK); nothing done
   | 'ERR_TEMPLATE_NOT_FOUND' // allocate({ from }), template(), removeTemplate(): no template of that id or name
   | 'ERR_QUOTA_UNSUPPORTED' // allocate({ quota }) where the kernel cannot enforce it (cause: the errno; see probeQuota); nothing made
   | 'ERR_PROJECT_IDS_EXHAUSTED' // no free project id in 64 draws from the pool's projectIds range; nothing made

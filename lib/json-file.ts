@@ -2,17 +2,15 @@
  * The locked JSON index: read-modify-write of a JSON file under a flock(2) lock on the file itself (DESIGN.md,
  * "Locked JSON index").
  */
-import { AsyncLocalStorage } from 'node:async_hooks'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { performance } from 'node:perf_hooks'
 import { TextDecoder } from 'node:util'
-import { threadId } from 'node:worker_threads'
 import { native } from './binding.js'
 import { abortSignal, absolutePath, boolean, func, invalidType, isPlainObject, oneOf, optionsObject } from './args.js'
 import { AbortError, call, vmspaceError, VmspaceError } from './errors.js'
-import { acquireLock, lockFd, reentrantError, timeoutOption, type FileLock } from './lock.js'
+import { acquireLock, lockFd, lockOwner, reentrantError, timeoutOption, type FileLock } from './lock.js'
+import { queueTurn, runInTurn, waitsOnItself, waitTurn, type Turn } from './lock-turns.js'
 import { lockChannel, traced } from './trace.js'
 
 /** Options of {@link updateJsonFile}. */
@@ -38,47 +36,6 @@ export interface UpdateJsonOptions {
 
 const utf8 = new TextDecoder('utf-8', { fatal: true })
 
-// The paths whose `mutate` the current async context runs inside: an update of one of them from there would wait
-// for the update that is waiting for it.
-const updating = new AsyncLocalStorage<ReadonlySet<string>>()
-
-// This thread's updates of each path, in call order: the tail each new one waits behind. The lock registry of the
-// addon refuses a second update of one file from one thread (it cannot tell it from a nested one), so this
-// thread's updates take turns here, and only other threads' and processes' wait in flock.
-const turns = new Map<string, Promise<void>>()
-
-// The lock registry's owner of this thread's updates (native/core/lock.h, lockClaim): two threads' updates of one
-// file wait for each other in flock as two processes' do.
-const owner = threadId + 1
-
-/**
- * Waits until this thread's earlier updates of `p` are done, or rejects with ERR_LOCK_TIMEOUT / AbortError as the
- * lock wait would. Resolves with the ms left of `timeoutMs`.
- */
-async function waitTurn(p: string, before: Promise<void>, timeoutMs: number | undefined, signal: AbortSignal | undefined) {
-  const t0 = performance.now()
-  let timer: NodeJS.Timeout | undefined
-  let onAbort: (() => void) | undefined
-  try {
-    await Promise.race([
-      before,
-      new Promise<never>((_, reject) => {
-        if (timeoutMs !== undefined)
-          timer = setTimeout(
-            () => reject(vmspaceError('ERR_LOCK_TIMEOUT', `the lock on ${p} was not granted within ${timeoutMs} ms`, { path: p, syscall: 'flock' })),
-            timeoutMs,
-          )
-        onAbort = () => reject(new AbortError(signal!.reason))
-        signal?.addEventListener('abort', onAbort, { once: true })
-      }),
-    ])
-  } finally {
-    clearTimeout(timer)
-    if (onAbort) signal?.removeEventListener('abort', onAbort)
-  }
-  return timeoutMs === undefined ? undefined : Math.max(0, Math.ceil(timeoutMs - (performance.now() - t0)))
-}
-
 /**
  * Read-modify-write of a JSON file that never loses an update: exclusive flock(2) on the data file itself (checked,
  * once granted, to be the file at `path`; there is no lock file) → read it → parse → `mutate(current)` (may be
@@ -95,12 +52,14 @@ async function waitTurn(p: string, before: Promise<void>, timeoutMs: number | un
  * file now at `path` (lock, read, `mutate` with that value), so neither writer's update is lost
  * (DESIGN.md, "Locked JSON index"). After 64 such starts in a row it fails with `ESTALE`.
  *
- * Within one process: this thread's updates of one path take turns (in call order); those of two worker_threads
- * wait for each other in flock, as two processes' do. An update of the same file from inside its own `mutate`
- * (the nested call, sync or async, and anything `mutate` starts), or of a file this process holds with lockFile,
- * rejects at once with `ERR_LOCK_REENTRANT` (cause `EDEADLK`), changing nothing: it would wait for itself. The
- * turns are kept per path string: two updates of one file under two names (a hard link) from one thread at once
- * are refused the same way, so name an index by one path.
+ * Within one process: this thread's updates and lockFile calls of one path take turns (in call order, under
+ * `timeoutMs` and `signal`); those of two worker_threads wait for each other in flock, as two processes' do. An
+ * update made inside a critical section on the same path rejects at once with `ERR_LOCK_REENTRANT` (cause
+ * `EDEADLK`), changing nothing, as it would wait for itself: inside its own `mutate` (the nested call, sync or
+ * async, and anything `mutate` starts: only that), or after `await lockFile(path)` until that lock's release()
+ * (see lockFile for what the async context can and cannot tell). The turns are kept per path string: two updates
+ * of one file under two names (a hard link) from one thread at once are refused the same way, so name an index by
+ * one path.
  *
  * Each write first removes the temps (`.<name>.tmp-<12 hex>`, regular files) that writers killed before their
  * rename left next to `path`. A symlink at `path` is refused with `ELOOP` (syscall `'open'`, as open(2) with
@@ -124,22 +83,18 @@ export async function updateJsonFile<T>(
   const timeoutMs = timeoutOption(o.timeoutMs)
   const kind = oneOf('options.create', o.create, ['object', 'array'] as const, 'object')
   const signal = abortSignal('options.signal', o.signal)
-  if (updating.getStore()?.has(p)) throw reentrantError(p)
+  if (waitsOnItself(p, false)) throw reentrantError(p)
   if (signal?.aborted) throw new AbortError(signal.reason)
 
-  // The turn is taken before the first await, so that updates take turns in call order.
-  const before = turns.get(p) ?? Promise.resolve()
-  let done!: () => void
-  const mine = new Promise<void>((resolve) => (done = resolve))
-  const tail = before.then(() => mine)
-  turns.set(p, tail)
+  // The turn is taken before the first await, so that requests take turns in call order.
+  const turn = queueTurn(p, false)
   try {
     await refuseSymlink(p)
-    const left = await waitTurn(p, before, timeoutMs, signal)
-    return await updateLocked(p, fn, { durable, timeoutMs: left, kind, signal })
+    const left = await waitTurn(turn, timeoutMs, signal)
+    turn.hold()
+    return await updateLocked(p, fn, turn, { durable, timeoutMs: left, kind, signal })
   } finally {
-    done()
-    if (turns.get(p) === tail) turns.delete(p)
+    turn.leave()
   }
 }
 
@@ -147,10 +102,11 @@ export async function updateJsonFile<T>(
 // gives up with ESTALE: each time needs another writer's commit or someone replacing the file, as in lock.cc.
 const MAX_STARTS = 64
 
-/** updateJsonFile once this thread's earlier updates of `p` are done: lock, read, mutate, write, release. */
+/** updateJsonFile once its `turn` has come (this thread's earlier requests on `p` are done): lock, read, mutate, write, release. */
 async function updateLocked<T>(
   p: string,
   fn: (current: T | undefined) => T | Promise<T>,
+  turn: Turn,
   o: { durable: boolean; timeoutMs: number | undefined; kind: 'object' | 'array'; signal: AbortSignal | undefined },
 ): Promise<T> {
   const { durable, timeoutMs, kind, signal } = o
@@ -160,8 +116,7 @@ async function updateLocked<T>(
       let current: unknown
       if (lock) current = parseIndex(await readLocked(lock, p), p, kind)
       if (signal?.aborted) throw new AbortError(signal.reason)
-      const outer = updating.getStore()
-      const next = await updating.run(new Set([...(outer ?? []), p]), () => fn(current as T | undefined))
+      const next = await runInTurn(turn, () => fn(current as T | undefined))
       // The last point where an abort leaves the file as it was; the write below is all or nothing.
       if (signal?.aborted) throw new AbortError(signal.reason)
       if (next === undefined) return current as T
@@ -189,7 +144,7 @@ async function lockDataFile(p: string, timeoutMs: number | undefined, signal: Ab
     return await traced(
       lockChannel,
       () => ({ path: p, options: { timeoutMs, signal } }),
-      (t) => acquireLock(p, { shared: false, wait: true, timeoutMs, signal, create: false, owner }, t),
+      (t) => acquireLock(p, { shared: false, wait: true, timeoutMs, signal, create: false, owner: lockOwner }, t),
     )
   } catch (e) {
     if (!(e instanceof VmspaceError && e.code === 'ENOENT' && e.syscall === 'open' && e.path === p)) throw e

@@ -97,7 +97,7 @@ export interface LockTrace extends TraceContext {
   path: unknown
   /** The `options` argument as passed. */
   options: unknown
-  /** False when the first, non-blocking try got the lock. */
+  /** False when the lock was got at once: nothing of this thread ahead in line, and the first, non-blocking try got it. */
   waited?: boolean
   /** Milliseconds from the call to the grant (`performance.now()` clock). */
   waitMs?: number

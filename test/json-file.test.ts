@@ -505,7 +505,7 @@ describe('bad arguments (TypeError/RangeError before any syscall)', () => {
   })
 })
 
-describe('an update never waits on its own process (ERR_LOCK_REENTRANT, nothing changed)', () => {
+describe('an update never waits on itself (ERR_LOCK_REENTRANT, nothing changed); independent ones take turns', () => {
   const reentrant = { name: 'VmspaceError', code: 'ERR_LOCK_REENTRANT', errno: -35, syscall: 'flock' }
 
   test('updateJsonFile of the same file inside its own mutate (sync and after an await) rejects at once; the file is unchanged', async () => {
@@ -548,11 +548,13 @@ describe('an update never waits on its own process (ERR_LOCK_REENTRANT, nothing 
     expect(fs.readFileSync(link, 'utf8')).toBe('{"a":1}\n')
   })
 
-  test('lockFile of the data file inside mutate, and updateJsonFile while this process holds it with lockFile: ERR_LOCK_REENTRANT', async () => {
+  test('lockFile of the data file inside mutate, and updateJsonFile inside a lockFile critical section on it: ERR_LOCK_REENTRANT', async () => {
     const file = path.join(freshDir(), 'index.json')
     fs.writeFileSync(file, '{"a":1}\n')
     await updateJsonFile<Index>(file, async (c) => {
       await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ ...reentrant, path: file })
+      await expect(lockFile(file)).rejects.toMatchObject({ ...reentrant, path: file })
+      await expect(lockFile(file, { shared: true })).rejects.toMatchObject({ ...reentrant, path: file })
       return c
     })
     const held = await lockFile(file)
@@ -563,6 +565,34 @@ describe('an update never waits on its own process (ERR_LOCK_REENTRANT, nothing 
     expect(fs.readFileSync(file, 'utf8')).toBe('{"a":1}\n')
     await held.release()
     expect(await updateJsonFile<Index>(file, (c) => ({ ...c, b: 2 }))).toEqual({ a: 1, b: 2 })
+  })
+
+  test('an update and a lockFile of one file from independent tasks of one thread wait for each other, in call order', async () => {
+    const file = path.join(freshDir(), 'index.json')
+    fs.writeFileSync(file, '{"n":0}\n')
+    const order: string[] = []
+    // Each task runs as a request handler would: in a microtask of its own.
+    const task = (fn: () => Promise<void>) => Promise.resolve().then(fn)
+    const locker = (name: string) =>
+      task(async () => {
+        await using _lock = await lockFile(file)
+        order.push(`in ${name}`)
+        await new Promise((r) => setImmediate(r))
+        order.push(`out ${name}`)
+      })
+    const updater = (name: string) =>
+      task(async () => {
+        await updateJsonFile<Index>(file, async (c) => {
+          order.push(`in ${name}`)
+          await new Promise((r) => setImmediate(r))
+          order.push(`out ${name}`)
+          return { n: (c!.n as number) + 1 }
+        })
+      })
+    await Promise.all([locker('lock 1'), updater('update 1'), locker('lock 2'), updater('update 2')])
+    expect(order).toEqual(['lock 1', 'update 1', 'lock 2', 'update 2'].flatMap((n) => [`in ${n}`, `out ${n}`]))
+    expect(readIndex(file)).toEqual({ n: 2 })
+    expect(tryFlockPath(file)).toBe(0)
   })
 
   test('concurrent (not nested) updates of one file in this thread take turns instead: none is refused', async () => {

@@ -9,7 +9,7 @@ import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { freshDir, repoRoot } from './helpers.js'
 
-// The child has flock(1) hold the lock (another process: a process never waits on itself, ERR_LOCK_REENTRANT),
+// The child has flock(1) hold the lock (another process, so that the wait is one in flock(2) on its own thread),
 // waits for it with timeoutMs, and prints the wait's code and the real-time signals it catches.
 const script = `
   const v = require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))})

@@ -187,7 +187,7 @@ describe('lockFile basics', () => {
 })
 
 describe('exclusion', () => {
-  test('lockFile on a file this process holds rejects at once with ERR_LOCK_REENTRANT (EDEADLK); after release it succeeds', async () => {
+  test('lockFile inside the critical section of a lock on the same file rejects at once with ERR_LOCK_REENTRANT (EDEADLK); after release it succeeds', async () => {
     const file = path.join(freshDir(), 'a.lock')
     const first = await lockFile(file)
     for (const options of [undefined, { wait: false }, { shared: true }, { timeoutMs: 60_000 }]) {
@@ -205,7 +205,7 @@ describe('exclusion', () => {
     expectFree(file)
   })
 
-  test('the same file under another name (a hard link) is the same lock: ERR_LOCK_REENTRANT', async () => {
+  test('the same file under another name (a hard link) is the same lock: ERR_LOCK_REENTRANT from the registry (same thread, same file)', async () => {
     const dir = freshDir()
     const file = path.join(dir, 'a.lock')
     const link = path.join(dir, 'b.lock')
@@ -217,21 +217,32 @@ describe('exclusion', () => {
     await viaLink.release()
   })
 
-  test('a second call while the first still waits (for another process) is refused too; the first then gets the lock', async () => {
+  test('a second call while the first still waits (for another process) queues behind it: no fd, no flock wait; it gets the lock after the first', async () => {
     const file = path.join(freshDir(), 'a.lock')
     const other = await heldElsewhere(file)
     const first = track(lockFile(file))
     await waitersOn(file, 1, process.pid)
-    await expect(lockFile(file)).rejects.toMatchObject({ code: 'ERR_LOCK_REENTRANT' })
-    expect(flockWaiters(file, process.pid)).toBe(1)
+    const second = track(lockFile(file))
+    // Only the first has the file open and waits in flock; the second waits on a promise.
+    expect(flocksOn(file)).toEqual([
+      { blocked: false, shared: false, pid: other.pid },
+      { blocked: true, shared: false, pid: process.pid },
+    ])
+    expect([...openFdTargets(process.pid).values()].filter((t) => t === file)).toHaveLength(1)
     await other.release()
     await eventually(() => first.state !== 'pending')
     expect(first.state).toBe('fulfilled')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    expect(second.state).toBe('pending')
     await first.value!.release()
+    await eventually(() => second.state !== 'pending')
+    expect(second.state).toBe('fulfilled')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    await second.value!.release()
     expectFree(file)
   })
 
-  test('an exclusive lock asked for where this process holds a shared one is refused (it would wait on itself)', async () => {
+  test('an exclusive lock asked for inside a shared critical section is refused (it would wait on itself)', async () => {
     const file = path.join(freshDir(), 'a.lock')
     const sh = await held(file, { shared: true })
     await expect(lockFile(file)).rejects.toMatchObject({ code: 'ERR_LOCK_REENTRANT' })
@@ -297,6 +308,181 @@ describe('exclusion', () => {
     await expect(lockFile(file, { wait: false })).rejects.toMatchObject({ code: 'ERR_LOCK_HELD' })
     child.proc.stdin!.end()
     expect((await child.exited).code).toBe(0)
+    expectFree(file)
+  })
+})
+
+/**
+ * lockFile from a task of its own, as another request handler would call it: it runs in a microtask, so the
+ * caller's async context is not inside the lock's critical section (docs/locks.md, "Waiting in one process").
+ */
+function lockInTask(file: string, options?: Parameters<typeof lockFile>[1]): Promise<FileLock> {
+  return Promise.resolve().then(() => lockFile(file, options))
+}
+
+describe('independent requests of one thread take turns (docs/locks.md, "Waiting in one process")', () => {
+  test('8 concurrent handlers of one thread lock one file in call order, one at a time; none is refused, nothing is left held', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const log: string[] = []
+    const handle = async (n: number) => {
+      await using _lock = await lockFile(file)
+      log.push(`enter ${n}`)
+      await fs.promises.stat(file) // a pool round trip inside the critical section, while the others wait
+      log.push(`leave ${n}`)
+    }
+    await Promise.all(Array.from({ length: 8 }, (_, n) => handle(n)))
+    expect(log).toEqual(Array.from({ length: 8 }, (_, n) => [`enter ${n}`, `leave ${n}`]).flat())
+    expectFree(file)
+    expect([...openFdTargets(process.pid).values()].filter((t) => t === file)).toEqual([])
+  })
+
+  test('wait: false and timeoutMs: 0 while another task of this thread holds the lock: ERR_LOCK_HELD / ERR_LOCK_TIMEOUT at once, nothing opened', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const holder = await lockInTask(file)
+    onTestFinished(() => holder.release())
+    const err = await lockInTask(file, { wait: false }).catch((e: unknown) => e)
+    expect(err).toMatchObject({ name: 'VmspaceError', code: 'ERR_LOCK_HELD', path: file, syscall: 'flock' })
+    expect((err as Error).cause).toMatchObject({ code: 'EAGAIN' })
+    await expect(lockInTask(file, { timeoutMs: 0 })).rejects.toMatchObject({ code: 'ERR_LOCK_TIMEOUT', path: file })
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    expect([...openFdTargets(process.pid).values()].filter((t) => t === file)).toHaveLength(1)
+    await holder.release()
+    expectFree(file)
+  })
+
+  test('timeoutMs and an abort apply to a queued request: it leaves the queue, and the next ones still get the lock in order', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const other = await heldElsewhere(file)
+    const granted: string[] = []
+    const ac = new AbortController()
+    const take = (name: string, options?: Parameters<typeof lockFile>[1]) =>
+      track(
+        lockFile(file, options).then(async (lock) => {
+          granted.push(name)
+          await lock.release()
+        }),
+      )
+    const a = take('a')
+    await waitersOn(file, 1, process.pid)
+    const b = take('b', { timeoutMs: 20 })
+    const c = take('c', { signal: ac.signal })
+    const d = take('d', { timeoutMs: 2 ** 31 - 1 })
+    await eventually(() => b.state !== 'pending')
+    expect(b.error).toMatchObject({ name: 'VmspaceError', code: 'ERR_LOCK_TIMEOUT', path: file, syscall: 'flock' })
+    ac.abort()
+    await eventually(() => c.state !== 'pending')
+    expect(c.error).toBeInstanceOf(AbortError)
+    // The cancelled ones never waited in flock; the first still does, alone.
+    expect(flockWaiters(file, process.pid)).toBe(1)
+    expect([a.state, d.state]).toEqual(['pending', 'pending'])
+    await other.release()
+    await eventually(() => d.state !== 'pending')
+    expect([a.state, d.state]).toEqual(['fulfilled', 'fulfilled'])
+    expect(granted).toEqual(['a', 'd'])
+    expectFree(file)
+    expect([...openFdTargets(process.pid).values()].filter((t) => t === file)).toEqual([])
+  })
+
+  test('shared requests of independent tasks are granted together, even past a queued exclusive one (as flock grants them); the exclusive one gets it after them', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const s1 = await lockInTask(file, { shared: true })
+    const ex = track(lockInTask(file))
+    await new Promise((r) => setImmediate(r))
+    // ex has asked: it is queued behind s1, with no fd, so the kernel sees s1 alone.
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: true, pid: process.pid }])
+    const s2 = await lockInTask(file, { shared: true })
+    expect(flocksOn(file)).toEqual([
+      { blocked: false, shared: true, pid: process.pid },
+      { blocked: false, shared: true, pid: process.pid },
+    ])
+    await s1.release()
+    expect(ex.state).toBe('pending')
+    await s2.release()
+    await eventually(() => ex.state !== 'pending')
+    expect(ex.state).toBe('fulfilled')
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    // Shared requests queued behind an exclusive holder all come in when it lets go.
+    const shared = [track(lockInTask(file, { shared: true })), track(lockInTask(file, { shared: true }))]
+    await ex.value!.release()
+    await eventually(() => shared.every((s) => s.state !== 'pending'))
+    expect(shared.map((s) => s.state)).toEqual(['fulfilled', 'fulfilled'])
+    expect(flocksOn(file).map((e) => [e.blocked, e.shared])).toEqual([
+      [false, true],
+      [false, true],
+    ])
+    for (const s of shared) await s.value!.release()
+    expectFree(file)
+  })
+})
+
+describe('a wait on itself is refused at once (ERR_LOCK_REENTRANT), changing nothing', () => {
+  test('the critical section is what follows `await lockFile()` in that context and what it starts, until release() is called', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const lock = await lockFile(file)
+    const codes: unknown[] = []
+    const attempt = () => lockFile(file).then((l) => (codes.push('granted'), l.release()), (e: { code: string }) => void codes.push(e.code))
+    await attempt() // in the critical section itself
+    await new Promise((r) => setImmediate(r))
+    await attempt() // after another await
+    await new Promise<void>((resolve) => setImmediate(() => void attempt().then(resolve))) // in a callback it scheduled
+    await Promise.resolve().then(attempt) // in a promise reaction it started
+    expect(codes).toEqual(['ERR_LOCK_REENTRANT', 'ERR_LOCK_REENTRANT', 'ERR_LOCK_REENTRANT', 'ERR_LOCK_REENTRANT'])
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+    // release() ends it at once, even before it has settled: the next call queues behind the release.
+    const released = lock.release()
+    const again = await lockFile(file)
+    await released
+    await again.release()
+    expectFree(file)
+  })
+
+  test('a shared request inside a shared critical section is granted, even with an exclusive request of another task queued', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const other = await lockInTask(file, { shared: true })
+    const ex = track(lockInTask(file))
+    await new Promise((r) => setImmediate(r)) // ex has asked: it is queued behind `other`
+    const outer = await lockFile(file, { shared: true })
+    const inner = await lockFile(file, { shared: true })
+    expect(flocksOn(file).map((e) => [e.blocked, e.shared])).toEqual([
+      [false, true],
+      [false, true],
+      [false, true],
+    ])
+    for (const l of [inner, outer, other]) await l.release()
+    await eventually(() => ex.state !== 'pending')
+    expect(ex.state).toBe('fulfilled')
+    await ex.value!.release()
+    expectFree(file)
+  })
+
+  test('a shared request inside an exclusive critical section is refused', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    await held(file)
+    await expect(lockFile(file, { shared: true })).rejects.toMatchObject({ code: 'ERR_LOCK_REENTRANT', path: file })
+    expect(flocksOn(file)).toEqual([{ blocked: false, shared: false, pid: process.pid }])
+  })
+
+  // AsyncLocalStorage.enterWith marks the caller's synchronous frame, so the frame that started handler 1 (and what it
+  // starts later) is inside handler 1's critical section too: the one pattern docs/locks.md names, with its way out.
+  test('a handler started without an await by a frame that called lockFile before its first await: refused while an earlier one holds the lock; started in a microtask of its own, it waits its turn', async () => {
+    const file = path.join(freshDir(), 'a.lock')
+    const dispatch = async (start: (job: () => Promise<unknown>) => Promise<unknown>) => {
+      let letGo!: () => void
+      const holding = new Promise<void>((resolve) => (letGo = resolve))
+      const handle = async (until?: Promise<void>) => {
+        const lock = await lockFile(file)
+        await until
+        await lock.release()
+        return 'granted'
+      }
+      const first = start(() => handle(holding))
+      await eventually(() => flocksOn(file).length === 1) // handler 1 holds the lock
+      const second = start(() => handle()).catch((e: { code: string }) => e.code)
+      letGo()
+      return [await first, await second]
+    }
+    expect(await dispatch((job) => job())).toEqual(['granted', 'ERR_LOCK_REENTRANT'])
+    expect(await dispatch((job) => new Promise((resolve) => queueMicrotask(() => resolve(job()))))).toEqual(['granted', 'granted'])
     expectFree(file)
   })
 })
@@ -445,37 +631,50 @@ describe('crash', () => {
   })
 })
 
+/**
+ * test/fixtures/lock-waiters-child.cjs with UV_THREADPOOL_SIZE=4: 64 waiters, each on a file of its own (`files`)
+ * or all on one (`one`). Resolves with its last message of each event once it exited 0.
+ */
+async function waitersChild(mode: 'files' | 'one'): Promise<{ messages: Record<string, Record<string, unknown>>; stderr: string }> {
+  const dir = freshDir()
+  const proc = spawn(process.execPath, [path.join(fixtures, 'lock-waiters-child.cjs'), dir, '64', mode], {
+    env: { ...process.env, UV_THREADPOOL_SIZE: '4' },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  })
+  let stderr = ''
+  proc.stderr.setEncoding('utf8').on('data', (s: string) => (stderr += s))
+  onTestFinished(() => {
+    if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGKILL')
+  })
+  const messages: Record<string, Record<string, unknown>> = {}
+  readline.createInterface({ input: proc.stdout }).on('line', (line) => {
+    const m = JSON.parse(line) as Record<string, unknown>
+    messages[m.event as string] = m
+  })
+  const code = await new Promise<number | null>((resolve) => proc.on('exit', (code) => resolve(code)))
+  expect(messages.error, stderr).toBeUndefined()
+  expect(code, stderr).toBe(0)
+  return { messages, stderr }
+}
+
 describe('threads (DESIGN.md, "Threads")', () => {
   test('64 waiters with UV_THREADPOOL_SIZE=4: fs calls still complete while they wait; then all get their locks', async () => {
-    const dir = freshDir()
-    const proc = spawn(process.execPath, [path.join(fixtures, 'lock-waiters-child.cjs'), dir, '64'], {
-      env: { ...process.env, UV_THREADPOOL_SIZE: '4' },
-      stdio: ['ignore', 'pipe', 'pipe'],
-    })
-    let stderr = ''
-    proc.stderr.setEncoding('utf8').on('data', (s: string) => (stderr += s))
-    onTestFinished(() => {
-      if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGKILL')
-    })
-    const messages: Record<string, Record<string, unknown>> = {}
-    readline.createInterface({ input: proc.stdout }).on('line', (line) => {
-      const m = JSON.parse(line) as Record<string, unknown>
-      messages[m.event as string] = m
-    })
-    const exited = new Promise<number | null>((resolve) => proc.on('exit', (code) => resolve(code)))
-    let code: number | null | undefined
-    void exited.then((c) => (code = c))
-    // First: all 64 wait (in flock, each on a thread of its own), and the pool still serves fs calls.
-    await eventually(() => messages.waiting !== undefined || code !== undefined)
-    expect(messages.error, stderr).toBeUndefined()
+    const { messages, stderr } = await waitersChild('files')
+    // All 64 waited in flock (each on a thread of its own), and the pool still served fs calls.
     expect(messages.waiting).toMatchObject({ blocked: 64, pool: '4' })
-    await eventually(() => messages['fs-ok'] !== undefined || code !== undefined)
     // Nobody got the lock while the holder had it, and the reads did not wait for the holder.
     expect(messages['fs-ok']).toMatchObject({ reads: 16, inside: 0, granted: 0 })
-    expect(await exited, stderr).toBe(0)
-    expect(messages.error, stderr).toBeUndefined()
     const granted = messages.granted as { order: number[]; count: number }
-    expect([...granted.order].sort((a, b) => a - b)).toEqual(Array.from({ length: 64 }, (_, i) => i))
+    expect([...granted.order].sort((a, b) => a - b), stderr).toEqual(Array.from({ length: 64 }, (_, i) => i))
+    expect(messages.index).toMatchObject({ keys: 64 })
+  })
+
+  test('64 concurrent waiters on one file held by another process: one waits in flock, all get it one at a time in call order', async () => {
+    const { messages, stderr } = await waitersChild('one')
+    // The others wait on a promise: no fd, no thread, no pool thread each.
+    expect(messages.waiting).toMatchObject({ blocked: 1, pool: '4' })
+    expect(messages['fs-ok']).toMatchObject({ reads: 16, inside: 0, granted: 0 })
+    expect(messages.granted, stderr).toEqual({ event: 'granted', order: Array.from({ length: 64 }, (_, i) => i), count: 64, most: 1 })
     expect(messages.index).toMatchObject({ keys: 64 })
   })
 

@@ -678,7 +678,8 @@ class Lock extends Cmd {
     const tag = `l${++m.seq}`
     const res = await actor(r, this.by).run({ op: 'lock', tag, path: path.join(r.idx, LOCK_NAMES[this.target]), shared: this.shared })
     m.lockFiles.add(LOCK_NAMES[this.target])
-    // A lock is the process's: a request that would wait on the holder's own process is refused first.
+    // An actor's commands run one after another in one async chain, so a lock it holds is held in the context of its
+    // next command: a request there that would wait for it is refused first (ERR_LOCK_REENTRANT, docs/locks.md).
     const holders = [...m.locks.values()].filter((l) => l.target === this.target)
     const own = holders.filter((l) => l.actor === this.by)
     if (this.shared ? own.some((l) => !l.shared) : own.length > 0)

@@ -58,7 +58,7 @@ describe('removeTree with force', () => {
   })
 })
 
-/** flock(1) holding `file` in a process of its own (a process never waits on itself) until release(). */
+/** flock(1) holding `file` in a process of its own until release(). */
 async function heldByFlock(file: string): Promise<{ release(): Promise<void> }> {
   const proc = spawn('flock', [file, 'cat'], { stdio: ['pipe', 'ignore', 'inherit'] })
   const exited = new Promise((resolve) => proc.once('exit', resolve))
@@ -76,7 +76,7 @@ describe('updateJsonFile with signal', () => {
     const dir = freshDir()
     const file = path.join(dir, 'i.json')
     fs.writeFileSync(file, '{"n":1}\n')
-    const held = await heldByFlock(file) // another process: this one's own lock would be ERR_LOCK_REENTRANT
+    const held = await heldByFlock(file) // another process: this test's own lock would make the update a wait on itself
     const ac = new AbortController()
     let called = false
     const p = updateJsonFile(file, () => ((called = true), { n: 2 }), { signal: ac.signal })

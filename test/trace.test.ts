@@ -201,7 +201,7 @@ describe('vmspace:sweep', () => {
   })
 })
 
-/** flock(1) holding `file` in a process of its own (a process never waits on itself) until release(). */
+/** flock(1) holding `file` in a process of its own until release(). */
 async function heldByFlock(file: string): Promise<{ release(): Promise<void> }> {
   const proc = spawn('flock', [file, 'cat'], { stdio: ['pipe', 'ignore', 'inherit'] })
   const exited = new Promise((resolve) => proc.once('exit', resolve))
@@ -223,7 +223,7 @@ describe('vmspace:lock', () => {
     expect(seen[3].fields).toEqual({ path: file, options: undefined, waited: false, waitMs: expect.any(Number) })
     expect(seen[3].result).toBe(first)
     await first.release()
-    const holder = await heldByFlock(file) // another process: a wait behind this process's own lock is refused
+    const holder = await heldByFlock(file) // another process: the wait is one in flock(2)
     seen.length = 0
     const options = { timeoutMs: 60_000 }
     const second = lockFile(file, options)
@@ -234,6 +234,18 @@ describe('vmspace:lock', () => {
     expect(seen[0].fields).toEqual({ path: file, options })
     expect(seen[3].fields).toEqual({ path: file, options, waited: true, waitMs: expect.any(Number) })
     expect(seen[3].fields.waitMs as number).toBeGreaterThanOrEqual(0)
+    await lock.release()
+  })
+
+  test('a lock got after an earlier request of this thread let go: waited true', async () => {
+    const file = path.join(freshDir(), 'l.lock')
+    const first = await Promise.resolve().then(() => lockFile(file)) // another task's, as a request handler's
+    const seen = record('vmspace:lock')
+    const second = lockFile(file) // queued behind the first: no fd, no flock wait
+    await first.release()
+    const lock = await second
+    expect(seen.map((s) => s.event)).toEqual(success)
+    expect(seen[3].fields).toEqual({ path: file, options: undefined, waited: true, waitMs: expect.any(Number) })
     await lock.release()
   })
 

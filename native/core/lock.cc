@@ -28,7 +28,7 @@ struct Claim {
   ino_t ino;
   bool shared;
   bool create;  // how lockFollowPath reopens the path
-  long owner;
+  long owner;   // the requesting thread (lib: threadId + 1)
 };
 
 std::mutex claimsMu;
@@ -39,11 +39,12 @@ std::unordered_map<int, Claim>& claims() {
   return *table;
 }
 
-// Whether a request `want` would wait on the registered `held` (see lockClaim in lock.h).
+// Whether a request `want` would wait on the registered `held` (see lockClaim in lock.h). Another thread's
+// request waits in flock on an open file description of its own, as another process's does.
 bool waitsOnItself(const Claim& held, const Claim& want) {
   if (held.dev != want.dev || held.ino != want.ino) return false;
   if (held.shared && want.shared) return false;
-  return !(held.owner != 0 && want.owner != 0 && held.owner != want.owner);
+  return held.owner == want.owner;
 }
 
 // Registers `fd` as `c`, unless another registered fd makes it wait on itself (EDEADLK). `except` is not
@@ -97,7 +98,8 @@ struct ClaimedFd {
 
 [[noreturn]] void throwReentrant(const std::string& path) {
   throwCode("ERR_LOCK_REENTRANT",
-            "this process already holds or waits for a lock on " + path + "; waiting for it here would wait on itself",
+            "this thread already holds or waits for a lock on the file at " + path +
+                " (under this name or another); waiting for it here would wait on itself",
             EDEADLK, "flock", path);
 }
 }  // namespace

@@ -1,7 +1,8 @@
 // Cross-process locks on flock(2) (the atomic replace of the JSON file kept under one: json_file.h). flock locks
 // belong to the open file description: the kernel releases them when the last fd of it closes (holder exit or
-// SIGKILL included). Two opens in one process would exclude each other, so a wait on a file the process itself
-// holds never ends: every lock fd is registered here (lockClaim), and such a request fails with EDEADLK instead.
+// SIGKILL included). Two opens in one process exclude each other, so one thread's requests on one file take turns
+// in lib (lib/lock-turns.ts) and a second one reaching here would wait on the thread itself: every lock fd is
+// registered here (lockClaim), and such a request fails with EDEADLK instead.
 #pragma once
 
 #include <string>
@@ -14,11 +15,11 @@ namespace vmspace {
 
 // Opens the lock file `path` (with `create`, made if missing, mode 0600; without, ENOENT when missing: an
 // updateJsonFile locks the data file itself and never makes it), registers the fd (lockClaim: ERR_LOCK_REENTRANT,
-// cause EDEADLK, when this process holds or waits for the same file in a way that would wait on itself) and
+// cause EDEADLK, when the thread `owner` holds or waits for the same file in a way that would wait on itself) and
 // tries flock without blocking. Returns the fd (O_CLOEXEC) and sets *acquired; when not acquired the fd is still
 // returned, for a wait (lockWaitBlocking, then lockFollowPath). A lock granted on a file that is no longer at
 // `path` is dropped and the new file is locked (lockFollowPath). Every fd it returns is closed with lockClose.
-int lockOpen(const std::string& path, bool shared, bool* acquired, bool create = true, long owner = 0);
+int lockOpen(const std::string& path, bool shared, bool* acquired, bool create, long owner);
 
 // Opens the lock file `path` for flock (with `create`, made if missing, mode 0600; read-only where it cannot be
 // created or written): the fd, or -1 with *err set to the errno of open(2).
@@ -26,11 +27,12 @@ int lockOpenFile(const std::string& path, bool create, int* err);
 
 // The process's lock registry, shared by every thread (worker_threads included). Each lock fd lockOpen made is
 // registered, from before its first flock until lockClose, with the file's device and inode (the same file under
-// another name is the same file) and the request: shared or not, and `owner` (0 for lockFile; an updateJsonFile
-// passes its thread's number + 1). lockClaim refuses with EDEADLK a request that would wait on this process:
-// any request on a file registered already, except a shared one beside shared ones (flock grants shared beside
-// shared whatever waits, so nothing waits on us) and two updates of different threads (the kernel orders them as
-// it orders two processes). 0 once registered, else EDEADLK or fstat's errno.
+// another name is the same file) and the request: shared or not, and `owner` (the requesting thread: lib passes
+// threadId + 1). lockClaim refuses with EDEADLK a request that would wait on its own thread: one on a file that
+// thread has registered already, except a shared one beside shared ones (flock grants shared beside shared
+// whatever waits, so nothing waits on us). Two threads' requests both wait in flock (the kernel orders them as it
+// orders two processes). Since lib queues one thread's requests per path, this refuses only the same file under
+// two names, or a file replaced by one the thread holds. 0 once registered, else EDEADLK or fstat's errno.
 int lockClaim(int fd, bool shared, bool create, long owner);
 
 // Closes a lock fd and drops its registration (every close of an fd lockOpen returned goes through here).

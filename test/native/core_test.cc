@@ -292,7 +292,7 @@ static void lockFollowsAFileReplacedAtItsPath() {
   std::string d = fresh();
   std::string path = d + "/index.lock";
   bool acquired = false;
-  int fd = lockOpen(path, false, &acquired);
+  int fd = lockOpen(path, false, &acquired, true, 1);
   CHECK(fd >= 0 && acquired);
   const char* syscall = nullptr;
   CHECK(lockFollowPath(path, &fd, &syscall) == 0);  // still the file at the path: the lock is good
@@ -459,27 +459,27 @@ static void badAllocIsEnomemInOnePlace() {
   CHECK(caught.err == ENOMEM && caught.syscall == "malloc" && caught.code.empty() && caught.detail.empty());
 }
 
-// The lock registry: a second lock of this process on one file (any name) is EDEADLK, shared beside shared is
-// not, two updates of different owners are not, and a close drops the registration.
+// The lock registry: a second request of one owner (thread) on one file (any name) is EDEADLK, shared beside
+// shared is not, another owner's is not (it waits in flock), and a close drops the registration.
 static void lockRegistryRefusesAWaitOnItself() {
   std::string d = fresh();
   std::string path = d + "/r.lock";
   bool acquired = false;
-  int fd = lockOpen(path, false, &acquired);
+  int fd = lockOpen(path, false, &acquired, true, 1);
   CHECK(fd >= 0 && acquired);
-  CHECK(errorOf([&] { lockOpen(path, false, &acquired); }) == EDEADLK);
-  CHECK(errorOf([&] { lockOpen(path, true, &acquired); }) == EDEADLK);
+  CHECK(errorOf([&] { lockOpen(path, false, &acquired, true, 1); }) == EDEADLK);
+  CHECK(errorOf([&] { lockOpen(path, true, &acquired, true, 1); }) == EDEADLK);
   CHECK(link(path.c_str(), (d + "/alias.lock").c_str()) == 0);
-  CHECK(errorOf([&] { lockOpen(d + "/alias.lock", false, &acquired); }) == EDEADLK);
+  CHECK(errorOf([&] { lockOpen(d + "/alias.lock", false, &acquired, true, 1); }) == EDEADLK);
   lockClose(fd);
-  int a = lockOpen(path, true, &acquired);
-  int b = lockOpen(path, true, &acquired);  // shared beside shared: granted
+  int a = lockOpen(path, true, &acquired, true, 1);
+  int b = lockOpen(path, true, &acquired, true, 1);  // shared beside shared: granted
   CHECK(a >= 0 && b >= 0 && acquired);
   lockClose(a);
   lockClose(b);
   int u1 = lockOpen(path, false, &acquired, false, 1);
   CHECK(u1 >= 0 && acquired);
-  CHECK(errorOf([&] { lockOpen(path, false, &acquired, false, 1); }) == EDEADLK);  // same thread's update
+  CHECK(errorOf([&] { lockOpen(path, false, &acquired, false, 1); }) == EDEADLK);  // the same thread's
   int u2 = lockOpen(path, false, &acquired, false, 2);                             // another thread's: waits in flock
   CHECK(u2 >= 0 && !acquired);
   lockClose(u1);
