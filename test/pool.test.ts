@@ -166,7 +166,8 @@ describe('allocate', () => {
       expect(err).toBeInstanceOf(TypeError)
       expect(err).toMatchObject({
         code: 'ERR_INVALID_ARG_VALUE',
-        message: `Expected a directory, whose contents become the workspace's (a file goes in a map: { 'name': path }) for \`options.template\` but received "${file}" of type string`,
+        // The message shows the first 60 characters of the value (lib/args.ts).
+        message: `Expected a directory, whose contents become the workspace's (a file goes in a map: { 'name': path }) for \`options.template\` but received ${JSON.stringify(file.length > 60 ? file.slice(0, 60) + '…' : file)} of type string`,
         cause: expect.objectContaining({ code: 'ENOTDIR', path: file }),
       })
       expect(poolState(pool.root)).toEqual(emptyPoolState)
