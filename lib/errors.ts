@@ -35,7 +35,7 @@ export type VmspaceErrorCode =
   | 'ERR_IMAGE_FOREIGN' // the image path holds a file that is not a file system image vmspace made; left untouched
   | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
   | 'ERR_IMAGE_IN_USE' // the image is already mounted at another path (the message names it); nothing made
-  | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image
+  | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image; openPool without image: it is the image's unmounted mount point
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

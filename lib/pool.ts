@@ -26,7 +26,7 @@ import { WarmReserve } from './warm.js'
 import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
 import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
-import { imageOptions, withImage } from './image.js'
+import { imageOptions, markedImage, withImage } from './image.js'
 import {
   commitOptions,
   commitResult,
@@ -77,7 +77,8 @@ type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string
  * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_NOT_EMPTY` (see
  * {@link PoolOptions.nonEmpty}), `ERR_POOL_FORMAT` when `.vmspace/` is not this layout (another version, or its
  * version file or one of its directories missing: such a pool is refused untouched, never made again),
- * `EXDEV` when `.vmspace/` is on another file system than the root.
+ * `EXDEV` when `.vmspace/` is on another file system than the root, `ERR_IMAGE_NOT_MOUNTED` (nothing made) when
+ * `root` is the mount point of an image-backed pool whose image is not mounted and `image` is not given.
  * On a file system without renameat2(RENAME_NOREPLACE) (FUSE, some network file systems; asked once, here) the
  * pool opens, and its allocate() fails with `ERR_RENAME_NOREPLACE_UNSUPPORTED`.
  */
@@ -106,7 +107,19 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
     if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
     return pool
   }
-  return image ? withImage(dir, image, create, open) : open()
+  if (image) return withImage(dir, image, create, open)
+  refuseUnmountedImage(dir)
+  return open()
+}
+
+/**
+ * An image-backed pool's mount point while its image is not mounted holds only the marker the mount hides: a pool
+ * opened there without `image` would be made on the host's file system (and the next mount refused).
+ */
+function refuseUnmountedImage(dir: string): void {
+  const image = markedImage(dir)
+  if (image !== undefined)
+    throw vmspaceError('ERR_IMAGE_NOT_MOUNTED', `${dir} is the mount point of the image ${image}, which is not mounted: open the pool with { image } or run vmspace mount`, { path: dir })
 }
 
 /** The default size budget of a pool's template cache: 8 GiB (native/core/template_cache.h, kDefaultCacheBytes). */
