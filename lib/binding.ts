@@ -107,7 +107,7 @@ export function jsonMembers(record: Record<string, unknown>, ...extra: [key: str
 export interface NativeCloneOptions {
   /** Default 'auto'. */
   reflink?: Reflink
-  /** Replace an existing destination (clonePath, clonePathBeneath only). Default false. */
+  /** Replace an existing destination (clonePath, clonePathBeneath, cloneOutBeneath only). Default false. */
   overwrite?: boolean
   /** fsync the copies and their directories before resolving. Default false. */
   durable?: boolean
@@ -214,6 +214,8 @@ export interface Native {
     writeback: number,
     progress: ProgressHandle | undefined,
   ): Promise<NativeCloneArray>
+  /** `rel` resolved beneath the published workspace `name` (path `basePath`), cloned out to the absolute `dst`. */
+  cloneOutBeneath(handle: PoolHandle, options: NativeCloneOptions & { name: string; basePath: string; rel: string; dst: string }): Promise<NativeCloneResult>
   probeQuota(path: string): Promise<NativeQuotaSupport>
   /** 0 or the errno of BTRFS_IOC_QUOTA_CTL (simple quotas when `simple`); rejects with the errno of open. */
   enableBtrfsQuota(path: string, simple: boolean): Promise<number>

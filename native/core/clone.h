@@ -174,4 +174,12 @@ CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, c
 CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
                               const std::string& rel, const CloneOptions& options, CloneProgress* progress);
 
+// Clones `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace, whose entries are
+// the guest's: hostile), out to the absolute `dstPath` (its parent must exist), as clonePathAt does. No symlink on
+// the way is followed (ENOTDIR; a symlink as the leaf: ELOOP), so a guest's link to a host file copies nothing; a
+// device node, fifo or socket is ERR_SOURCE_TYPE before it is ever opened. Nothing is written at `dstPath` on
+// any failure. Reopening the checked entry needs /proc (ENOENT, syscall open, without it).
+CloneSummary cloneOutBeneath(int baseFd, const std::string& basePath, const std::string& rel,
+                             const std::string& dstPath, const CloneOptions& options, CloneProgress* progress);
+
 }  // namespace vmspace
