@@ -113,6 +113,10 @@ export interface NativeCloneOptions {
   durable?: boolean
   /** Default 'none'. */
   writeback?: Writeback
+  /** A tree's device nodes are made (allocate, commitTemplate). Default true. */
+  keepDevices?: boolean
+  /** A tree's set-id bits (not a directory's) and security.capability are kept (allocate, commitTemplate). Default true. */
+  keepSetId?: boolean
   /** Progress counters and cancel flag (newProgress). */
   progress?: ProgressHandle
 }
@@ -142,7 +146,7 @@ export interface WorkspaceShape extends Pick<NativeCloneOptions, 'reflink' | 'du
   entries: [dest: string, source: string][]
 }
 
-export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress'> {
+export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress' | 'keepDevices' | 'keepSetId'> {
   /** The caller's members of the metadata record; the core adds its own (name, template) and serialises it. */
   info: JsonMembers
   /** 0 or absent: none. */
@@ -152,7 +156,7 @@ export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneO
   fromTemplate?: string
 }
 
-export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress'> {
+export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress' | 'keepDevices' | 'keepSetId'> {
   sourcePath: string
   name: string
   /** The caller's members of template.json; the core adds id, name, method and usage. */

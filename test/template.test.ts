@@ -425,7 +425,83 @@ for (const fsys of systems) {
         await ws.dispose()
       })
     })
+
+    test.skipIf(!mounts.root)('a guest\'s device node and set-id bits are not carried by commit, fork or allocate({ template: <workspace> }) unless asked; a setgid directory is', async () => {
+      await withPool(base, async (pool) => {
+        const ws = await pool.allocate()
+        plantPrivileges(ws.path)
+        const t = await pool.commit(ws, { name: 'guest' })
+        expect(t.clone.skipped).toEqual({ sockets: 0, devices: 1 })
+        expect(t.clone.method).not.toBe('snapshot')
+        expectNoPrivileges(t.path)
+        const [kid] = await pool.fork(ws, 1)
+        expectNoPrivileges(kid.path)
+        const copy = await pool.allocate({ template: ws.path })
+        expect(copy.template[0]).toMatchObject({ skipped: { devices: 1 } })
+        expectNoPrivileges(copy.path)
+        // Asked for: carried as they are.
+        const kept = await pool.commit(ws, { name: 'trusted', keepDevices: true, keepSetId: true })
+        expectPrivileges(kept.path)
+        const keptCopy = await pool.allocate({ template: ws.path, keepDevices: true, keepSetId: true })
+        expectPrivileges(keptCopy.path)
+        for (const w of [ws, kid, copy, keptCopy]) await w.dispose()
+      })
+    })
+
+    test.skipIf(!mounts.root)('a template directory outside the pool (the host\'s) keeps its device nodes and set-id bits unless keepDevices/keepSetId: false', async () => {
+      await withPool(base, async (pool, root) => {
+        const host = path.join(path.dirname(root), 'rootfs')
+        fs.mkdirSync(host)
+        plantPrivileges(host)
+        const ws = await pool.allocate({ template: host })
+        expectPrivileges(ws.path)
+        const strict = await pool.allocate({ template: host, keepDevices: false, keepSetId: false })
+        expectNoPrivileges(strict.path)
+        await ws.dispose()
+        await strict.dispose()
+      })
+    })
+
+    test('keepDevices/keepSetId of another type are ERR_INVALID_ARG_TYPE, a misspelt one ERR_INVALID_ARG_VALUE; nothing committed', async () => {
+      await withPool(base, async (pool, root) => {
+        const ws = await pool.allocate()
+        await expect(pool.commit(ws, { keepDevices: 'yes' } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        await expect(pool.commit(ws, { keepDevice: true } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining('keepDevice') })
+        await expect(pool.fork(ws, 1, { keepSetId: 1 } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        await expect(pool.allocate({ template: ws.path, keepSetId: null } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        expect(publishedIds(root)).toEqual([])
+        await ws.dispose()
+      })
+    })
   })
+}
+
+/** What a guest with CAP_MKNOD plants: a block device node of the host's root disk, set-id files, a setgid directory. */
+function plantPrivileges(dir: string): void {
+  const dev = fs.statSync('/').dev
+  const r = spawnSync('mknod', [path.join(dir, 'disk'), 'b', String((dev >> 8) & 0xfff), String((dev & 0xff) | ((dev >> 12) & 0xfff00))])
+  expect(r.status).toBe(0)
+  for (const [name, mode] of [['su', 0o4755], ['sg', 0o2755]] as const) {
+    fs.writeFileSync(path.join(dir, name), '#!/bin/sh\n')
+    fs.chmodSync(path.join(dir, name), mode)
+  }
+  fs.mkdirSync(path.join(dir, 'shared'))
+  fs.chmodSync(path.join(dir, 'shared'), 0o2775)
+}
+
+/** No device node and no set-id bit on a file below `dir`; the setgid directory kept. */
+function expectNoPrivileges(dir: string): void {
+  expect(fs.existsSync(path.join(dir, 'disk'))).toBe(false)
+  expect(fs.statSync(path.join(dir, 'su')).mode & 0o6000).toBe(0)
+  expect(fs.statSync(path.join(dir, 'sg')).mode & 0o6000).toBe(0)
+  expect(fs.statSync(path.join(dir, 'shared')).mode & 0o2000).toBe(0o2000)
+}
+
+function expectPrivileges(dir: string): void {
+  expect(fs.lstatSync(path.join(dir, 'disk')).isBlockDevice()).toBe(true)
+  expect(fs.lstatSync(path.join(dir, 'disk')).rdev).toBe(fs.statSync('/').dev)
+  expect(fs.statSync(path.join(dir, 'su')).mode & 0o6000).toBe(0o4000)
+  expect(fs.statSync(path.join(dir, 'sg')).mode & 0o6000).toBe(0o2000)
 }
 
 requireMount('btrfs', mounts.btrfs, mounts.missing.btrfs)
@@ -445,8 +521,9 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
       expect(readOnlySubvolume(parent.path)).toBe(false)
       fs.writeFileSync(path.join(parent.path, 'parent.txt'), 'parent')
       const state = contentTree(parent.path)
-      // Its commit is a read-only snapshot (no walk: no usage measured), its parent the first template.
-      const t2 = await pool.commit(parent, { name: 'snap' })
+      // Its commit, keeping devices and set-id bits (a snapshot drops nothing), is a read-only snapshot (no walk:
+      // no usage measured), its parent the first template.
+      const t2 = await pool.commit(parent, { name: 'snap', keepDevices: true, keepSetId: true })
       expect(t2).toMatchObject({ method: 'snapshot', subvolume: true, parent: t1.id, clone: { method: 'snapshot' } })
       expect(t2.usage).toBeUndefined()
       expect(readOnlySubvolume(t2.path)).toBe(true)
@@ -562,7 +639,7 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
         fs.writeFileSync(ws.path + '/a.txt', 'a')
         const t = await pool.commit(ws, { name: 'base' })
         const child = await pool.allocate({ from: 'base' })
-        const t2 = await pool.commit(child, { name: 'snap' })
+        const t2 = await pool.commit(child, { name: 'snap', keepDevices: true, keepSetId: true })
         const kids = await pool.fork(child, 2)
         const out = { commit: t.clone.method, allocate: child.template[0].method, commitSnap: t2.clone.method, fork: kids.map((k) => k.template[0].method),
           removed: [(await pool.removeTemplate('base')).removed, (await pool.removeTemplate('snap')).removed] }

@@ -100,6 +100,8 @@ vmspace::CloneOptions cloneOptionsOf(const Options& o) {
   c.overwrite = o.booleanOr("overwrite", false);
   c.durable = o.booleanOr("durable", false);
   c.writeback = writebacks[o.oneOf("writeback", {"none", "start", "wait"}, 0)];
+  c.keepDevices = o.booleanOr("keepDevices", true);
+  c.keepSetId = o.booleanOr("keepSetId", true);
   return c;
 }
 

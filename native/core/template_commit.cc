@@ -140,7 +140,9 @@ class TemplateCommit {
   // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
   void makeTree(int leaseFd) {
     const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
-    if (subvolume) res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd);
+    // A snapshot carries every device node and set-id bit as it is: only where the caller keeps them both.
+    if (subvolume && opts_.keepDevices && opts_.keepSetId)
+      res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd);
     if (!res_.clone.snapshot) {
       // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
       // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
