@@ -17,6 +17,7 @@ export type VmspaceErrorCode =
   | 'ERR_POOL_FORMAT' // .vmspace/ is not this layout (another version, or its version file or a directory of its own missing)
   | 'ERR_POOL_NOT_EMPTY' // openPool would make a pool in a directory holding other entries (see PoolOptions.nonEmpty)
   | 'ERR_POOL_UNSAFE' // another user could write a directory of the pool or above it (see `uid`, `gid`, `mode`)
+  | 'ERR_POOL_NESTED' // openPool inside another pool; a workspace's removal met a pool's root (left whole)
   | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
   | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)

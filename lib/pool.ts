@@ -79,7 +79,8 @@ type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string
  * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_NOT_EMPTY` (see
  * {@link PoolOptions.nonEmpty}), `ERR_POOL_FORMAT` when `.vmspace/` is not this layout (another version, or its
  * version file or one of its directories missing: such a pool is refused untouched, never made again),
- * `EXDEV` when `.vmspace/` is on another file system than the root, `ERR_IMAGE_NOT_MOUNTED` (nothing made) when
+ * `EXDEV` when `.vmspace/` is on another file system than the root, `ERR_POOL_NESTED` (nothing made) when `root`
+ * lies inside another pool (its workspace, `.vmspace/` or trash), `ERR_IMAGE_NOT_MOUNTED` (nothing made) when
  * `root` is the mount point of an image-backed pool whose image is not mounted and `image` is not given.
  * On a file system without renameat2(RENAME_NOREPLACE) (FUSE, some network file systems; asked once, here) the
  * pool opens, and its allocate() fails with `ERR_RENAME_NOREPLACE_UNSUPPORTED`.

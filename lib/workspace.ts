@@ -163,7 +163,8 @@ export class Workspace implements AsyncDisposable {
    * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
    * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
    * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
-   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
+   * lease is no longer this object's to remove). A mount inside gives `EBUSY`, a pool's root inside
+   * `ERR_POOL_NESTED` (left whole: docs/pool-on-disk.md); the workspace is then
    * `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {
