@@ -434,8 +434,8 @@ UniqueFd openSource(const std::string& srcPath, const std::string& dstPath, stru
 // or fifo is refused (ERR_SOURCE_TYPE) before any open(2) of it, which for a device is the driver's open (a
 // watchdog arms itself). The O_PATH fd is then reopened through /proc/self/fd: the very inode checked, whatever
 // the guest renames meanwhile.
-UniqueFd openSourceBeneath(int baseFd, const std::string& basePath, const std::string& rel,
-                           const std::string& dstPath, struct stat* st) {
+UniqueFd openSourceBeneath(int baseFd, const std::string& basePath, const std::string& rel, const std::string& dstPath,
+                           struct stat* st) {
   std::string leaf, srcPath = basePath + "/" + rel;
   ParentDir dir = openParentBeneath(baseFd, rel, &leaf, basePath, false);
   UniqueFd at(openat(dir.get(), leaf.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));

@@ -230,8 +230,8 @@ class TreeCloner {
   TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
              std::string dstRoot)
       : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd),
-        meta_(std::move(srcRoot), std::move(dstRoot), opts.keepSetId), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()),
-        threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
+        meta_(std::move(srcRoot), std::move(dstRoot), opts.keepSetId), euid_(geteuid()), egid_(getegid()),
+        umask_(currentUmask()), threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
 
   // Fills the (empty) destination root with the contents of the source root. Throws the first error.
   void cloneContents() {

@@ -109,8 +109,6 @@ void refuseNestedPool(int dirFd, const std::string& root) {
   throwErrno(ELOOP, "open", root);
 }
 
-
-
 void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancestor) {
   struct stat st;
   if (fstat(fd, &st) != 0) throwErrno(errno, "fstat", shown);
