@@ -485,8 +485,8 @@ export class Pool implements AsyncDisposable {
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
    * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).
    * A guest's tree is hostile: its device nodes are not made (counted in `clone.skipped.devices`) and set-id bits
-   * (of anything but directories) and security.capability are dropped, unless `keepDevices`/`keepSetId`; on btrfs
-   * a subvolume workspace is committed as one snapshot only with both (docs/templates.md).
+   * (of anything but directories) and security.capability are dropped, unless `keepDevices`/`keepSetId`
+   * (docs/templates.md, "What a guest's tree may carry").
    * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_SOURCE_CHANGED`, `ERR_DISPOSED`,
    * `ERR_POOL_CLOSED`, `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on
    * failure.

@@ -216,8 +216,8 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     const pool = await openPool(root)
     const src = await pool.allocate({ quota: { bytes: QUOTA } })
     fs.writeFileSync(path.join(src.path, 'base.txt'), 'base')
-    // A quota workspace is a subvolume: its commit keeping devices and set-id bits is a read-only snapshot.
-    const t = await pool.commit(src, { name: 'base', keepDevices: true, keepSetId: true })
+    // A quota workspace is a subvolume: its commit is a read-only snapshot.
+    const t = await pool.commit(src, { name: 'base' })
     expect(t.clone.method).toBe('snapshot')
     const ws = await pool.allocate({ from: 'base', quota: { bytes: QUOTA } })
     expect(ws.template[0]!.method).toBe('snapshot')

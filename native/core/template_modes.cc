@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -88,6 +89,67 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
   if (strip && (rootSt.st_mode & 0222)) {
     put('r', rootSt.st_mode & 0222, "");
     if (fchmod(rootFd, rootSt.st_mode & 07777 & ~0222) != 0) throwErrno(errno, "fchmod", shown);
+  }
+}
+
+namespace {
+
+// What dropGuestPrivileges does to the entry `name` (stat `st`) of the directory `dirFd`.
+void dropEntryPrivileges(int dirFd, const char* name, const struct stat& st, bool devices, bool setId,
+                         uint64_t* skippedDevices, const TreeWalk& walk) {
+  if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) {
+    if (devices) return;
+    if (unlinkat(dirFd, name, 0) != 0) throwErrno(errno, "unlinkat", walk.path(walk.depth(), name));
+    ++*skippedDevices;
+    return;
+  }
+  if (setId || S_ISLNK(st.st_mode)) return;
+  if ((st.st_mode & (S_ISUID | S_ISGID)) && fchmodat(dirFd, name, st.st_mode & 07777 & ~(S_ISUID | S_ISGID), 0) != 0)
+    throwErrno(errno, "chmod", walk.path(walk.depth(), name));
+  if (!S_ISREG(st.st_mode)) return;
+  // No *at form of the xattr calls: the directory's /proc/self/fd link, then the name, not followed. Asked first:
+  // removing a security.* name takes CAP_SETFCAP even where there is none (EPERM for a user's commit).
+  std::string at = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
+  if (lgetxattr(at.c_str(), "security.capability", nullptr, 0) < 0) {
+    if (errno == ENODATA || errno == ENOTSUP) return;
+    throwErrno(errno, "getxattr", walk.path(walk.depth(), name));
+  }
+  if (lremovexattr(at.c_str(), "security.capability") != 0 && errno != ENODATA)
+    throwErrno(errno, "removexattr", walk.path(walk.depth(), name));
+}
+
+}  // namespace
+
+void dropGuestPrivileges(int rootFd, const std::string& shown, bool devices, bool setId, uint64_t* skippedDevices) {
+  struct stat rootSt;
+  if (fstat(rootFd, &rootSt) != 0) throwErrno(errno, "fstat", shown);
+  TreeWalk walk(shown, TreeWalk::Resume::AtPosition);
+  int fd = openat(rootFd, ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  if (int err = walk.push(fd, "", rootSt.st_dev, rootSt.st_ino)) throwErrno(err, "fdopendir", shown);
+  while (!walk.empty()) {
+    struct dirent* de;
+    if (int err = walk.next(&de)) throwErrno(err, "readdir", walk.path(walk.depth()));
+    if (!de) {
+      TreeWalk::Left done;
+      const char* syscall = "openat";
+      if (int err = walk.pop(&done, &syscall)) throwErrno(err, syscall, walk.path(walk.depth(), done.name.c_str()));
+      continue;
+    }
+    // Symlinks, fifos and sockets carry nothing to drop (their set-id bits mean nothing): no stat for them.
+    if (de->d_type == DT_LNK || de->d_type == DT_FIFO || de->d_type == DT_SOCK) continue;
+    const char* name = de->d_name;
+    const int cur = walk.topFd();
+    struct stat st;
+    if (fstatat(cur, name, &st, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "stat", walk.path(walk.depth(), name));
+    if (!S_ISDIR(st.st_mode)) {
+      dropEntryPrivileges(cur, name, st, devices, setId, skippedDevices, walk);
+      continue;
+    }
+    int down = walk.openDir(cur, name);
+    if (down < 0) throwErrno(errno, "open", walk.path(walk.depth(), name));
+    if (int err = walk.push(down, name, st.st_dev, st.st_ino))
+      throwErrno(err, "fdopendir", walk.path(walk.depth(), name));
   }
 }
 
