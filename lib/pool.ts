@@ -256,7 +256,9 @@ export class Pool implements AsyncDisposable {
     // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
     // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
     // or with their project id before anything is cloned in).
-    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
+    // Nor for a tree that drops devices or set-id bits: the reserve was built keeping them (its template is the
+    // host's).
+    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined && req.keepDevices && req.keepSetId) {
       const warm = this.#warm
       if (warm?.matches(WarmReserve.key(dir, entries, req.mode))) return this.#buildWarm(warm, req)
     }

@@ -820,6 +820,25 @@ describe('the vmspace command and templates', () => {
       await pool.close()
     }
   })
+
+  test.skipIf(!mounts.root)('vmspace commit leaves a guest\'s device node and set-id bits out (reported on stderr); --keep-devices --keep-set-id carry them', async () => {
+    const root = path.join(freshDir(mounts.scratch, 'tplcli'), 'pool')
+    const pool = await openPool(root)
+    try {
+      const ws = await pool.allocate()
+      plantPrivileges(ws.path)
+      const strict = cli(['commit', root, ws.id])
+      expect(strict.status, strict.stderr).toBe(0)
+      expect(strict.stderr).toContain('; 1 device nodes not carried')
+      expectNoPrivileges((await pool.template(strict.stdout.trim())).path)
+      const kept = cli(['commit', root, ws.id, '--keep-devices', '--keep-set-id'])
+      expect(kept.status, kept.stderr).toBe(0)
+      expectPrivileges((await pool.template(kept.stdout.trim())).path)
+      await ws.dispose()
+    } finally {
+      await pool.close()
+    }
+  })
 })
 
 describe('the demo with --fork', () => {
