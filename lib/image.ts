@@ -438,10 +438,10 @@ export async function unmountImage(rootArg: string): Promise<string> {
   const lock = await lockFile(`${loop.backFile}.lock`)
   try {
     await runOk('umount', [root], root)
-    // A mount point made before the marker existed gets it now: the pool must not be opened without its image.
-    markMountPoint(root, loop.backFile)
     // Another mount of the same device (a second mount point) keeps the loop device busy: leave it then.
     if (mountPointsOf(loop.name).length === 0) await runOk('losetup', ['--detach', loop.name], loop.name)
+    // A mount point made before the marker existed gets it now: the pool must not be opened without its image.
+    markMountPoint(root, loop.backFile)
   } finally {
     await lock.release()
   }

@@ -262,6 +262,19 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     await again.close()
   })
 
+  test('a mount point from before the marker (mounted by hand over an empty directory) gets it at unmountImage', async () => {
+    const { root, image } = paths('oldpoint')
+    const pool = await open(root, image)
+    await pool.close()
+    const loop = loopsOf(image)[0].name
+    expect(runCommand('umount', [root]).status).toBe(0)
+    fs.rmSync(path.join(root, '.vmspace-image'))
+    expect(runCommand('mount', ['-t', 'btrfs', loop, root]).status).toBe(0)
+    await unmountImage(root)
+    expect(fs.readdirSync(root)).toEqual(['.vmspace-image'])
+    await expect(openPool(root)).rejects.toMatchObject({ code: 'ERR_IMAGE_NOT_MOUNTED' })
+  })
+
   test('an image mounted at one root is ERR_IMAGE_IN_USE at another, which is left as it was; unmountImage through a symlink to the root unmounts it', async () => {
     const { root, image } = paths('elsewhere')
     const pool = await open(root, image)
