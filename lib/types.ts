@@ -439,11 +439,14 @@ export interface CloneResult {
   fifos?: number
   /** Trees: device nodes recreated. */
   devices?: number
-  /** Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted. */
+  /**
+   * Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted or not asked for (a
+   * guest's tree: commit, fork, allocate of a directory in the pool, without `keepDevices`).
+   */
   skipped?: {
     /** Sockets (never recreated: a socket is a live endpoint, not data). */
     sockets: number
-    /** Device nodes mknod(2) refused (`EPERM` without CAP_MKNOD). */
+    /** Device nodes mknod(2) refused (`EPERM` without CAP_MKNOD), or left out of a guest's tree (no `keepDevices`). */
     devices: number
   }
 }
