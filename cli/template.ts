@@ -27,18 +27,33 @@ function metaArg(text: string | undefined): JsonObject | undefined {
   return meta as JsonObject
 }
 
-export async function commit(rootArg: string, idArg: string, o: { name?: string; replace?: boolean; meta?: string; json?: boolean }): Promise<number> {
+/** The flags `vmspace fork` takes. */
+export interface ForkFlags {
+  meta?: string
+  keepDevices?: boolean
+  keepSetId?: boolean
+  json?: boolean
+}
+
+/** The flags `vmspace commit` takes. */
+export interface CommitFlags extends ForkFlags {
+  name?: string
+  replace?: boolean
+}
+
+export async function commit(rootArg: string, idArg: string, o: CommitFlags): Promise<number> {
   const root = poolRoot(rootArg)
   const id = workspaceId(idArg)
   const meta = metaArg(o.meta)
   const pool = await openPool(root, { create: false })
   try {
-    const t = await pool.commit(id, { name: o.name, replace: o.replace, meta })
+    const t = await pool.commit(id, { name: o.name, replace: o.replace, meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true })
     if (o.json) printJson(t)
     else {
       process.stdout.write(`${t.id}\n`)
       process.stderr.write(
         `vmspace commit: template ${t.id}${t.name ? ` (${t.name})` : ''}: ${t.clone.files} files, ${t.clone.method}` +
+          (t.clone.skipped?.devices ? `; ${t.clone.skipped.devices} device nodes not carried` : '') +
           (t.replaced ? `; replaced ${t.replaced.id}${t.replaced.removed ? '' : ' (removed once its readers finish)'}` : '') +
           '\n',
       )
@@ -49,14 +64,14 @@ export async function commit(rootArg: string, idArg: string, o: { name?: string;
   }
 }
 
-export async function fork(rootArg: string, idArg: string, count: number, o: { meta?: string; json?: boolean }): Promise<number> {
+export async function fork(rootArg: string, idArg: string, count: number, o: ForkFlags): Promise<number> {
   const root = poolRoot(rootArg)
   const id = workspaceId(idArg)
   const meta = metaArg(o.meta)
   const pool = await openPool(root, { create: false })
   try {
     const started = process.hrtime.bigint()
-    const kids = await pool.fork(id, count, { meta })
+    const kids = await pool.fork(id, count, { meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true })
     const ms = Number(process.hrtime.bigint() - started) / 1e6
     // Released, not disposed: the children outlive this command until someone adopts them (or a sweep runs).
     for (const k of kids) await k.release({ force: true })

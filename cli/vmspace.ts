@@ -7,7 +7,7 @@
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
 import { EXIT_FAILED, EXIT_RUN_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseDuration, parseSize, UsageError } from './common.js'
-import { templateArg } from './template.js'
+import { templateArg, type CommitFlags, type ForkFlags } from './template.js'
 
 const program = new Command('vmspace')
 
@@ -104,8 +104,10 @@ program
   .option('--name <name>', 'template name (1-128 of [A-Za-z0-9._-]); an existing one fails unless --replace')
   .option('--replace', 'swap an existing name to the new template atomically')
   .option('--meta <json>', 'a JSON object kept in the template metadata')
+  .option('--keep-devices', "carry the workspace's device nodes (a guest's are left out by default)")
+  .option('--keep-set-id', 'carry set-id bits and file capabilities (dropped by default)')
   .option('--json', 'JSON output (the template)')
-  .action(action(async (root: string, id: string, o: { name?: string; replace?: boolean; meta?: string; json?: boolean }) => (await import('./template.js')).commit(root, id, o)))
+  .action(action(async (root: string, id: string, o: CommitFlags) => (await import('./template.js')).commit(root, id, o)))
 
 program
   .command('fork')
@@ -114,8 +116,10 @@ program
   .argument('<id>', 'workspace id (32 hex characters) or name')
   .argument('<n>', 'number of children (1-4096)', parser(nonNegativeInt('N', 4096, 1)))
   .option('--meta <json>', 'a JSON object kept in every child\'s metadata')
+  .option('--keep-devices', "carry the workspace's device nodes (a guest's are left out by default)")
+  .option('--keep-set-id', 'carry set-id bits and file capabilities (dropped by default)')
   .option('--json', 'JSON output')
-  .action(action(async (root: string, id: string, n: number, o: { meta?: string; json?: boolean }) => (await import('./template.js')).fork(root, id, n, o)))
+  .action(action(async (root: string, id: string, n: number, o: ForkFlags) => (await import('./template.js')).fork(root, id, n, o)))
 
 const template = program.command('template').description('remove templates of a pool: one (rm), or stale versions (prune)')
 

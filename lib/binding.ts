@@ -107,12 +107,16 @@ export function jsonMembers(record: Record<string, unknown>, ...extra: [key: str
 export interface NativeCloneOptions {
   /** Default 'auto'. */
   reflink?: Reflink
-  /** Replace an existing destination (clonePath, clonePathBeneath only). Default false. */
+  /** Replace an existing destination (clonePath, clonePathBeneath, cloneOutBeneath only). Default false. */
   overwrite?: boolean
   /** fsync the copies and their directories before resolving. Default false. */
   durable?: boolean
   /** Default 'none'. */
   writeback?: Writeback
+  /** A tree's device nodes are made (allocate, commitTemplate). Default true. */
+  keepDevices?: boolean
+  /** A tree's set-id bits (not a directory's) and security.capability are kept (allocate, commitTemplate). Default true. */
+  keepSetId?: boolean
   /** Progress counters and cancel flag (newProgress). */
   progress?: ProgressHandle
 }
@@ -142,7 +146,7 @@ export interface WorkspaceShape extends Pick<NativeCloneOptions, 'reflink' | 'du
   entries: [dest: string, source: string][]
 }
 
-export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress'> {
+export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneOptions, 'writeback' | 'progress' | 'keepDevices' | 'keepSetId'> {
   /** The caller's members of the metadata record; the core adds its own (name, template) and serialises it. */
   info: JsonMembers
   /** 0 or absent: none. */
@@ -152,7 +156,7 @@ export interface AllocateNativeOptions extends WorkspaceShape, Pick<NativeCloneO
   fromTemplate?: string
 }
 
-export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress'> {
+export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress' | 'keepDevices' | 'keepSetId'> {
   sourcePath: string
   name: string
   /** The caller's members of template.json; the core adds id, name, method and usage. */
@@ -216,6 +220,8 @@ export interface Native {
     writeback: number,
     progress: ProgressHandle | undefined,
   ): Promise<NativeCloneArray>
+  /** `rel` resolved beneath the published workspace `name` (path `basePath`), cloned out to the absolute `dst`. */
+  cloneOutBeneath(handle: PoolHandle, options: NativeCloneOptions & { name: string; basePath: string; rel: string; dst: string }): Promise<NativeCloneResult>
   probeQuota(path: string): Promise<NativeQuotaSupport>
   /** 0 or the errno of BTRFS_IOC_QUOTA_CTL (simple quotas when `simple`); rejects with the errno of open. */
   enableBtrfsQuota(path: string, simple: boolean): Promise<number>

@@ -119,7 +119,9 @@ async function withProgressHandle<T>(
 }
 
 /**
- * Clones `source`, a regular file or a directory tree, to `dest` (see {@link CloneOptions}). The destination
+ * Clones `source`, a regular file or a directory tree, to `dest` (see {@link CloneOptions}). `source` is followed
+ * through any symlink on its path, as cp follows it: a path inside a workspace can lead anywhere the guest points
+ * it, so copy out of a workspace with `ws.copyOut()`, which resolves beneath it. The destination
  * appears complete or not at all (built under a temp name, published with renameat2(RENAME_NOREPLACE), or for a
  * file link + unlink where the file system lacks that flag); the source is only read. Files keep their mode, less
  * set-user-ID (set-group-ID) unless the caller is the source's owner (its group is the clone's); trees keep mode,

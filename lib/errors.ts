@@ -17,6 +17,7 @@ export type VmspaceErrorCode =
   | 'ERR_POOL_FORMAT' // .vmspace/ is not this layout (another version, or its version file or a directory of its own missing)
   | 'ERR_POOL_NOT_EMPTY' // openPool would make a pool in a directory holding other entries (see PoolOptions.nonEmpty)
   | 'ERR_POOL_UNSAFE' // another user could write a directory of the pool or above it (see `uid`, `gid`, `mode`)
+  | 'ERR_POOL_NESTED' // openPool inside another pool; a workspace's removal met a pool's root (left whole)
   | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
   | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)
@@ -36,7 +37,7 @@ export type VmspaceErrorCode =
   | 'ERR_IMAGE_FOREIGN' // the image path holds a file that is not a file system image vmspace made; left untouched
   | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
   | 'ERR_IMAGE_IN_USE' // the image is already mounted at another path (the message names it); nothing made
-  | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image
+  | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image; openPool without image: it is the image's unmounted mount point
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

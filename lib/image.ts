@@ -27,8 +27,17 @@ export const IMAGE_MIN_BYTES = 128 * 1024 * 1024
 /** The label mkfs gives an image vmspace makes; an existing image without it is refused untouched. */
 export const IMAGE_LABEL = 'vmspace'
 
-/** Mount options: discard=async gives freed extents back to the image file in the background (see DESIGN.md). */
-const MOUNT_OPTIONS = 'discard=async'
+/**
+ * Mount options: discard=async gives freed extents back to the image file in the background (see DESIGN.md);
+ * nodev: a device node a guest made in its workspace opens nothing (nosuid is left out: see docs/image-pool.md).
+ */
+const MOUNT_OPTIONS = 'discard=async,nodev'
+
+/**
+ * The file left in the mount point, under the mount: seen only while the image is not mounted, it names the image,
+ * so that opening the pool without it (a pool on the host's file system in the empty mount point) is refused.
+ */
+export const MOUNT_POINT_MARKER = '.vmspace-image'
 
 /** A checked `options.image`. */
 export interface Image {
@@ -185,12 +194,14 @@ class Made {
   loop: string | undefined
   /** The first directory made on the way to the mount point (its parents included), empty but for those. */
   dir: string | undefined
+  marker = false
   mount = false
 
   /** Each step only when the one before it worked: a mount left in place keeps its directory and image. */
   async undo(root: string, image: string): Promise<void> {
     if (this.mount && (await run('umount', [root])).status !== 0) return
     if (this.loop && (await run('losetup', ['--detach', this.loop])).status !== 0) return
+    if (this.marker) fs.rmSync(path.join(root, MOUNT_POINT_MARKER), { force: true })
     if (this.dir) removeEmptyDirs(this.dir, root)
     if (this.making) fs.rmSync(this.making, { force: true })
     if (this.image) fs.rmSync(image, { force: true })
@@ -275,7 +286,8 @@ async function ensureMounted(root: string, image: Image, create: boolean, made: 
     await makeImage({ path: image.path, size: image.size }, made)
     st = fs.statSync(image.path, { bigint: true })
   }
-  checkRoot(root, create, made)
+  checkRoot(root, image.path, create, made)
+  made.marker = markMountPoint(root, image.path)
   let loop = (await loopsOf(st))[0]?.name
   const elsewhere = loop === undefined ? undefined : mountPointsOf(loop)[0]
   // Two mounts of one image would be one pool under two roots: workspace paths, and what a sweep or an unmount at
@@ -354,8 +366,11 @@ async function makeImage(image: Required<Image>, made: Made): Promise<void> {
   made.image = true
 }
 
-/** The mount point: made when missing (with `create`), else an empty directory (a mount would hide entries). */
-function checkRoot(root: string, create: boolean, made: Made): void {
+/**
+ * The mount point: made when missing (with `create`), else an empty directory (a mount would hide entries) but for
+ * this image's marker.
+ */
+function checkRoot(root: string, imagePath: string, create: boolean, made: Made): void {
   const st = statOrUndefined(root)
   if (!st) {
     if (!create) throw errnoError(os.constants.errno.ENOENT, 'open', root)
@@ -363,8 +378,39 @@ function checkRoot(root: string, create: boolean, made: Made): void {
     return
   }
   if (!st.isDirectory()) throw errnoError(os.constants.errno.ENOTDIR, 'open', root)
-  if (fs.readdirSync(root).length > 0)
+  const entries = fs.readdirSync(root)
+  const marked = entries.length === 1 && entries[0] === MOUNT_POINT_MARKER && markedImage(root) === imagePath
+  if (entries.length > 0 && !marked)
     throw vmspaceError('ERR_POOL_NOT_EMPTY', `${root} holds entries that mounting the image there would hide`, { path: root })
+}
+
+/** The image the marker in the mount point `root` names, or undefined where there is none (ENOENT, ENOTDIR). */
+export function markedImage(root: string): string | undefined {
+  let fd: number
+  try {
+    fd = fs.openSync(path.join(root, MOUNT_POINT_MARKER), fs.constants.O_RDONLY | fs.constants.O_NOFOLLOW)
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code
+    if (code === 'ENOENT' || code === 'ENOTDIR') return undefined
+    throw e
+  }
+  try {
+    return fs.readFileSync(fd, 'utf8').replace(/\n$/, '')
+  } finally {
+    fs.closeSync(fd)
+  }
+}
+
+/** Writes the marker naming `imagePath` into the (unmounted, empty) mount point; false when it was there already. */
+function markMountPoint(root: string, imagePath: string): boolean {
+  if (markedImage(root) !== undefined) return false
+  const fd = fs.openSync(path.join(root, MOUNT_POINT_MARKER), fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_EXCL | fs.constants.O_NOFOLLOW, 0o444)
+  try {
+    fs.writeFileSync(fd, `${imagePath}\n`)
+  } finally {
+    fs.closeSync(fd)
+  }
+  return true
 }
 
 /**
@@ -399,6 +445,8 @@ export async function unmountImage(rootArg: string): Promise<string> {
     await runOk('umount', [root], root)
     // Another mount of the same device (a second mount point) keeps the loop device busy: leave it then.
     if (mountPointsOf(loop.name).length === 0) await runOk('losetup', ['--detach', loop.name], loop.name)
+    // A mount point made before the marker existed gets it now: the pool must not be opened without its image.
+    markMountPoint(root, loop.backFile)
   } finally {
     await lock.release()
   }

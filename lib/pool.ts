@@ -5,6 +5,7 @@
  * record, publish) runs in one hop on the libuv pool. Elsewhere: the Workspace class (lib/workspace.ts), the
  * workspace's metadata record (lib/metadata.ts), the public data shapes (lib/types.ts).
  */
+import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { native, type JsonMembers, type PoolHandle } from './binding.js'
 import {
@@ -26,7 +27,7 @@ import { WarmReserve } from './warm.js'
 import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
 import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
-import { imageOptions, withImage } from './image.js'
+import { imageOptions, markedImage, withImage } from './image.js'
 import {
   commitOptions,
   commitResult,
@@ -38,11 +39,12 @@ import {
   readySource,
   templateRecordMembers,
   templateRef,
+  type CommitOptions,
+  type ForkOptions,
 } from './template.js'
 import type {
   AllocateOptions,
   CommitResult,
-  JsonObject,
   ListOptions,
   PoolOptions,
   PoolStats,
@@ -77,7 +79,9 @@ type PoolArgs = [token: symbol, handle: PoolHandle, root: string, prefix: string
  * pool or above it or owns a symlink on the way (see {@link PoolOptions.sharedGroup}), `ERR_POOL_NOT_EMPTY` (see
  * {@link PoolOptions.nonEmpty}), `ERR_POOL_FORMAT` when `.vmspace/` is not this layout (another version, or its
  * version file or one of its directories missing: such a pool is refused untouched, never made again),
- * `EXDEV` when `.vmspace/` is on another file system than the root.
+ * `EXDEV` when `.vmspace/` is on another file system than the root, `ERR_POOL_NESTED` (nothing made) when `root`
+ * lies inside another pool (its workspace, `.vmspace/` or trash), `ERR_IMAGE_NOT_MOUNTED` (nothing made) when
+ * `root` is the mount point of an image-backed pool whose image is not mounted and `image` is not given.
  * On a file system without renameat2(RENAME_NOREPLACE) (FUSE, some network file systems; asked once, here) the
  * pool opens, and its allocate() fails with `ERR_RENAME_NOREPLACE_UNSUPPORTED`.
  */
@@ -106,7 +110,19 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
     if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
     return pool
   }
-  return image ? withImage(dir, image, create, open) : open()
+  if (image) return withImage(dir, image, create, open)
+  refuseUnmountedImage(dir)
+  return open()
+}
+
+/**
+ * An image-backed pool's mount point while its image is not mounted holds only the marker the mount hides: a pool
+ * opened there without `image` would be made on the host's file system (and the next mount refused).
+ */
+function refuseUnmountedImage(dir: string): void {
+  const image = markedImage(dir)
+  if (image !== undefined)
+    throw vmspaceError('ERR_IMAGE_NOT_MOUNTED', `${dir} is the mount point of the image ${image}, which is not mounted: open the pool with { image } or run vmspace mount`, { path: dir })
 }
 
 /** The default size budget of a pool's template cache: 8 GiB (native/core/template_cache.h, kDefaultCacheBytes). */
@@ -143,6 +159,7 @@ export class Pool implements AsyncDisposable {
   readonly #durable: boolean
   readonly #bootId: string
   readonly #rootSlash: string
+  #realRoot: string | undefined
   #owner: string | undefined
 
   /** The metadata record's pid, hostname and bootId members as JSON text (each read once per process). */
@@ -219,7 +236,8 @@ export class Pool implements AsyncDisposable {
   /** allocate()'s options, checked, and the metadata record's members (nothing is touched yet). */
   #allocateRequest(options: AllocateOptions | undefined): CheckedAllocate {
     const o = optionsObject<AllocateOptions>('options', options, {
-      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true,
+      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true, keepDevices: true,
+      keepSetId: true,
     })
     const [quotaBytes, quotaInodes] = quotaLimits(o.quota)
     const { dir, entries } = templateEntries(o.template)
@@ -228,7 +246,23 @@ export class Pool implements AsyncDisposable {
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
     const info = recordMembers(this.#ownerMembers(), quotaBytes, quotaInodes, metaText(o.meta))
-    return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
+    // A template directory inside the pool is a guest's tree: its devices and set-id bits stay unless asked for.
+    const guestTree = dir !== '' && this.#inPool(dir)
+    const keepDevices = boolean('options.keepDevices', o.keepDevices, !guestTree)
+    const keepSetId = boolean('options.keepSetId', o.keepSetId, !guestTree)
+    return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info, keepDevices, keepSetId }
+  }
+
+  /** Whether `dir` resolves (symlinks followed, as the clone opens it) to a path inside this pool's root. */
+  #inPool(dir: string): boolean {
+    let real: string
+    try {
+      real = fs.realpathSync(dir)
+    } catch {
+      return false  // the clone reports why it cannot open it
+    }
+    this.#realRoot ??= fs.realpathSync(this.root)
+    return real.startsWith(this.#realRoot + '/')
   }
 
   /**
@@ -241,7 +275,9 @@ export class Pool implements AsyncDisposable {
     // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
     // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
     // or with their project id before anything is cloned in).
-    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
+    // Nor for a tree that drops devices or set-id bits: the reserve was built keeping them (its template is the
+    // host's).
+    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined && req.keepDevices && req.keepSetId) {
       const warm = this.#warm
       if (warm?.matches(WarmReserve.key(dir, entries, req.mode))) return this.#buildWarm(warm, req)
     }
@@ -254,13 +290,13 @@ export class Pool implements AsyncDisposable {
   }
 
   #buildInCore(req: CheckedAllocate): Promise<NativeAllocateResult> {
-    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info } = req
+    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info, keepDevices, keepSetId } = req
     if (!dir && !entries.length && from === undefined && !quotaBytes && !quotaInodes) return this.#buildPlain(req)
     return this.#inFlight.track(
       withProgress({ signal }, (p) =>
         native.allocate(this.#handle, {
           prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
-          info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
+          info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from, keepDevices, keepSetId,
         }),
       ),
     )
@@ -469,13 +505,16 @@ export class Pool implements AsyncDisposable {
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
    * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).
+   * A guest's tree is hostile: its device nodes are not made (counted in `clone.skipped.devices`) and set-id bits
+   * (of anything but directories) and security.capability are dropped, unless `keepDevices`/`keepSetId`
+   * (docs/templates.md, "What a guest's tree may carry").
    * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_SOURCE_CHANGED`, `ERR_DISPOSED`,
    * `ERR_POOL_CLOSED`, `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on
    * failure.
    */
   async commit(
     ws: Workspace | string,
-    options?: { name?: string; meta?: JsonObject; replace?: boolean; signal?: AbortSignal; onProgress?: (p: { files: number; bytes: number }) => void },
+    options?: CommitOptions,
   ): Promise<CommitResult> {
     const o = commitOptions(ws, options)
     this.#assertOpen()
@@ -484,7 +523,7 @@ export class Pool implements AsyncDisposable {
       withProgress({ signal: o.signal, onProgress: o.onProgress }, (p) =>
         native.commitTemplate(this.#handle, {
           sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta), replace: o.replace,
-          reflink: this.#reflink, durable: this.#durable, progress: p,
+          reflink: this.#reflink, durable: this.#durable, keepDevices: o.keepDevices, keepSetId: o.keepSetId, progress: p,
         }),
       ),
     )
@@ -509,12 +548,12 @@ export class Pool implements AsyncDisposable {
    * `count` new workspaces from the current state of `ws`: one commit (an unnamed template), then `count`
    * allocates from it at once, then the template is removed. All or nothing: on any failure (or abort) every
    * workspace made is disposed and the first error is thrown. `onProgress({ done, count })` after each child.
-   * `meta`/`mode` apply to every child. Throws as commit() and allocate() do.
+   * `meta`/`mode` apply to every child; `keepDevices`/`keepSetId` to the commit. Throws as commit() and allocate() do.
    */
   async fork(
     ws: Workspace | string,
     count: number,
-    options?: { meta?: JsonObject; mode?: number; signal?: AbortSignal; onProgress?: (p: { done: number; count: number }) => void },
+    options?: ForkOptions,
   ): Promise<Workspace[]> {
     return forkFrom(this, ws, count, options)
   }
@@ -703,6 +742,8 @@ interface CheckedAllocate {
   signal: AbortSignal | undefined
   writeback: Writeback
   info: JsonMembers
+  keepDevices: boolean
+  keepSetId: boolean
 }
 
 function templateEntries(template: unknown, name = 'options.template'): { dir: string; entries: [string, string][] } {

@@ -22,6 +22,8 @@ export interface RemoveTreeOptions {
  * directory or one of its ancestors (`'.'`, `'..'`, `'/'`, `process.cwd()` itself), as rm(1) refuses `.` and `..`;
  * an empty path or one with a NUL byte; unknown option keys. A non-string `path` is `ERR_INVALID_ARG_TYPE`. The
  * check is of the path as spelt: another spelling of the working directory through a symlink is not recognised.
+ * Unlike a workspace's dispose or sweep, it does not stop at a pool's root (`ERR_POOL_NESTED` there): it is how
+ * an operator removes what such a removal left and reported (docs/pool-on-disk.md, "A pool inside a pool").
  */
 export async function removeTree(path: string, options?: RemoveTreeOptions): Promise<void> {
   const p = absolutePath('path', path)

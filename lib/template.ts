@@ -107,13 +107,22 @@ export interface CommitOptions {
   replace?: boolean
   signal?: AbortSignal
   onProgress?: (p: { files: number; bytes: number }) => void
+  /**
+   * Carry the workspace's device nodes into the template. Default false: a guest's device node (its host's disk,
+   * say) is not made, and counted in `clone.skipped.devices` (docs/templates.md, "What a guest's tree may carry").
+   */
+  keepDevices?: boolean
+  /** Carry set-user-ID/set-group-ID bits (of anything but directories) and security.capability. Default false. */
+  keepSetId?: boolean
 }
 
 /** commit()'s arguments, checked (nothing is touched yet): the name ('' for none), and `meta` as JSON text. */
 export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
   if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
-  const o = optionsObject<CommitOptions>('options', options, { name: true, meta: true, replace: true, signal: true, onProgress: true })
+  const o = optionsObject<CommitOptions>('options', options, {
+    name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
+  })
   let name = ''
   if (o.name !== undefined) {
     if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
@@ -124,7 +133,9 @@ export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   const replace = boolean('options.replace', o.replace, false)
   const signal = abortSignal('options.signal', o.signal)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
-  return { name, replace, signal, onProgress: o.onProgress, meta: metaText(o.meta) }
+  const keepDevices = boolean('options.keepDevices', o.keepDevices, false)
+  const keepSetId = boolean('options.keepSetId', o.keepSetId, false)
+  return { name, replace, signal, onProgress: o.onProgress, meta: metaText(o.meta), keepDevices, keepSetId }
 }
 
 /** A Workspace object as the source of a commit: `ERR_DISPOSED` unless it is ready. */
@@ -158,11 +169,15 @@ export interface ForkOptions {
   mode?: number
   signal?: AbortSignal
   onProgress?: (p: { done: number; count: number }) => void
+  /** As commit()'s: the guest's device nodes are carried only when true. Default false. */
+  keepDevices?: boolean
+  /** As commit()'s: set-id bits and security.capability are carried only when true. Default false. */
+  keepSetId?: boolean
 }
 
 /** The Pool's calls fork uses (the Pool itself). */
 interface ForkHost {
-  commit(ws: Workspace | string, options: { signal?: AbortSignal; meta: JsonObject }): Promise<CommitResult>
+  commit(ws: Workspace | string, options: { signal?: AbortSignal; meta: JsonObject; keepDevices: boolean; keepSetId: boolean }): Promise<CommitResult>
   allocate(options: AllocateOptions): Promise<Workspace>
   removeTemplate(id: string): Promise<unknown>
 }
@@ -170,12 +185,16 @@ interface ForkHost {
 /** Pool.fork: one commit of `ws`, `count` allocates from it at once, the template removed; all or nothing. */
 export async function forkFrom(pool: ForkHost, ws: Workspace | string, count: number, options: ForkOptions | undefined): Promise<Workspace[]> {
   const n = integerIn('count', count, 1, 4096, 1)
-  const o = optionsObject<ForkOptions>('options', options, { meta: true, mode: true, signal: true, onProgress: true })
+  const o = optionsObject<ForkOptions>('options', options, {
+    meta: true, mode: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
+  })
   const signal = abortSignal('options.signal', o.signal)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
   metaText(o.meta)
   workspaceMode('options.mode', o.mode)
-  const t = await pool.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id } })
+  const keepDevices = boolean('options.keepDevices', o.keepDevices, false)
+  const keepSetId = boolean('options.keepSetId', o.keepSetId, false)
+  const t = await pool.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id }, keepDevices, keepSetId })
   const made: Workspace[] = []
   let done = 0
   try {

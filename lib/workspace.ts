@@ -7,7 +7,7 @@ import * as path from 'node:path'
 import { native, type NativeCloneArray, type ProgressHandle } from './binding.js'
 import { abortSignal, absolutePath, boolean, integerIn, invalidValue, optionsObject, relativePath } from './args.js'
 import { call, vmspaceError } from './errors.js'
-import { cloneOptions, cloneResultOf, reflinkValues, withProgress, writebackValues } from './clone.js'
+import { cloneOptions, cloneResultOf, reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
 import { cloneChannel, cloneResult, disposeChannel, traced } from './trace.js'
 import { constructing, InFlight, type DisposeHints, type WorkspaceHost } from './internal.js'
 import type { CloneOptions, CloneResult, WorkspaceInfo, WorkspaceUsage } from './types.js'
@@ -88,8 +88,9 @@ export class Workspace implements AsyncDisposable {
    * Clones `source` (a file or a directory tree) into the workspace at `dest` (workspace-relative, default: the
    * source's basename).
    * The destination is resolved beneath the workspace without following any symlink, so nothing planted inside
-   * can redirect the write outside it; its parent directory must exist. See {@link CloneOptions}; throws as
-   * clone() does, and `ERR_DISPOSED` after dispose().
+   * can redirect the write outside it; its parent directory must exist. `source` is the caller's own path and
+   * follows symlinks as cp does: to copy out of a workspace use {@link Workspace.copyOut}, which resolves beneath it.
+   * See {@link CloneOptions}; throws as clone() does, and `ERR_DISPOSED` after dispose().
    */
   clone(source: string, dest?: string, options?: CloneOptions): Promise<CloneResult> {
     const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
@@ -128,13 +129,43 @@ export class Workspace implements AsyncDisposable {
   }
 
   /**
+   * Copies `source` (workspace-relative: a regular file or a directory tree the guest made) out of the workspace to
+   * `dest` (absolute; its parent must exist), the way to take a guest's output: `source` is resolved beneath the
+   * workspace and never out of it. No symlink on its path is followed: one in the middle is `ENOTDIR`, one at the
+   * end `ELOOP` (a guest's link to `/etc/shadow` copies nothing); a device node, fifo or socket is
+   * `ERR_SOURCE_TYPE`, never opened. A tree is copied as clone() copies one (its symlinks recreated, never
+   * followed; no other mount entered). Nothing is written at `dest` on any failure. clone()'s and ws.clone()'s
+   * source follows symlinks (it is the caller's own path): never give either a path inside a workspace.
+   * Options as {@link CloneOptions}; throws as clone() does, `ERR_INVALID_ARG_VALUE` for a `source` that is not
+   * normalised and relative, and `ERR_DISPOSED` after dispose().
+   */
+  copyOut(source: string, dest: string, options?: CloneOptions): Promise<CloneResult> {
+    const make = () => ({ root: this.#pool.root, id: this.id, source, dest })
+    return traced(cloneChannel, make, () => this.#copyOut(source, dest, options), cloneResult)
+  }
+
+  async #copyOut(source: string, dest: string, options: CloneOptions | undefined): Promise<CloneResult> {
+    const rel = relativePath('source', source)
+    const dst = absolutePath('dest', dest)
+    const opts = cloneOptions(options)
+    if (this.#status !== 'ready' || this.#disposing)
+      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+    const { reflink, overwrite, durable, writeback } = opts
+    const run = withProgress(opts, (progress) =>
+      native.cloneOutBeneath(this.#pool._handle, { name: this.name, basePath: this.path, rel, dst, reflink, overwrite, durable, writeback, progress }),
+    )
+    return toResult(await this.#inFlight.track(run), dst)
+  }
+
+  /**
    * Removes the workspace: removed at its name (or renamed into the pool's trash and removed there) without
    * following symlinks or entering mounts, then its lease file; the name is never reused. Waits for clones still
    * running. While another process holds the lease (a child given {@link Workspace.leaseFd} that still runs),
    * nothing is removed and it rejects with `ERR_LEASE_HELD`: this process's hold is released (status
    * `'released'`) and the workspace is left to its holder, for a sweep or an adopt once it is free.
    * Idempotent: later calls return the first call's promise; after release() it rejects with `ERR_DISPOSED` (the
-   * lease is no longer this object's to remove). A mount inside gives `EBUSY`; the workspace is then
+   * lease is no longer this object's to remove). A mount inside gives `EBUSY`, a pool's root inside
+   * `ERR_POOL_NESTED` (left whole: docs/pool-on-disk.md); the workspace is then
    * `'unrecoverable'` and what is left stays in trash for a sweep.
    */
   dispose(): Promise<void> {

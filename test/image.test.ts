@@ -52,6 +52,10 @@ function mountsAt(dir: string): { source: string; fsType: string; options: strin
     })
 }
 
+/** The per-mount options (mountinfo's sixth field) of the topmost mount at `dir`: nodev, nosuid, … */
+const mountOptions = (dir: string) =>
+  fs.readFileSync('/proc/self/mountinfo', 'utf8').split('\n').filter((l) => l.split(' ')[4] === dir).map((l) => l.split(' ')[5].split(',')).at(-1)
+
 let n = 0
 /** A fresh (root, image) pair below base, neither existing. */
 function paths(label: string): { root: string; image: string } {
@@ -85,6 +89,7 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     expect(m).toHaveLength(1)
     expect(m[0].fsType).toBe('btrfs')
     expect(m[0].options.split(',')).toContain('discard=async')
+    expect(mountOptions(root)).toContain('nodev')
     const l = loopsOf(image)
     expect(l).toHaveLength(1)
     expect(l[0].name).toBe(m[0].source)
@@ -237,6 +242,37 @@ describe.skipIf(missing)(`image-backed pool ${needs('root and mkfs.btrfs', missi
     expect(loopsOf(image)).toEqual([])
     expect(fs.existsSync(image)).toBe(true)
     await expect(unmountImage(root)).rejects.toMatchObject({ code: 'ERR_IMAGE_NOT_MOUNTED' })
+  })
+
+  test('after unmountImage openPool(root) without image is ERR_IMAGE_NOT_MOUNTED, nothing made; the next mount is not refused', async () => {
+    const { root, image } = paths('unmounted')
+    const pool = await open(root, image)
+    const ws = await pool.allocate({ meta: { kept: true } })
+    await ws.release()
+    await pool.close()
+    await unmountImage(root)
+    expect(fs.readdirSync(root)).toEqual(['.vmspace-image'])
+    expect(fs.readFileSync(path.join(root, '.vmspace-image'), 'utf8')).toBe(`${image}\n`)
+    for (const options of [undefined, { nonEmpty: true }])
+      await expect(openPool(root, options)).rejects.toMatchObject({ code: 'ERR_IMAGE_NOT_MOUNTED', path: root, message: expect.stringContaining(image) })
+    expect(fs.readdirSync(root)).toEqual(['.vmspace-image'])
+    const again = await open(root, image)
+    expect((await again.list()).map((w) => w.meta)).toEqual([{ kept: true }])
+    expect(fs.existsSync(path.join(root, '.vmspace-image'))).toBe(false)
+    await again.close()
+  })
+
+  test('a mount point from before the marker (mounted by hand over an empty directory) gets it at unmountImage', async () => {
+    const { root, image } = paths('oldpoint')
+    const pool = await open(root, image)
+    await pool.close()
+    const loop = loopsOf(image)[0].name
+    expect(runCommand('umount', [root]).status).toBe(0)
+    fs.rmSync(path.join(root, '.vmspace-image'))
+    expect(runCommand('mount', ['-t', 'btrfs', loop, root]).status).toBe(0)
+    await unmountImage(root)
+    expect(fs.readdirSync(root)).toEqual(['.vmspace-image'])
+    await expect(openPool(root)).rejects.toMatchObject({ code: 'ERR_IMAGE_NOT_MOUNTED' })
   })
 
   test('an image mounted at one root is ERR_IMAGE_IN_USE at another, which is left as it was; unmountImage through a symlink to the root unmounts it', async () => {

@@ -425,7 +425,89 @@ for (const fsys of systems) {
         await ws.dispose()
       })
     })
+
+    test.skipIf(!mounts.root)('a guest\'s device node and set-id bits are not carried by commit, fork or allocate({ template: <workspace> }) unless asked; a setgid directory is', async () => {
+      await withPool(base, async (pool) => {
+        const ws = await pool.allocate()
+        plantPrivileges(ws.path)
+        const t = await pool.commit(ws, { name: 'guest' })
+        expect(t.clone.skipped).toEqual({ sockets: 0, devices: 1 })
+        expectNoPrivileges(t.path)
+        const [kid] = await pool.fork(ws, 1)
+        expectNoPrivileges(kid.path)
+        const copy = await pool.allocate({ template: ws.path })
+        expect(copy.template[0]).toMatchObject({ skipped: { devices: 1 } })
+        expectNoPrivileges(copy.path)
+        // Asked for: carried as they are.
+        const kept = await pool.commit(ws, { name: 'trusted', keepDevices: true, keepSetId: true })
+        expectPrivileges(kept.path)
+        const keptCopy = await pool.allocate({ template: ws.path, keepDevices: true, keepSetId: true })
+        expectPrivileges(keptCopy.path)
+        for (const w of [ws, kid, copy, keptCopy]) await w.dispose()
+      })
+    })
+
+    test.skipIf(!mounts.root)('a template directory outside the pool (the host\'s) keeps its device nodes and set-id bits unless keepDevices/keepSetId: false', async () => {
+      await withPool(base, async (pool, root) => {
+        const host = path.join(path.dirname(root), 'rootfs')
+        fs.mkdirSync(host)
+        plantPrivileges(host)
+        const ws = await pool.allocate({ template: host })
+        expectPrivileges(ws.path)
+        const strict = await pool.allocate({ template: host, keepDevices: false, keepSetId: false })
+        expectNoPrivileges(strict.path)
+        await ws.dispose()
+        await strict.dispose()
+      })
+    })
+
+    test('keepDevices/keepSetId of another type are ERR_INVALID_ARG_TYPE, a misspelt one ERR_INVALID_ARG_VALUE; nothing committed', async () => {
+      await withPool(base, async (pool, root) => {
+        const ws = await pool.allocate()
+        await expect(pool.commit(ws, { keepDevices: 'yes' } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        await expect(pool.commit(ws, { keepDevice: true } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining('keepDevice') })
+        await expect(pool.fork(ws, 1, { keepSetId: 1 } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        await expect(pool.allocate({ template: ws.path, keepSetId: null } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        expect(publishedIds(root)).toEqual([])
+        await ws.dispose()
+      })
+    })
   })
+}
+
+/** What a guest with CAP_MKNOD plants: a device node of the host's root disk, set-id files, a file capability; a setgid directory. */
+function plantPrivileges(dir: string): void {
+  const dev = fs.statSync('/').dev
+  const r = spawnSync('mknod', [path.join(dir, 'disk'), 'b', String((dev >> 8) & 0xfff), String((dev & 0xff) | ((dev >> 12) & 0xfff00))])
+  expect(r.status).toBe(0)
+  for (const [name, mode] of [['su', 0o4755], ['sg', 0o2755]] as const) {
+    fs.writeFileSync(path.join(dir, name), '#!/bin/sh\n')
+    fs.chmodSync(path.join(dir, name), mode)
+  }
+  fs.mkdirSync(path.join(dir, 'shared'))
+  fs.chmodSync(path.join(dir, 'shared'), 0o2775)
+  fs.writeFileSync(path.join(dir, 'ping'), '#!/bin/sh\n', { mode: 0o755 })
+  expect(runCommand('setcap', ['cap_net_raw+ep', path.join(dir, 'ping')]).status).toBe(0)
+}
+
+/** The file capabilities of `file` as getcap prints them ('' for none). */
+const capabilities = (file: string) => runCommand('getcap', [file]).stdout.trim().replace(`${file} `, '')
+
+/** No device node, set-id bit on a file or file capability below `dir`; the setgid directory kept. */
+function expectNoPrivileges(dir: string): void {
+  expect(fs.existsSync(path.join(dir, 'disk'))).toBe(false)
+  expect(fs.statSync(path.join(dir, 'su')).mode & 0o6000).toBe(0)
+  expect(fs.statSync(path.join(dir, 'sg')).mode & 0o6000).toBe(0)
+  expect(fs.statSync(path.join(dir, 'shared')).mode & 0o2000).toBe(0o2000)
+  expect(capabilities(path.join(dir, 'ping'))).toBe('')
+}
+
+function expectPrivileges(dir: string): void {
+  expect(fs.lstatSync(path.join(dir, 'disk')).isBlockDevice()).toBe(true)
+  expect(fs.lstatSync(path.join(dir, 'disk')).rdev).toBe(fs.statSync('/').dev)
+  expect(fs.statSync(path.join(dir, 'su')).mode & 0o6000).toBe(0o4000)
+  expect(fs.statSync(path.join(dir, 'sg')).mode & 0o6000).toBe(0o2000)
+  expect(capabilities(path.join(dir, 'ping'))).toBe('cap_net_raw=ep')
 }
 
 requireMount('btrfs', mounts.btrfs, mounts.missing.btrfs)
@@ -544,6 +626,25 @@ describe.skipIf(!mounts.btrfs)(`templates as btrfs subvolumes ${needs('btrfs', !
       await ws.dispose()
       await pool.removeTemplate(t.id)
       expect(subvolumesBelow(mnt, root)).toEqual([])
+    })
+  })
+
+  test.skipIf(!mounts.root)('a subvolume workspace commits by a snapshot that drops its guest\'s device node and set-id bits, read-only after; with keepDevices/keepSetId it keeps them', async () => {
+    await withPool(mnt, async (pool) => {
+      const ws = await pool.allocate()
+      await pool.commit(ws, { name: 'base' })
+      const sub = await pool.allocate({ from: 'base' })
+      plantPrivileges(sub.path)
+      const t = await pool.commit(sub, { name: 'guest' })
+      expect(t.clone).toMatchObject({ method: 'snapshot', skipped: { devices: 1 } })
+      expect(readOnlySubvolume(t.path)).toBe(true)
+      expectNoPrivileges(t.path)
+      const kept = await pool.commit(sub, { name: 'trusted', keepDevices: true, keepSetId: true })
+      expect(kept.clone).toMatchObject({ method: 'snapshot', skipped: { devices: 0 } })
+      expectPrivileges(kept.path)
+      const kid = await pool.allocate({ from: 'guest' })
+      expectNoPrivileges(kid.path)
+      for (const w of [ws, sub, kid]) await w.dispose()
     })
   })
 
@@ -714,6 +815,25 @@ describe('the vmspace command and templates', () => {
       expect(listed.status, listed.stderr).toBe(0)
       const doc = JSON.parse(listed.stdout) as { templates: { id: string; name: string; current: boolean; error: unknown }[] }
       expect(doc.templates.map((x) => [x.id, x.name, x.current, x.error])).toEqual([[t.id, 'base', true, null]])
+      await ws.dispose()
+    } finally {
+      await pool.close()
+    }
+  })
+
+  test.skipIf(!mounts.root)('vmspace commit leaves a guest\'s device node and set-id bits out (reported on stderr); --keep-devices --keep-set-id carry them', async () => {
+    const root = path.join(freshDir(mounts.scratch, 'tplcli'), 'pool')
+    const pool = await openPool(root)
+    try {
+      const ws = await pool.allocate()
+      plantPrivileges(ws.path)
+      const strict = cli(['commit', root, ws.id])
+      expect(strict.status, strict.stderr).toBe(0)
+      expect(strict.stderr).toContain('; 1 device nodes not carried')
+      expectNoPrivileges((await pool.template(strict.stdout.trim())).path)
+      const kept = cli(['commit', root, ws.id, '--keep-devices', '--keep-set-id'])
+      expect(kept.status, kept.stderr).toBe(0)
+      expectPrivileges((await pool.template(kept.stdout.trim())).path)
       await ws.dispose()
     } finally {
       await pool.close()

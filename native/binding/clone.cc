@@ -1,4 +1,4 @@
-// clone: clonePath, clonePathBeneath and their progress/cancel handles (native/core/clone.h).
+// clone: clonePath, clonePathBeneath, cloneOutBeneath and their progress/cancel handles (native/core/clone.h).
 #include <cstdint>
 
 #include "common.h"
@@ -49,6 +49,25 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
       [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryArray(env, s, opts.reflink); });
 }
 
+// cloneOutBeneath(pool, {name, basePath, rel, dst, reflink, overwrite, durable, writeback, progress}): `rel`
+// resolved beneath the published workspace `name` of `pool` (its directory opened here, O_NOFOLLOW), cloned out
+// to the absolute `dst`.
+Napi::Value CloneOutBeneath(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  Options o(info, 1, "cloneOutBeneath");
+  std::string name = o.string("name"), basePath = o.string("basePath"), rel = o.string("rel"), dst = o.string("dst");
+  vmspace::CloneOptions opts = cloneOptionsOf(o);
+  ProgressRef progress = progressOf(o);
+  return Work<vmspace::CloneSummary>::Start(
+      info.Env(),
+      [pool, name = std::move(name), basePath = std::move(basePath), rel = std::move(rel), dst = std::move(dst), opts,
+       progress] {
+        vmspace::UniqueFd base = pool->openWorkspaceDir(name);
+        return vmspace::cloneOutBeneath(base.get(), basePath, rel, dst, opts, progress.get());
+      },
+      [opts](Napi::Env env, vmspace::CloneSummary& s) -> Napi::Value { return summaryObject(env, s, opts.reflink); });
+}
+
 Napi::Value NewProgress(const Napi::CallbackInfo& info) {
   return Napi::External<ProgressRef>::New(info.Env(), new ProgressRef(std::make_shared<vmspace::CloneProgress>()),
                                           [](Napi::Env, ProgressRef* ref) { delete ref; });
@@ -81,6 +100,8 @@ vmspace::CloneOptions cloneOptionsOf(const Options& o) {
   c.overwrite = o.booleanOr("overwrite", false);
   c.durable = o.booleanOr("durable", false);
   c.writeback = writebacks[o.oneOf("writeback", {"none", "start", "wait"}, 0)];
+  c.keepDevices = o.booleanOr("keepDevices", true);
+  c.keepSetId = o.booleanOr("keepSetId", true);
   return c;
 }
 
@@ -144,6 +165,7 @@ Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspac
 void initClone(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "clonePath", ClonePath);
   exportFunction(env, exports, "clonePathBeneath", ClonePathBeneath);
+  exportFunction(env, exports, "cloneOutBeneath", CloneOutBeneath);
   exportFunction(env, exports, "newProgress", NewProgress);
   exportFunction(env, exports, "readProgress", ReadProgress);
   exportFunction(env, exports, "cancelProgress", CancelProgress);

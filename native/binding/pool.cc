@@ -300,6 +300,8 @@ vmspace::AllocateRequest workspaceRequestOf(const Options& o) {
   vmspace::CloneOptions clone = cloneOptionsOf(o);
   req.clone.reflink = clone.reflink;
   req.clone.durable = clone.durable;
+  req.clone.keepDevices = clone.keepDevices;
+  req.clone.keepSetId = clone.keepSetId;
   return req;
 }
 

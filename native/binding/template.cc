@@ -7,7 +7,7 @@ namespace vmspace::binding {
 
 namespace {
 
-// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, progress})
+// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, keepDevices, keepSetId, progress})
 Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "commitTemplate");
@@ -19,6 +19,8 @@ Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   vmspace::CloneOptions clone = cloneOptionsOf(o);
   req.clone.reflink = clone.reflink;
   req.clone.durable = clone.durable;
+  req.clone.keepDevices = clone.keepDevices;
+  req.clone.keepSetId = clone.keepSetId;
   ProgressRef progress = progressOf(o);
   req.progress = progress.get();
   return Work<vmspace::CommitResult>::Start(

@@ -429,6 +429,26 @@ UniqueFd openSource(const std::string& srcPath, const std::string& dstPath, stru
   return src;
 }
 
+// Opens the source `rel` beneath `baseFd` (a workspace: hostile entries) for a clone out of it. Every component is
+// opened O_NOFOLLOW (a symlink on the way: ENOTDIR, at the leaf: ELOOP), the leaf first as O_PATH: a device node
+// or fifo is refused (ERR_SOURCE_TYPE) before any open(2) of it, which for a device is the driver's open (a
+// watchdog arms itself). The O_PATH fd is then reopened through /proc/self/fd: the very inode checked, whatever
+// the guest renames meanwhile.
+UniqueFd openSourceBeneath(int baseFd, const std::string& basePath, const std::string& rel, const std::string& dstPath,
+                           struct stat* st) {
+  std::string leaf, srcPath = basePath + "/" + rel;
+  ParentDir dir = openParentBeneath(baseFd, rel, &leaf, basePath, false);
+  UniqueFd at(openat(dir.get(), leaf.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!at) throwErrno(errno, "open", srcPath, dstPath);
+  if (fstat(at.get(), st) != 0) throwErrno(errno, "fstat", srcPath);
+  if (S_ISLNK(st->st_mode)) throwErrno(ELOOP, "open", srcPath, dstPath);
+  if (!S_ISREG(st->st_mode) && !S_ISDIR(st->st_mode)) throwSourceType(st->st_mode, srcPath, dstPath);
+  std::string proc = "/proc/self/fd/" + std::to_string(at.get());
+  UniqueFd src(open(proc.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!src) throwErrno(errno, "open", srcPath, dstPath);
+  return src;
+}
+
 // cloneFileAt for the source `src` already open (stat `st`, a regular file: openSource).
 CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
                               const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
@@ -561,15 +581,12 @@ void publishTree(int dstDirFd, const std::string& tmp, const std::string& tmpPat
   removeTreeNoFollow(dstDirFd, tmp, tmpPath);
 }
 
-}  // namespace
-
-CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
-                         SourceIdentity* identity) {
-  struct stat st;
-  UniqueFd src = openSource(srcPath, dstPath, &st);
+// clonePathAt of the source `src` already open (stat `st`: a regular file or a directory).
+CloneSummary cloneOpenSource(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
+                             const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
+                             CloneProgress* progress, SourceIdentity* identity) {
   if (!S_ISDIR(st.st_mode))
-    return cloneOneFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
+    return cloneOneFile(src, st, srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
   fillIdentity(identity, st);
   checkSameFs(st, dstDirFd, options, srcPath, dstPath);
   CloneOptions treeOptions = options;
@@ -584,7 +601,7 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   try {
     UniqueFd root(openat(dstDirFd, tmp.c_str(), kDirFlags));
     if (!root) throwErrno(errno, "open", dstPath);
-    CloneSummary summary = cloneTreeAs(src.get(), st, root.get(), srcPath, dstPath, treeOptions, progress);
+    CloneSummary summary = cloneTreeAs(src, st, root.get(), srcPath, dstPath, treeOptions, progress);
     if (options.durable && fsync(root.get()) != 0) throwErrno(errno, "fsync", dstPath);
     publishTree(dstDirFd, tmp, tmpPath, dstName, srcPath, dstPath, options);
     if (options.durable && fsync(dstDirFd) != 0) throwErrno(errno, "fsync", dstPath);
@@ -599,13 +616,40 @@ CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::st
   }
 }
 
-CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
-                       CloneProgress* progress) {
-  std::string parent, leaf;
-  splitPath(dstPath, &parent, &leaf);
+// The parent directory of the absolute destination `dstPath` (its own path followed as given); *leaf: the last
+// component.
+UniqueFd openDestParent(const std::string& dstPath, std::string* leaf) {
+  std::string parent;
+  splitPath(dstPath, &parent, leaf);
   UniqueFd dir(open(parent.c_str(), kDirPathFlags));
   if (!dir) throwErrno(errno, "open", dstPath);
+  return dir;
+}
+
+}  // namespace
+
+CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
+                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
+                         SourceIdentity* identity) {
+  struct stat st;
+  UniqueFd src = openSource(srcPath, dstPath, &st);
+  return cloneOpenSource(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, progress, identity);
+}
+
+CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
+                       CloneProgress* progress) {
+  std::string leaf;
+  UniqueFd dir = openDestParent(dstPath, &leaf);
   return clonePathAt(srcPath, dir.get(), leaf, dstPath, options, progress);
+}
+
+CloneSummary cloneOutBeneath(int baseFd, const std::string& basePath, const std::string& rel,
+                             const std::string& dstPath, const CloneOptions& options, CloneProgress* progress) {
+  struct stat st;
+  UniqueFd src = openSourceBeneath(baseFd, basePath, rel, dstPath, &st);
+  std::string leaf;
+  UniqueFd dir = openDestParent(dstPath, &leaf);
+  return cloneOpenSource(src.get(), st, basePath + "/" + rel, dir.get(), leaf, dstPath, options, progress, nullptr);
 }
 
 CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,

@@ -33,6 +33,11 @@ struct CloneOptions {
   Writeback writeback = Writeback::None;  // for copied files only
   // A single-file source on another file system is reflinked from its cached copy (reflink Auto only; trees never).
   TemplateCache* cache = nullptr;
+  // What a tree may carry of its privileges (false for a tree a guest made: commit, fork, a workspace as a
+  // template). keepDevices false: device nodes are not made, counted in skippedDevices. keepSetId false: no
+  // set-user-ID/set-group-ID bit on anything but a directory, and no security.capability xattr.
+  bool keepDevices = true;
+  bool keepSetId = true;
 };
 
 // Applies `writeback` to the copied file `fd` (a no-op for None). Errors: the errno of sync_file_range (EIO,
@@ -136,7 +141,7 @@ struct CloneSummary {
   uint64_t copied = 0;     // regular files copied (reflink refused, or 'never')
   uint64_t dirs = 0, symlinks = 0, hardlinks = 0, fifos = 0, devices = 0;
   uint64_t skippedSockets = 0;      // sockets cannot be recreated meaningfully
-  uint64_t skippedDevices = 0;      // device nodes where mknod is not permitted (not root)
+  uint64_t skippedDevices = 0;      // device nodes not made: mknod not permitted (not root), or !keepDevices
   bool snapshot = false;            // a btrfs subvolume snapshot made the tree: no walk, the counts stay 0
   CacheUse cache = CacheUse::None;  // a single file: whether the template cache served it
 };
@@ -173,5 +178,13 @@ CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, c
 // planted in the workspace can redirect the write outside it. Its parent directory must exist.
 CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
                               const std::string& rel, const CloneOptions& options, CloneProgress* progress);
+
+// Clones `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace, whose entries are
+// the guest's: hostile), out to the absolute `dstPath` (its parent must exist), as clonePathAt does. No symlink on
+// the way is followed (ENOTDIR; a symlink as the leaf: ELOOP), so a guest's link to a host file copies nothing; a
+// device node, fifo or socket is ERR_SOURCE_TYPE before it is ever opened. Nothing is written at `dstPath` on
+// any failure. Reopening the checked entry needs /proc (ENOENT, syscall open, without it).
+CloneSummary cloneOutBeneath(int baseFd, const std::string& basePath, const std::string& rel,
+                             const std::string& dstPath, const CloneOptions& options, CloneProgress* progress);
 
 }  // namespace vmspace

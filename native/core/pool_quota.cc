@@ -64,7 +64,8 @@ void Pool::removeWorkspace(int parentFd, const std::string& name, const std::str
     if (dir) dropReadOnlySubvolume(dir.get(), "tree");
   }
   try {
-    removeTreeNoFollow(parentFd, name, shown, bytes);
+    // A pool found inside a workspace is not the workspace's to remove (a template's tree holds no live pool).
+    removeTreeNoFollow(parentFd, name, shown, bytes, name.compare(0, 9, "template-") != 0);
   } catch (const Error& e) {
     // The walk emptied the subvolume and only its rmdir(2) was refused (kernels before 4.18, or a mount that
     // refuses it): delete the empty subvolume by ioctl instead. Anything else (EBUSY at a mount inside) stands.

@@ -15,6 +15,7 @@
 #include "io.h"
 #include "rename.h"
 #include "statx.h"
+#include "trusted.h"
 #include "walk.h"
 
 namespace vmspace {
@@ -40,12 +41,19 @@ int chmodDirOnMount(int dirFd, const char* name, uint64_t mount) {
   return chmodFd(fd.get(), S_IRWXU);
 }
 
+// The message of ERR_POOL_NESTED for the pool root at `path`.
+std::string nestedPoolDetail(const std::string& path) {
+  return "'" + path + "' is a pool's root (a .vmspace/ with its version, owned by root or this user): it is " +
+         "never removed as part of a workspace; remove it by hand (removeTree) if it is not a pool in use";
+}
+
 // Empties a directory tree over the walk of walk.h (its frames, fd budget and climb), removing each directory once
 // its entries are gone. Errors are recorded, the first one kept, and the walk goes on with what it can still reach.
 class Remover {
  public:
-  Remover(uint64_t mount, uint64_t* bytes, const std::string& path)
-      : walk_(path, TreeWalk::Resume::FromStart), mount_(mount), root_(geteuid() == 0), bytes_(bytes) {}
+  Remover(uint64_t mount, uint64_t* bytes, const std::string& path, bool keepPools)
+      : walk_(path, TreeWalk::Resume::FromStart), mount_(mount), root_(geteuid() == 0), keepPools_(keepPools),
+        bytes_(bytes) {}
 
   // Empties the directory `fd` (taken over; device `dev`, inode `ino`), then, frame by frame, removes each
   // emptied directory below it. Restarting a reopened directory's readdir is fine: what was removed is gone, and
@@ -70,6 +78,14 @@ class Remover {
     first_->err = err;
     first_->syscall = syscall;
     first_->path = walk_.path(depth, leaf);
+  }
+
+  // A pool's root below the tree: left whole, as a mount point is.
+  void recordPool(size_t depth, const char* leaf) {
+    if (first_) return;
+    record(EBUSY, "rmdir", depth, leaf);
+    first_->code = "ERR_POOL_NESTED";
+    first_->detail = nestedPoolDetail(first_->path);
   }
 
   void step() {
@@ -137,6 +153,11 @@ class Remover {
       ::close(fd);
       return true;
     }
+    if (keepPools_ && isPoolRoot(fd)) {
+      recordPool(depth, name);
+      ::close(fd);
+      return true;
+    }
     dev_t dev = makedev(stx.stx_dev_major, stx.stx_dev_minor);
     if (stuck_.count(InodeKey{dev, static_cast<ino_t>(stx.stx_ino)})) {
       ::close(fd);
@@ -171,6 +192,7 @@ class Remover {
   TreeWalk walk_;
   uint64_t mount_;
   bool root_;
+  bool keepPools_;  // pool roots are not entered (removeTreeNoFollow's keepPools)
   uint64_t* bytes_;
   std::optional<Error> first_;
   std::unordered_set<InodeKey, InodeHash> stuck_;  // directories that could not be removed
@@ -178,7 +200,8 @@ class Remover {
 
 }  // namespace
 
-void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath, uint64_t* bytes) {
+void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath, uint64_t* bytes,
+                        bool keepPools) {
   // Fast path for an empty directory (a workspace nobody wrote into): rmdir(2) alone, which the kernel refuses
   // for a mount point (EBUSY), a non-directory (ENOTDIR) and a non-empty directory (ENOTEMPTY/EEXIST).
   if (!bytes) {
@@ -220,8 +243,12 @@ void removeTreeNoFollow(int parentFd, const std::string& name, const std::string
     ::close(fd);
     throwErrno(EBUSY, "rmdir", displayPath);
   }
+  if (keepPools && isPoolRoot(fd)) {
+    ::close(fd);
+    throwCode("ERR_POOL_NESTED", nestedPoolDetail(displayPath), EBUSY, "rmdir", displayPath);
+  }
   if (bytes) *bytes += self.stx_blocks * 512;
-  Remover remover(mountOf(fd, self), bytes, displayPath);
+  Remover remover(mountOf(fd, self), bytes, displayPath, keepPools);
   remover.emptyDirectory(fd, makedev(self.stx_dev_major, self.stx_dev_minor), static_cast<ino_t>(self.stx_ino));
   remover.rethrowFirst();
   if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) throwErrno(errno, "rmdir", displayPath);

@@ -14,8 +14,11 @@ namespace vmspace {
 // is thrown the same way (the first one; the rest of the tree is still removed). `displayPath` names
 // parentFd/name in errors. ENOENT when `name` does not exist.
 // When `bytes` is given, the space the removed entries occupied (st_blocks * 512) is added to it.
+// With `keepPools` (a workspace's removal), a directory that is a pool's root (trusted.h, isPoolRoot), `name`
+// itself included, is treated as a mount point is: never entered, the rest removed, and ERR_POOL_NESTED (cause
+// EBUSY, path: that directory) thrown at the end.
 void removeTreeNoFollow(int parentFd, const std::string& name, const std::string& displayPath,
-                        uint64_t* bytes = nullptr);
+                        uint64_t* bytes = nullptr, bool keepPools = false);
 
 // removeTreeNoFollow for an absolute path: its parent is opened (following the caller's own path as given), the
 // last component is never followed. A mount point at `path` itself is EBUSY.

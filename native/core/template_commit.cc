@@ -45,16 +45,16 @@ bool isSubvolumeFs(int fd) {
   return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
 }
 
-// Snapshots the workspace at `sourcePath` read-only to tree/ below `leaseFd` when it is a subvolume (quota
-// workspaces and workspaces allocated from a subvolume template are) with no subvolume inside (a snapshot would
+// Snapshots the workspace at `sourcePath` (`readOnly` or writable) to tree/ below `leaseFd` when it is a subvolume
+// (quota workspaces and workspaces allocated from a subvolume template are) with no subvolume inside (a snapshot would
 // leave those out). False where it is not, or where the kernel refuses the snapshot (EPERM: a source owned by
 // another user; EXDEV: another file system): the caller walks instead. Throws any other errno.
-bool snapshotWorkspace(const std::string& sourcePath, int leaseFd) {
+bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly) {
   UniqueFd src(open(sourcePath.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOCTTY));
   if (!src) throwErrno(errno, "open", sourcePath);
   bool nested = true;
   if (!isSubvolumeRoot(src.get()) || hasChildSubvolumes(src.get(), &nested) != 0 || nested) return false;
-  int err = snapshotSubvolume(src.get(), leaseFd, "tree", true);
+  int err = snapshotSubvolume(src.get(), leaseFd, "tree", readOnly);
   if (err == 0) return true;
   if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP)
     return false;
@@ -140,7 +140,7 @@ class TemplateCommit {
   // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
   void makeTree(int leaseFd) {
     const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
-    if (subvolume) res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd);
+    if (subvolume) snapshotTree(leaseFd);
     if (!res_.clone.snapshot) {
       // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
       // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
@@ -153,6 +153,20 @@ class TemplateCommit {
     }
     res_.clone.tree = true;
     res_.readOnlySubvolume = res_.readOnlySubvolume || res_.clone.snapshot;
+  }
+
+  // tree/ as a snapshot of the workspace, where it is a subvolume (snapshotWorkspace). A snapshot carries every
+  // device node and set-id bit as it is: unless the caller keeps them both, it is made writable, what the tree clone
+  // would not make is taken out (dropGuestPrivileges), and then it is made read-only.
+  void snapshotTree(int leaseFd) {
+    const bool filter = !opts_.keepDevices || !opts_.keepSetId;
+    res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd, !filter);
+    if (!res_.clone.snapshot || !filter) return;
+    const std::string shown = stagingPath_ + "/tree";
+    UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+    if (!tree) throwErrno(errno, "open", shown);
+    dropGuestPrivileges(tree.get(), shown, opts_.keepDevices, opts_.keepSetId, &res_.clone.skippedDevices);
+    if (int err = setSubvolumeReadOnly(tree.get(), true)) throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", shown);
   }
 
   // The mode list (stripWriteBits), read-only once written.

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -34,6 +35,40 @@ ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::strin
   return ModesFile(f, fclose);
 }
 
+namespace {
+
+// Pushes the private tree `rootFd` as the root of `walk`, through a description of our own (the caller's fd's
+// readdir offset is not ours to move); returns its stat.
+struct stat pushRoot(TreeWalk& walk, int rootFd, const std::string& shown) {
+  struct stat rootSt;
+  if (fstat(rootFd, &rootSt) != 0) throwErrno(errno, "fstat", shown);
+  int fd = openat(rootFd, ".", kDirFlags);
+  if (fd < 0) throwErrno(errno, "open", shown);
+  if (int err = walk.push(fd, "", rootSt.st_dev, rootSt.st_ino)) throwErrno(err, "fdopendir", shown);
+  return rootSt;
+}
+
+// The next entry of the walk's top directory; null when it is done, after it was left (popped).
+struct dirent* nextOrLeave(TreeWalk& walk) {
+  struct dirent* de;
+  if (int err = walk.next(&de)) throwErrno(err, "readdir", walk.path(walk.depth()));
+  if (de) return de;
+  TreeWalk::Left done;
+  const char* syscall = "openat";
+  if (int err = walk.pop(&done, &syscall)) throwErrno(err, syscall, walk.path(walk.depth(), done.name.c_str()));
+  return nullptr;
+}
+
+// Enters the subdirectory `name` (stat `st`) of the walk's top directory.
+void enter(TreeWalk& walk, const char* name, const struct stat& st) {
+  int down = walk.openDir(walk.topFd(), name);
+  if (down < 0) throwErrno(errno, "open", walk.path(walk.depth(), name));
+  if (int err = walk.push(down, name, st.st_dev, st.st_ino))
+    throwErrno(err, "fdopendir", walk.path(walk.depth(), name));
+}
+
+}  // namespace
+
 // The mode list (`modes` in a template): the write bits a commit removed, as a walk of the tree replays them.
 // Records, each ending in NUL: "m<3 octal digits><name>" (an entry of the current directory had those write
 // bits), "d<name>" (into that subdirectory), "u" (back to the parent), "r<3 octal digits>" (the root's own).
@@ -47,21 +82,12 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
     if (!ok || fwrite(name.c_str(), 1, name.size() + 1, manifest) != name.size() + 1)
       throwErrno(errno ? errno : EIO, "write", shown);
   };
-  struct stat rootSt;
-  if (fstat(rootFd, &rootSt) != 0) throwErrno(errno, "fstat", shown);
-  *allocated += static_cast<uint64_t>(rootSt.st_blocks) * 512;
   TreeWalk walk(shown, TreeWalk::Resume::AtPosition);
-  // A description of our own: the caller's fd's readdir offset is not ours to move.
-  int fd = openat(rootFd, ".", kDirFlags);
-  if (fd < 0) throwErrno(errno, "open", shown);
-  if (int err = walk.push(fd, "", rootSt.st_dev, rootSt.st_ino)) throwErrno(err, "fdopendir", shown);
+  const struct stat rootSt = pushRoot(walk, rootFd, shown);
+  *allocated += static_cast<uint64_t>(rootSt.st_blocks) * 512;
   while (!walk.empty()) {
-    struct dirent* de;
-    if (int err = walk.next(&de)) throwErrno(err, "readdir", walk.path(walk.depth()));
+    struct dirent* de = nextOrLeave(walk);
     if (!de) {
-      TreeWalk::Left done;
-      const char* syscall = "openat";
-      if (int err = walk.pop(&done, &syscall)) throwErrno(err, syscall, walk.path(walk.depth(), done.name.c_str()));
       if (strip && !walk.empty()) put('u', 0, "");
       continue;
     }
@@ -79,15 +105,59 @@ void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64
         throwErrno(errno, "chmod", walk.path(walk.depth(), name.c_str()));
     }
     if (!S_ISDIR(st.st_mode)) continue;
-    int down = walk.openDir(cur, name.c_str());
-    if (down < 0) throwErrno(errno, "open", walk.path(walk.depth(), name.c_str()));
-    if (int err = walk.push(down, name.c_str(), st.st_dev, st.st_ino))
-      throwErrno(err, "fdopendir", walk.path(walk.depth(), name.c_str()));
+    enter(walk, name.c_str(), st);
     if (strip) put('d', 0, name);
   }
   if (strip && (rootSt.st_mode & 0222)) {
     put('r', rootSt.st_mode & 0222, "");
     if (fchmod(rootFd, rootSt.st_mode & 07777 & ~0222) != 0) throwErrno(errno, "fchmod", shown);
+  }
+}
+
+namespace {
+
+// What dropGuestPrivileges does to the entry `name` (stat `st`) of the directory `dirFd`.
+void dropEntryPrivileges(int dirFd, const char* name, const struct stat& st, bool devices, bool setId,
+                         uint64_t* skippedDevices, const TreeWalk& walk) {
+  if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) {
+    if (devices) return;
+    if (unlinkat(dirFd, name, 0) != 0) throwErrno(errno, "unlinkat", walk.path(walk.depth(), name));
+    ++*skippedDevices;
+    return;
+  }
+  if (setId || S_ISLNK(st.st_mode)) return;
+  if ((st.st_mode & (S_ISUID | S_ISGID)) && fchmodat(dirFd, name, st.st_mode & 07777 & ~(S_ISUID | S_ISGID), 0) != 0)
+    throwErrno(errno, "chmod", walk.path(walk.depth(), name));
+  if (!S_ISREG(st.st_mode)) return;
+  // No *at form of the xattr calls: the directory's /proc/self/fd link, then the name, not followed. Asked first:
+  // removing a security.* name takes CAP_SETFCAP even where there is none (EPERM for a user's commit).
+  std::string at = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
+  if (lgetxattr(at.c_str(), "security.capability", nullptr, 0) < 0) {
+    if (errno == ENODATA || errno == ENOTSUP) return;
+    throwErrno(errno, "getxattr", walk.path(walk.depth(), name));
+  }
+  if (lremovexattr(at.c_str(), "security.capability") != 0 && errno != ENODATA)
+    throwErrno(errno, "removexattr", walk.path(walk.depth(), name));
+}
+
+}  // namespace
+
+void dropGuestPrivileges(int rootFd, const std::string& shown, bool devices, bool setId, uint64_t* skippedDevices) {
+  TreeWalk walk(shown, TreeWalk::Resume::AtPosition);
+  pushRoot(walk, rootFd, shown);
+  while (!walk.empty()) {
+    struct dirent* de = nextOrLeave(walk);
+    if (!de) continue;
+    // Symlinks, fifos and sockets carry nothing to drop (their set-id bits mean nothing): no stat for them.
+    if (de->d_type == DT_LNK || de->d_type == DT_FIFO || de->d_type == DT_SOCK) continue;
+    const char* name = de->d_name;
+    const int cur = walk.topFd();
+    struct stat st;
+    if (fstatat(cur, name, &st, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "stat", walk.path(walk.depth(), name));
+    if (S_ISDIR(st.st_mode))
+      enter(walk, name, st);
+    else
+      dropEntryPrivileges(cur, name, st, devices, setId, skippedDevices, walk);
   }
 }
 

@@ -24,4 +24,10 @@ ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::strin
 // With `strip` false (a read-only subvolume, whose modes stay) it only measures.
 void stripWriteBits(int rootFd, const std::string& shown, FILE* manifest, uint64_t* allocated, bool strip);
 
+// Takes out of the private tree `rootFd` (a writable snapshot of a guest's workspace, our own in staging) what a
+// tree clone with CloneOptions keepDevices/keepSetId false would not have made: device nodes are unlinked (counted
+// in *skippedDevices) unless `devices`; unless `setId`, set-id bits of anything but directories are cleared and
+// security.capability removed (through /proc/self/fd: without /proc, ENOENT). Never follows a symlink.
+void dropGuestPrivileges(int rootFd, const std::string& shown, bool devices, bool setId, uint64_t* skippedDevices);
+
 }  // namespace vmspace

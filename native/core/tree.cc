@@ -111,7 +111,8 @@ struct Task {
 // the entry by its path below the source and destination roots.
 class MetaCopier {
  public:
-  MetaCopier(std::string srcRoot, std::string dstRoot) : srcRoot_(std::move(srcRoot)), dstRoot_(std::move(dstRoot)) {}
+  MetaCopier(std::string srcRoot, std::string dstRoot, bool keepSetId)
+      : srcRoot_(std::move(srcRoot)), dstRoot_(std::move(dstRoot)), keepSetId_(keepSetId) {}
 
   std::string srcPath(const Rel& rel) const { return joinPath(srcRoot_, rel); }
   std::string dstPath(const Rel& rel) const { return joinPath(dstRoot_, rel); }
@@ -136,7 +137,8 @@ class MetaCopier {
       if (!kept && st.st_uid != now.uid) *dropSetId |= S_ISUID;
       if (!kept && st.st_gid != now.gid) *dropSetId |= S_ISGID;
     }
-    copyXattrs(sfd, dfd, rel, kept || st.st_uid == now.uid);
+    if (dropSetId && !keepSetId_) *dropSetId |= S_ISUID | S_ISGID;  // a directory's setgid is no privilege
+    copyXattrs(sfd, dfd, rel, keepSetId_ && (kept || st.st_uid == now.uid));
     return chowned;
   }
 
@@ -166,6 +168,7 @@ class MetaCopier {
       if (st.st_uid != created.uid) mode &= ~S_ISUID;  // set-id only where the owner is kept (copyOwnerXattrs)
       if (st.st_gid != created.gid) mode &= ~S_ISGID;
     }
+    if (!keepSetId_) mode &= ~(S_ISUID | S_ISGID);
     if (!symlink && fchmodat(ddir, name, mode, 0) != 0) throwErrno(errno, "chmod", dstPath(rel));
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     if (utimensat(ddir, name, times, AT_SYMLINK_NOFOLLOW) != 0) throwErrno(errno, "utimensat", dstPath(rel));
@@ -212,6 +215,7 @@ class MetaCopier {
   }
 
   std::string srcRoot_, dstRoot_;
+  bool keepSetId_;  // CloneOptions::keepSetId
 };
 
 // The walk: depth first, each thread over a stack of directories (a source DIR and a destination fd each) of
@@ -231,8 +235,8 @@ class TreeCloner {
   TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
              std::string dstRoot)
       : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd),
-        meta_(std::move(srcRoot), std::move(dstRoot)), euid_(geteuid()), egid_(getegid()), umask_(currentUmask()),
-        threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
+        meta_(std::move(srcRoot), std::move(dstRoot), opts.keepSetId), euid_(geteuid()), egid_(getegid()),
+        umask_(currentUmask()), threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
 
   // Fills the (empty) destination root with the contents of the source root. Throws the first error.
   void cloneContents() {
@@ -429,7 +433,7 @@ class TreeCloner {
   }
 
   // An entry that is neither a directory nor a regular file: a symlink, fifo or device made anew (a device only
-  // where mknod is permitted), a socket skipped; each counted.
+  // where mknod is permitted and keepDevices), a socket skipped; each counted.
   void node(int sdir, int ddir, const char* name, const Rel& rel, const struct stat& st, Owner created,
             CloneSummary& local) {
     switch (st.st_mode & S_IFMT) {
@@ -453,6 +457,10 @@ class TreeCloner {
         return;
       case S_IFCHR:
       case S_IFBLK:
+        if (!opts_.keepDevices) {  // a guest's device node (its host's disk, say) is never handed on
+          local.skippedDevices++;
+          return;
+        }
         if (mknodat(ddir, name, (st.st_mode & S_IFMT) | 0600, st.st_rdev) != 0) {
           if (errno == EPERM) {  // mknod(2) of a device needs CAP_MKNOD: skipped and counted
             local.skippedDevices++;

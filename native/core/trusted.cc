@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "error.h"
+#include "io.h"
+#include "pool.h"
 
 namespace vmspace {
 namespace {
@@ -60,7 +62,52 @@ std::string parentOf(const std::string& shown) {
 
 constexpr int kMaxSymlinks = 40;  // as the kernel's path walk (MAXSYMLINKS)
 
+// Owned as openPool makes a pool's entries: by root or this process's euid.
+bool ownedByPoolOwner(const struct stat& st) { return st.st_uid == 0 || st.st_uid == geteuid(); }
+
+// The path of the open `fd` as the kernel names it (/proc/self/fd), or `fallback` without /proc.
+std::string pathOfFd(int fd, const std::string& fallback) {
+  char buf[PATH_MAX];
+  std::string link = "/proc/self/fd/" + std::to_string(fd);
+  ssize_t n = readlink(link.c_str(), buf, sizeof buf);
+  return n > 0 && static_cast<size_t>(n) < sizeof buf ? std::string(buf, static_cast<size_t>(n)) : fallback;
+}
+
 }  // namespace
+
+bool isPoolRoot(int dirFd) {
+  UniqueFd state(openat(dirFd, ".vmspace", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  struct stat st;
+  if (!state || fstat(state.get(), &st) != 0 || !ownedByPoolOwner(st)) return false;
+  if (fstatat(state.get(), "version", &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || !ownedByPoolOwner(st))
+    return false;
+  UniqueFd file(openRegularAtNoFollow(state.get(), "version", O_RDONLY, st.st_dev, st.st_ino));
+  char buf[64];
+  ssize_t n = file ? pread(file.get(), buf, sizeof buf, 0) : -1;
+  if (n <= 0) return false;
+  std::string text(buf, static_cast<size_t>(n));
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text == kLayoutVersion;
+}
+
+void refuseNestedPool(int dirFd, const std::string& root) {
+  UniqueFd cur(openat(dirFd, ".", O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!cur) throwErrno(errno, "open", root);
+  for (int up = 0; up < 4096; ++up) {
+    if (isPoolRoot(cur.get()))
+      throwCode("ERR_POOL_NESTED",
+                "'" + root + "' is inside the pool at '" + pathOfFd(cur.get(), root) +
+                    "' (its workspace, .vmspace/ or trash): a dispose or sweep there would remove it; a pool is " +
+                    "never made inside another",
+                EBUSY, "open", root);
+    UniqueFd parent(openat(cur.get(), "..", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    struct stat a, b;
+    if (!parent || fstat(cur.get(), &a) != 0 || fstat(parent.get(), &b) != 0) throwErrno(errno, "open", root);
+    if (a.st_dev == b.st_dev && a.st_ino == b.st_ino) return;  // "/": its ".." is itself
+    cur = std::move(parent);
+  }
+  throwErrno(ELOOP, "open", root);
+}
 
 void checkTrusted(int fd, const std::string& shown, const Trust& t, bool ancestor) {
   struct stat st;
@@ -140,6 +187,7 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
     return dir == "/" ? "/" + name : dir + "/" + name;
   };
   int links = 0;
+  bool nestingChecked = false;
   // Components at or above this depth of `todo` come from a symlink's target, which must exist as mkdir -p
   // requires (mkdir(2) of a dangling symlink is EEXIST): only components of the path as given are made.
   size_t targetFloor = SIZE_MAX;
@@ -153,6 +201,9 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
     if (!fd) {
       // As open(2) of the whole path names it; a symlink's missing target is ENOENT, never made.
       if (errno != ENOENT || !create || fromTarget) throwErrno(errno, "open", path);
+      // Checked before anything is made: what is made below `cur` is inside whatever `cur` is inside.
+      if (!nestingChecked) refuseNestedPool(cur.get(), path);
+      nestingChecked = true;
       makeDirExact(cur.get(), name.c_str(), todo.empty() ? rootMode : 0755, todo.empty() ? t.sharedGid : -1, next);
       todo.push_back(name);  // made or made meanwhile: open and check it as any other
       continue;
@@ -179,6 +230,12 @@ UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, 
   // "." of an O_PATH fd is that same directory: no path lookup that could be raced.
   UniqueFd dir(openat(cur.get(), ".", kDirFlags));
   if (!dir) throwErrno(errno, "open", shown);
+  if (!nestingChecked) {
+    UniqueFd parent(openat(cur.get(), "..", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    struct stat self, above;
+    if (!parent || fstat(cur.get(), &self) != 0 || fstat(parent.get(), &above) != 0) throwErrno(errno, "open", shown);
+    if (self.st_dev != above.st_dev || self.st_ino != above.st_ino) refuseNestedPool(parent.get(), path);
+  }
   return dir;
 }
 

@@ -39,4 +39,16 @@ UniqueFd openPoolDir(int at, const char* name, const std::string& shown, bool cr
 // sticky exception).
 UniqueFd openTrustedPath(const std::string& path, bool create, mode_t rootMode, const Trust& t);
 
+// Whether the directory `dirFd` is a pool's root: its `.vmspace/` (a directory) and `.vmspace/version` (a regular
+// file reading the layout version) are owned by root or this process's euid, as openPool makes them. A guest
+// running under a uid of its own cannot forge that in its workspace; one running as the pool's owner can, and
+// its workspace is then refused as a nested pool (reported, never removed: docs/pool-on-disk.md). Never follows
+// a symlink and opens nothing but the version file (through its O_PATH fd); any error reads as "not a pool".
+bool isPoolRoot(int dirFd);
+
+// ERR_POOL_NESTED (cause EBUSY) when `dirFd` or a directory above it (climbed through "..") is a pool's root: a
+// pool made there would sit in that pool's workspace, its .vmspace/ or its trash, where a dispose or sweep
+// would remove it. `root` names the pool being opened.
+void refuseNestedPool(int dirFd, const std::string& root);
+
 }  // namespace vmspace
