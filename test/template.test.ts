@@ -269,7 +269,7 @@ for (const fsys of systems) {
           await exited
         }
         const report = await pool.sweep({ graceMs: 0 })
-        expect(report.reclaimed.map((e) => [e.name, e.from])).toEqual([[`template-${old.id}`, 'template']])
+        expect(report.reclaimed.map((e) => [e.name, e.from]), JSON.stringify(report)).toEqual([[`template-${old.id}`, 'template']])
         expect(report.reclaimed[0].bytes).toBeGreaterThan(0)
         noLeftovers(root)
         await ws.dispose()
