@@ -500,8 +500,8 @@ export class Pool implements AsyncDisposable {
    * that is a subvolume (`clone.method` 'snapshot'), else a walk into a new subvolume; docs/templates.md.
    * Pause whatever writes in `ws` first: the walk takes each entry as it finds it, so a tree changing under it is
    * no one instant's version; a file written while it is cloned, or replaced by another file or a device, is
-   * `ERR_SOURCE_CHANGED` (as far as the file system's timestamps tell: docs/DESIGN.md, "Clone engine"), and an
-   * entry swapped for a symlink fails with the errno of the call that met it.
+   * `ERR_SOURCE_CHANGED` (as far as the file system's timestamps tell: docs/DESIGN.md, "Clone engine"), and so is
+   * an entry removed or replaced (by a symlink, say) after the walk saw it.
    * `name`: 1–128 of `[A-Za-z0-9._-]` (not 32 hex); an existing name is `EEXIST` (nothing built or changed),
    * unless `replace: true`, which swaps the name to the new template atomically (renameat2 RENAME_EXCHANGE) and
    * removes the old one once no allocate reads it (`replaced.removed` false: the last reader, or a sweep, does).

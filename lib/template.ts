@@ -102,10 +102,15 @@ export function templateRef(name: string, value: unknown): string | undefined {
 
 /** Pool.commit's options. */
 export interface CommitOptions {
+  /** The template's name: 1–128 of `[A-Za-z0-9._-]`, not 32 hex characters. Default: none (found by its id). */
   name?: string
+  /** A JSON object kept in the template's record (`Template.meta`). */
   meta?: JsonObject
+  /** With `name`: swap the name to the new template atomically and retire the old one. Default false (`EEXIST`). */
   replace?: boolean
+  /** Abort the commit: rejects with an AbortError, nothing is left. */
   signal?: AbortSignal
+  /** Called as the tree is cloned, with the files and bytes done so far. */
   onProgress?: (p: { files: number; bytes: number }) => void
   /**
    * Carry the workspace's device nodes into the template. Default false: a guest's device node (its host's disk,
@@ -165,9 +170,13 @@ export function commitResult(
 
 /** Pool.fork's options. */
 export interface ForkOptions {
+  /** A JSON object kept in every child's record (`WorkspaceInfo.meta`). */
   meta?: JsonObject
+  /** Every child's directory mode, as allocate()'s `mode`. */
   mode?: number
+  /** Abort the fork: rejects with an AbortError; every child made is disposed. */
   signal?: AbortSignal
+  /** Called after each child is made: `done` of `count`. */
   onProgress?: (p: { done: number; count: number }) => void
   /** As commit()'s: the guest's device nodes are carried only when true. Default false. */
   keepDevices?: boolean
