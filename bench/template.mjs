@@ -4,10 +4,10 @@
 //   commit:   snapshot = commit of a subvolume workspace (BTRFS_IOC_SNAP_CREATE_V2, read-only);
 //             walk     = commit of a plain-directory workspace (reflink walk into a new subvolume, then read-only).
 //   allocate: snapshot = allocate({ from }) of a subvolume template (a writable snapshot);
-//             walk     = allocate({ template: <the template's tree> }): the reflink walk of the same tree, which is
+//             walk     = allocate({ template: <the same tree outside the pool> }): the reflink walk of it, which is
 //                        what allocate({ from }) did before templates were subvolumes.
 //   fork:     snapshot = fork(ws, n) of a subvolume workspace (one read-only snapshot, n writable ones), per child;
-//             walk     = n × allocate({ template: ws.path }), the direct clone fork could use instead, per child.
+//             walk     = n × allocate({ template: <the same tree outside the pool> }), a reflink walk per child.
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 
@@ -36,6 +36,10 @@ export async function benchTemplatesBtrfs({ vmspace, dir, load, sizes = [10_000,
     makeTree(plain.path, files)
     const base = await pool.commit(plain, { name: 'base' })
     const sub = await pool.allocate({ from: 'base' })
+    // The same tree outside the pool, for the walks (a template inside the pool is refused: a guest's tree).
+    const hostTree = path.join(dir, `tree-${files}`)
+    fs.mkdirSync(hostTree)
+    makeTree(hostTree, files)
     if (sub.template[0].method !== 'snapshot') throw new Error(`allocate({ from }) on btrfs: ${sub.template[0].method}`)
     const s = { commitSnap: [], commitWalk: [], allocSnap: [], allocWalk: [], forkSnap: [], forkWalk: [] }
     // The variants alternate within each round, so that load coming and going falls on both alike.
@@ -52,14 +56,14 @@ export async function benchTemplatesBtrfs({ vmspace, dir, load, sizes = [10_000,
       const a = await pool.allocate({ from: base.id })
       s.allocSnap.push(ms(t0))
       t0 = process.hrtime.bigint()
-      const b = await pool.allocate({ template: base.path })
+      const b = await pool.allocate({ template: hostTree })
       s.allocWalk.push(ms(t0))
       if (b.template[0].method !== 'reflink') throw new Error(`allocate({ template }): ${b.template[0].method}`)
       t0 = process.hrtime.bigint()
       const kids = await pool.fork(sub, children)
       s.forkSnap.push(ms(t0) / children)
       t0 = process.hrtime.bigint()
-      const walked = await Promise.all(Array.from({ length: children }, () => pool.allocate({ template: sub.path })))
+      const walked = await Promise.all(Array.from({ length: children }, () => pool.allocate({ template: hostTree })))
       s.forkWalk.push(ms(t0) / children)
       for (const w of [a, b, ...kids, ...walked]) await w.dispose()
       for (const t of [ts, tw]) await pool.removeTemplate(t.id)

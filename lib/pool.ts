@@ -117,12 +117,16 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
 
 /**
  * An image-backed pool's mount point while its image is not mounted holds only the marker the mount hides: a pool
- * opened there without `image` would be made on the host's file system (and the next mount refused).
+ * opened there, or in a directory below it, without `image` would be made on the host's file system (and the next
+ * mount refused). `dir` and each of its existing parents are looked at (a mounted image hides its marker).
  */
 function refuseUnmountedImage(dir: string): void {
-  const image = markedImage(dir)
-  if (image !== undefined)
-    throw vmspaceError('ERR_IMAGE_NOT_MOUNTED', `${dir} is the mount point of the image ${image}, which is not mounted: open the pool with { image } or run vmspace mount`, { path: dir })
+  for (let d = dir; ; d = path.dirname(d)) {
+    const image = markedImage(d)
+    if (image !== undefined)
+      throw vmspaceError('ERR_IMAGE_NOT_MOUNTED', `${d} is the mount point of the image ${image}, which is not mounted: open the pool with { image } or run vmspace mount`, { path: dir })
+    if (d === path.dirname(d)) return
+  }
 }
 
 /** The default size budget of a pool's template cache: 8 GiB (native/core/template_cache.h, kDefaultCacheBytes). */
@@ -147,6 +151,18 @@ function warmOptions(value: unknown) {
   const mode = workspaceMode('options.warm.mode', w.mode)
   return { dir, entries, count, mode }
 }
+
+/** Whether `p` (symlinks resolved already) is a regular file now. */
+function isRegularFile(p: string): boolean {
+  try {
+    return fs.lstatSync(p).isFile()
+  } catch {
+    return false
+  }
+}
+
+// A workspace's name in a pool root, of any prefix (PREFIX, then a 128-bit id in hex).
+const WORKSPACE_NAME = /^[A-Za-z0-9_-]{1,64}-[0-9a-f]{32}$/
 
 /** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
 export class Pool implements AsyncDisposable {
@@ -236,33 +252,45 @@ export class Pool implements AsyncDisposable {
   /** allocate()'s options, checked, and the metadata record's members (nothing is touched yet). */
   #allocateRequest(options: AllocateOptions | undefined): CheckedAllocate {
     const o = optionsObject<AllocateOptions>('options', options, {
-      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true, keepDevices: true,
-      keepSetId: true,
+      template: true, meta: true, mode: true, signal: true, writeback: true, quota: true, from: true,
     })
     const [quotaBytes, quotaInodes] = quotaLimits(o.quota)
     const { dir, entries } = templateEntries(o.template)
+    if (dir) this.#outsideWorkspaces('options.template', dir)
+    for (const [dest, source] of entries) this.#outsideWorkspaces(`options.template[${JSON.stringify(dest)}]`, source, true)
     const from = templateRef('options.from', o.from)
     const mode = workspaceMode('options.mode', o.mode)
     const signal = abortSignal('options.signal', o.signal)
     const writeback = oneOf('options.writeback', o.writeback, writebackValues, 'none')
     const info = recordMembers(this.#ownerMembers(), quotaBytes, quotaInodes, metaText(o.meta))
-    // A template directory inside the pool is a guest's tree: its devices and set-id bits stay unless asked for.
-    const guestTree = dir !== '' && this.#inPool(dir)
-    const keepDevices = boolean('options.keepDevices', o.keepDevices, !guestTree)
-    const keepSetId = boolean('options.keepSetId', o.keepSetId, !guestTree)
-    return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info, keepDevices, keepSetId }
+    return { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info }
   }
 
-  /** Whether `dir` resolves (symlinks followed, as the clone opens it) to a path inside this pool's root. */
-  #inPool(dir: string): boolean {
-    let real: string
-    try {
-      real = fs.realpathSync(dir)
-    } catch {
-      return false  // the clone reports why it cannot open it
-    }
+  /**
+   * Refuses a template source in a workspace of this pool, in its `.vmspace/`, or the pool's root itself, as written
+   * or as its symlinks resolve: what a workspace holds is a guest's tree, whose symlinks the clone of a host path
+   * would follow out of the workspace and whose device nodes and set-id files it would carry. A workspace becomes a
+   * template through commit() or fork(). With `file` (a map entry), one regular file reached without a symlink is
+   * let through: the base an image-backed pool keeps in a holder workspace that no guest writes (docs/image-pool.md).
+   */
+  #outsideWorkspaces(name: string, source: string, file = false): void {
     this.#realRoot ??= fs.realpathSync(this.root)
-    return real.startsWith(this.#realRoot + '/')
+    let real = source
+    try {
+      real = fs.realpathSync(source)
+    } catch {
+      // the clone reports why it cannot open it
+    }
+    const guests = (p: string, root: string) => {
+      if (p === root) return true
+      if (!p.startsWith(root + '/')) return false
+      const first = p.slice(root.length + 1).split('/')[0]
+      return first === '.vmspace' || WORKSPACE_NAME.test(first)
+    }
+    if (!guests(source, this.root) && !guests(source, this.#realRoot) && !guests(real, this.#realRoot)) return
+    const plainFile = file && real.slice(this.#realRoot.length) === source.slice(this.root.length) && isRegularFile(real)
+    if (!plainFile)
+      throw invalidValue(name, "a path outside the pool's workspaces (a workspace becomes a template by commit() or fork())", source)
   }
 
   /**
@@ -275,9 +303,7 @@ export class Pool implements AsyncDisposable {
     // Served from the warm reserve when it is of this template: only the metadata write and the publish remain.
     // Never for a quota: a warm entry is a plain directory (quota'd workspaces are built whole, as a subvolume
     // or with their project id before anything is cloned in).
-    // Nor for a tree that drops devices or set-id bits: the reserve was built keeping them (its template is the
-    // host's).
-    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined && req.keepDevices && req.keepSetId) {
+    if ((dir || entries.length) && !quotaBytes && !quotaInodes && from === undefined) {
       const warm = this.#warm
       if (warm?.matches(WarmReserve.key(dir, entries, req.mode))) return this.#buildWarm(warm, req)
     }
@@ -290,13 +316,13 @@ export class Pool implements AsyncDisposable {
   }
 
   #buildInCore(req: CheckedAllocate): Promise<NativeAllocateResult> {
-    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info, keepDevices, keepSetId } = req
+    const { quotaBytes, quotaInodes, dir, entries, from, mode, signal, writeback, info } = req
     if (!dir && !entries.length && from === undefined && !quotaBytes && !quotaInodes) return this.#buildPlain(req)
     return this.#inFlight.track(
       withProgress({ signal }, (p) =>
         native.allocate(this.#handle, {
           prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable,
-          info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from, keepDevices, keepSetId,
+          info, progress: p, writeback, quotaBytes, quotaInodes, fromTemplate: from,
         }),
       ),
     )
@@ -742,8 +768,6 @@ interface CheckedAllocate {
   signal: AbortSignal | undefined
   writeback: Writeback
   info: JsonMembers
-  keepDevices: boolean
-  keepSetId: boolean
 }
 
 function templateEntries(template: unknown, name = 'options.template'): { dir: string; entries: [string, string][] } {

@@ -131,14 +131,6 @@ export interface AllocateOptions {
    */
   writeback?: Writeback
   /**
-   * Carry the device nodes of a `template` directory. Default: false for a directory inside this pool (a
-   * workspace: a guest's tree; its device nodes are counted in the clone result's `skipped.devices`), true for one
-   * elsewhere (the host's). See docs/templates.md, "What a guest's tree may carry".
-   */
-  keepDevices?: boolean
-  /** Carry set-user-ID/set-group-ID bits (of anything but directories) and security.capability; default as keepDevices. */
-  keepSetId?: boolean
-  /**
    * A limit of the workspace's own, enforced by the kernel (writes past it fail with `EDQUOT`); see
    * {@link QuotaOptions}. On btrfs the workspace is a subvolume with a qgroup limit (quotas must be enabled:
    * `btrfs quota enable`); on XFS/ext4 with project quotas it gets a project id inherited by everything inside.
@@ -445,7 +437,7 @@ export interface CloneResult {
   devices?: number
   /**
    * Trees: entries not recreated: sockets always, device nodes where mknod(2) is not permitted or not asked for (a
-   * guest's tree: commit, fork, allocate of a directory in the pool, without `keepDevices`).
+   * guest's tree: commit and fork without `keepDevices`, copyOut).
    */
   skipped?: {
     /** Sockets (never recreated: a socket is a live endpoint, not data). */

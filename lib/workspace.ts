@@ -133,7 +133,8 @@ export class Workspace implements AsyncDisposable {
    * `dest` (absolute; its parent must exist), the way to take a guest's output: `source` is resolved beneath the
    * workspace and never out of it. No symlink on its path is followed: one in the middle is `ENOTDIR`, one at the
    * end `ELOOP` (a guest's link to `/etc/shadow` copies nothing); a device node, fifo or socket is
-   * `ERR_SOURCE_TYPE`, never opened. A tree is copied as clone() copies one (its symlinks recreated, never
+   * `ERR_SOURCE_TYPE`, never opened. Inside a tree, device nodes are not made (counted in `skipped.devices`), and
+   * no set-id bit or file capability is kept, here as in a template (docs/templates.md). A tree is copied as clone() copies one (its symlinks recreated, never
    * followed; no other mount entered). Nothing is written at `dest` on any failure. clone()'s and ws.clone()'s
    * source follows symlinks (it is the caller's own path): never give either a path inside a workspace.
    * Options as {@link CloneOptions}; throws as clone() does, `ERR_INVALID_ARG_VALUE` for a `source` that is not
@@ -148,8 +149,7 @@ export class Workspace implements AsyncDisposable {
     const rel = relativePath('source', source)
     const dst = absolutePath('dest', dest)
     const opts = cloneOptions(options)
-    if (this.#status !== 'ready' || this.#disposing)
-      throw vmspaceError('ERR_DISPOSED', `workspace ${this.name} was disposed`, { path: this.path })
+    if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
     const { reflink, overwrite, durable, writeback } = opts
     const run = withProgress(opts, (progress) =>
       native.cloneOutBeneath(this.#pool._handle, { name: this.name, basePath: this.path, rel, dst, reflink, overwrite, durable, writeback, progress }),

@@ -678,12 +678,14 @@ class Lock extends Cmd {
     const tag = `l${++m.seq}`
     const res = await actor(r, this.by).run({ op: 'lock', tag, path: path.join(r.idx, LOCK_NAMES[this.target]), shared: this.shared })
     m.lockFiles.add(LOCK_NAMES[this.target])
-    // An actor's commands run one after another in one async chain, so a lock it holds is held in the context of its
-    // next command: a request there that would wait for it is refused first (ERR_LOCK_REENTRANT, docs/locks.md).
+    // An actor's lock of its own excludes the request either way: refused as a wait on itself (ERR_LOCK_REENTRANT)
+    // where the request runs in the async context that took it, or as held (ERR_LOCK_HELD, wait: false) where it
+    // does not: the context is carried from the frame that called lockFile, and an actor's run() may have awaited
+    // before that call (docs/locks.md, "Waiting in one process").
     const holders = [...m.locks.values()].filter((l) => l.target === this.target)
     const own = holders.filter((l) => l.actor === this.by)
     if (this.shared ? own.some((l) => !l.shared) : own.length > 0)
-      return expectFailure(res, ['ERR_LOCK_REENTRANT'], `${this} (held here: ${own.map((l) => (l.shared ? 'shared' : 'exclusive'))})`)
+      return expectFailure(res, ['ERR_LOCK_REENTRANT', 'ERR_LOCK_HELD'], `${this} (held here: ${own.map((l) => (l.shared ? 'shared' : 'exclusive'))})`)
     const conflict = this.shared ? holders.some((l) => !l.shared) : holders.length > 0
     if (conflict) return expectFailure(res, ['ERR_LOCK_HELD'], `${this} (held: ${holders.map((l) => `${l.actor} ${l.shared ? 'shared' : 'exclusive'}`)})`)
     expectOk(res, String(this))

@@ -380,7 +380,7 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
       expect.objectContaining({ id: ws.id, exclusiveBytes: 0, sharedBytes: 256 * MiB, quota: expect.objectContaining({ limitBytes: QUOTA }) }),
     ])
     const text = spawnSync(process.execPath, [cli, 'ls', root], { encoding: 'utf8' })
-    expect(text.stdout.split('\n')[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'PID', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
+    expect(text.stdout.split('\n')[0].split(/\s+/)).toEqual(['ID', 'STATE', 'AGE', 'ALLOCATOR', 'HOST', 'METHOD', 'ALLOCATED', 'EXCLUSIVE', 'SHARED', 'QUOTA', 'META'])
     expect(text.stdout).toMatch(new RegExp(`^${ws.id}\\s.*\\s0 B\\s+256 MiB\\s+[^/]+/64 MiB\\s`, 'm'))
     const probe = spawnSync(process.execPath, [cli, 'probe', '--json', root], { encoding: 'utf8' })
     expect(JSON.parse(probe.stdout).features.quota).toMatchObject({ supported: true, code: null })

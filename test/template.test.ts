@@ -426,8 +426,8 @@ for (const fsys of systems) {
       })
     })
 
-    test.skipIf(!mounts.root)('a guest\'s device node and set-id bits are not carried by commit, fork or allocate({ template: <workspace> }) unless asked; a setgid directory is', async () => {
-      await withPool(base, async (pool) => {
+    test.skipIf(!mounts.root)('a guest\'s device node and set-id bits are not carried by commit, fork or copyOut unless asked (copyOut never); a setgid directory is', async () => {
+      await withPool(base, async (pool, root) => {
         const ws = await pool.allocate()
         plantPrivileges(ws.path)
         const t = await pool.commit(ws, { name: 'guest' })
@@ -435,29 +435,59 @@ for (const fsys of systems) {
         expectNoPrivileges(t.path)
         const [kid] = await pool.fork(ws, 1)
         expectNoPrivileges(kid.path)
-        const copy = await pool.allocate({ template: ws.path })
-        expect(copy.template[0]).toMatchObject({ skipped: { devices: 1 } })
-        expectNoPrivileges(copy.path)
+        const out = path.join(path.dirname(root), 'out')
+        const copied = await ws.copyOut('.', out).catch((e: unknown) => e)
+        expect(copied).toMatchObject({ code: 'ERR_INVALID_ARG_VALUE' }) // '.': the workspace itself is no entry
+        fs.mkdirSync(path.join(ws.path, 'sub'))
+        for (const e of fs.readdirSync(ws.path)) if (e !== 'sub') fs.renameSync(path.join(ws.path, e), path.join(ws.path, 'sub', e))
+        const r = await ws.copyOut('sub', out)
+        expect(r.skipped).toEqual({ sockets: 0, devices: 1 })
+        expectNoPrivileges(out)
+        await ws.copyOut('sub/su', path.join(path.dirname(root), 'su'))
+        expect(fs.statSync(path.join(path.dirname(root), 'su')).mode & 0o7777).toBe(0o755)
         // Asked for: carried as they are.
         const kept = await pool.commit(ws, { name: 'trusted', keepDevices: true, keepSetId: true })
-        expectPrivileges(kept.path)
-        const keptCopy = await pool.allocate({ template: ws.path, keepDevices: true, keepSetId: true })
-        expectPrivileges(keptCopy.path)
-        for (const w of [ws, kid, copy, keptCopy]) await w.dispose()
+        expectPrivileges(path.join(kept.path, 'sub'))
+        for (const w of [ws, kid]) await w.dispose()
       })
     })
 
-    test.skipIf(!mounts.root)('a template directory outside the pool (the host\'s) keeps its device nodes and set-id bits unless keepDevices/keepSetId: false', async () => {
+    test('allocate({ template }) of a path in the pool\'s workspaces (a workspace, a directory in one, the root, through a symlink) is ERR_INVALID_ARG_VALUE; nothing made; one plain file there is a template', async () => {
+      await withPool(base, async (pool, root) => {
+        const ws = await pool.allocate()
+        fs.mkdirSync(path.join(ws.path, 'd'))
+        fs.symlinkSync('/etc', path.join(ws.path, 'etc'))
+        const link = path.join(path.dirname(root), 'to-ws')
+        fs.symlinkSync(ws.path, link)
+        const before = fs.readdirSync(root).sort()
+        fs.writeFileSync(path.join(ws.path, 'base.img'), 'base')
+        fs.symlinkSync('base.img', path.join(ws.path, 'base-link'))
+        const templates: (string | Record<string, string>)[] = [ws.path, path.join(ws.path, 'd'), path.join(ws.path, 'etc'), root,
+          path.join(root, '.vmspace'), link, { x: ws.path }, { 'rootfs/etc': path.join(ws.path, 'etc') },
+          { 'base.img': path.join(ws.path, 'base-link') }, { 'base.img': path.join(link, 'base.img') }]
+        for (const template of templates) {
+          await expect(pool.allocate({ template }), JSON.stringify(template)).rejects.toMatchObject({
+            code: 'ERR_INVALID_ARG_VALUE',
+            message: expect.stringContaining("a path outside the pool's workspaces (a workspace becomes a template by commit() or fork())"),
+          })
+        }
+        expect(fs.readdirSync(root).sort()).toEqual(before)
+        // One regular file reached without a symlink (a holder's base) is a template.
+        const child = await pool.allocate({ template: { 'base.img': path.join(ws.path, 'base.img') } })
+        expect(fs.readFileSync(path.join(child.path, 'base.img'), 'utf8')).toBe('base')
+        await child.dispose()
+        await ws.dispose()
+      })
+    })
+
+    test.skipIf(!mounts.root)('a template directory outside the pool (the host\'s) keeps its device nodes and set-id bits', async () => {
       await withPool(base, async (pool, root) => {
         const host = path.join(path.dirname(root), 'rootfs')
         fs.mkdirSync(host)
         plantPrivileges(host)
         const ws = await pool.allocate({ template: host })
         expectPrivileges(ws.path)
-        const strict = await pool.allocate({ template: host, keepDevices: false, keepSetId: false })
-        expectNoPrivileges(strict.path)
         await ws.dispose()
-        await strict.dispose()
       })
     })
 
@@ -467,7 +497,7 @@ for (const fsys of systems) {
         await expect(pool.commit(ws, { keepDevices: 'yes' } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
         await expect(pool.commit(ws, { keepDevice: true } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining('keepDevice') })
         await expect(pool.fork(ws, 1, { keepSetId: 1 } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
-        await expect(pool.allocate({ template: ws.path, keepSetId: null } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_TYPE' })
+        await expect(pool.allocate({ keepSetId: true } as object)).rejects.toMatchObject({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining('keepSetId') })
         expect(publishedIds(root)).toEqual([])
         await ws.dispose()
       })

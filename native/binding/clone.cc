@@ -51,12 +51,16 @@ Napi::Value ClonePathBeneath(const Napi::CallbackInfo& info) {
 
 // cloneOutBeneath(pool, {name, basePath, rel, dst, reflink, overwrite, durable, writeback, progress}): `rel`
 // resolved beneath the published workspace `name` of `pool` (its directory opened here, O_NOFOLLOW), cloned out
-// to the absolute `dst`.
+// to the absolute `dst` without the guest's device nodes, set-id bits and file capabilities.
 Napi::Value CloneOutBeneath(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "cloneOutBeneath");
   std::string name = o.string("name"), basePath = o.string("basePath"), rel = o.string("rel"), dst = o.string("dst");
   vmspace::CloneOptions opts = cloneOptionsOf(o);
+  // What comes out of a workspace is a guest's: no device node is made on the host, no set-id bit or file
+  // capability is kept (docs/templates.md, "What a guest's tree may carry").
+  opts.keepDevices = false;
+  opts.keepSetId = false;
   ProgressRef progress = progressOf(o);
   return Work<vmspace::CloneSummary>::Start(
       info.Env(),

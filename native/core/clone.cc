@@ -373,6 +373,7 @@ CloneFileResult fillClone(int src, const struct stat& st, int dst, const CloneOp
   // The clone is ours, not the source owner's: set-id bits are kept only where owner (group) are the same, so
   // root cloning a user's 4755 file never mints a root-owned set-uid binary. (No set-id bit: no fstat needed.)
   mode_t mode = st.st_mode & 07777;
+  if (!options.keepSetId) mode &= ~(S_ISUID | S_ISGID);  // a guest's file (CloneOptions::keepSetId)
   if (mode & (S_ISUID | S_ISGID)) {
     struct stat own;
     if (fstat(dst, &own) != 0) throwErrno(errno, "fstat", dstPath);
