@@ -153,7 +153,9 @@ export async function run(cmd: string[], opts: RunOptions): Promise<number> {
     try {
       await ws.dispose()
     } catch (e) {
-      process.stderr.write(`vmspace run: dispose of ${ws.name} failed (a sweep finishes it): ${errorText(e)}\n`)
+      // A pool root found inside is left whole by every removal: no sweep finishes that one (docs/pool-on-disk.md).
+      const after = (e as { code?: string }).code === 'ERR_POOL_NESTED' ? 'see "A pool inside a pool" in docs/pool-on-disk.md' : 'a sweep finishes it'
+      process.stderr.write(`vmspace run: dispose of ${ws.name} failed (${after}): ${errorText(e)}\n`)
       return status === 0 ? EXIT_RUN_FAILED : status
     }
     return status

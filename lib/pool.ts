@@ -107,7 +107,14 @@ export async function openPool(root: string, options?: PoolOptions): Promise<Poo
   const open = async () => {
     const r = await call(native.openPool({ root: dir, create, nonEmpty, sharedGid: sharedGroup, minFreeBytes, projectIdFirst: projectFirst, projectIdLast: projectLast, ...cache }))
     const pool = newPool(constructing, r.handle, dir, prefix, reflink, durable, r.bootId)
-    if (warm) pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
+    if (warm) {
+      try {
+        pool._startWarm(warm.dir, warm.entries, warm.mode, warm.count)
+      } catch (e) {
+        await pool.close()
+        throw e
+      }
+    }
     return pool
   }
   if (image) return withImage(dir, image, create, open)
@@ -636,6 +643,8 @@ export class Pool implements AsyncDisposable {
 
   /** @internal Starts the warm reserve (openPool's `warm`); it counts as an open workspace until close(). */
   _startWarm(dir: string, entries: [string, string][], mode: number, count: number): void {
+    if (dir) this.#outsideWorkspaces('options.warm.template', dir)
+    for (const [dest, source] of entries) this.#outsideWorkspaces(`options.warm.template[${JSON.stringify(dest)}]`, source, true)
     this.#open++
     const shape = { prefix: this.prefix, mode, templateDir: dir, entries, reflink: this.#reflink, durable: this.#durable }
     this.#warm = new WarmReserve(

@@ -36,6 +36,20 @@ function stagedNames(root: string): string[] {
 }
 
 describe('warm reserve', () => {
+  test('a warm template in the pool\'s workspaces is ERR_INVALID_ARG_VALUE, as allocate\'s; the handle opened for it is closed', async () => {
+    const root = path.join(freshDir(), 'pool')
+    const pool = await openPool(root)
+    const ws = await pool.allocate()
+    fs.mkdirSync(path.join(ws.path, 'tree'))
+    await expect(openPool(root, { warm: { template: path.join(ws.path, 'tree'), count: 1 } })).rejects.toMatchObject({
+      code: 'ERR_INVALID_ARG_VALUE',
+      message: expect.stringContaining('options.warm.template'),
+    })
+    expect(poolState(root).staging).toEqual([])
+    await ws.dispose()
+    await pool.close()
+  })
+
   test('allocate of the warm template is served from the reserve: the template bytes, own metadata, published name', async () => {
     const dir = freshDir()
     const image = path.join(dir, 'base.img')
