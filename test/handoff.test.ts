@@ -159,10 +159,12 @@ describe('a hand-over that did not happen', () => {
 
   test('a child that closes the fds it inherited (sh: exec 3>&-) drops the lease: release() rejects and keeps it', async () => {
     const { pool, ws } = await allocated()
+    const lease = fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)
     const child = spawn('sh', ['-c', 'exec 3>&-; exec sleep 60'], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
     onTestFinished(() => void child.kill('SIGKILL'))
     await eventually(() => fs.readlinkSync(`/proc/${child.pid}/exe`).endsWith('/sleep'))
-    expect(openFdTargets(child.pid!).has(3)).toBe(false)
+    // No fd of the child is the lease file (fd 3 itself may be taken again: a preloaded sanitizer runtime opens files).
+    expect([...openFdTargets(child.pid!).values()]).not.toContain(lease)
     await expectKept(pool, ws)
   })
 

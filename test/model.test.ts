@@ -83,7 +83,7 @@ interface Model {
    * Spare lease files (`leases/<x>/.spare-<hex>`, DESIGN.md "Leases"): those each process keeps, locked, from the
    * workspaces it allocated and disposed while empty (rmdir at the name; never handed over: no command reads
    * `leaseFd` of a handle it then disposes), at most 32, each taken back by its next allocate without a template;
-   * `dead`: those of a killed second process, free until a sweep removes (and counts in `leasesRemoved`) them.
+   * `dead`: those of a killed second process, free until a sweep removes them (not counted in `leasesRemoved`).
    */
   spares: Record<ActorName | 'dead', number>
   seq: number
@@ -598,8 +598,8 @@ class Adopt extends Cmd {
 }
 
 /**
- * Reclaims exactly the orphans and removes the free spares of a killed process (leasesRemoved; a dry run counts
- * them too): no build is ever in flight here, so graceMs does not change the report.
+ * Reclaims exactly the orphans and removes the free spares of a killed process (not counted in leasesRemoved; a
+ * dry run leaves them): no build is ever in flight here, so graceMs does not change the report.
  */
 class Sweep extends Cmd {
   constructor(readonly by: ActorName, readonly graceMs: number, readonly dryRun: boolean) {
@@ -618,7 +618,8 @@ class Sweep extends Cmd {
       orphans.map((w) => ({ id: w.id, name: w.name, from: 'published' })).sort((a, b) => a.id.localeCompare(b.id)),
     )
     if (this.dryRun) expect(reclaimed.map((e) => e.bytes)).toEqual(reclaimed.map(() => 0))
-    expect(res).toMatchObject({ live: all.length - orphans.length, failed: [], leasesRemoved: m.spares.dead, foreign: [] })
+    // A killed process's spares are removed but not counted: none was ever a workspace's lease file.
+    expect(res).toMatchObject({ live: all.length - orphans.length, failed: [], leasesRemoved: 0, foreign: [] })
     if (this.dryRun) return
     m.spares.dead = 0
     for (const w of orphans) {
@@ -807,8 +808,8 @@ class RaceSweeps extends Cmd {
     for (const e of reclaimed) expect(['published', 'trash']).toContain(e.from)
     // A reclaimed orphan's lease file is unlinked by the sweep that took it (in that reclaim, not counted); the
     // other sweep's lease pass finds it held (the taker's flock) or gone, or unlinked under it (not counted: ENOENT).
-    // The spares of a killed process are free: each is taken (flock) and removed by one sweep, counted once.
-    expect(leasesRemoved, `${this}: leasesRemoved of both (${JSON.stringify(res)})`).toBe(m.spares.dead)
+    // The spares of a killed process are free: each is taken (flock) and removed by one sweep, and not counted.
+    expect(leasesRemoved, `${this}: leasesRemoved of both (${JSON.stringify(res)})`).toBe(0)
     m.spares.dead = 0
     for (const w of orphans) {
       m.workspaces.delete(w.id)
@@ -850,7 +851,7 @@ class SweepDuringAllocate extends Cmd {
     )
     expectNoFailures(s.failed, new Set([a.id]), String(this))
     expect([all.length - orphans.length, all.length - orphans.length + 1]).toContain(s.live)
-    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: m.spares.dead, foreign: [] })
+    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: 0, foreign: [] })
     m.spares.dead = 0
     takeSpare(m, allocator)
     for (const w of orphans) {
@@ -895,8 +896,8 @@ class SweepDuringDispose extends Cmd {
     // The disposing workspace is live until its dispose has removed it from its name.
     expect([all.length - orphans.length - 1, all.length - orphans.length]).toContain(s.live)
     // The disposed workspace's lease file is held by its disposer until it is unlinked (or kept as its spare, held
-    // still): never one of the sweep's. Only a killed process's free spares are removed.
-    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: m.spares.dead, foreign: [] })
+    // still): never one of the sweep's. Only a killed process's free spares are removed (not counted).
+    expect(s, `${this}: ${JSON.stringify(s)}`).toMatchObject({ leasesRemoved: 0, foreign: [] })
     m.spares.dead = 0
     disposed(m, h, m.workspaces.get(h.id)!)
     h.state = 'disposed'
