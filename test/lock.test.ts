@@ -661,7 +661,7 @@ describe('threads (DESIGN.md, "Threads")', () => {
   test('64 waiters with UV_THREADPOOL_SIZE=4: fs calls still complete while they wait; then all get their locks', async () => {
     const { messages, stderr } = await waitersChild('files')
     // All 64 waited in flock (each on a thread of its own), and the pool still served fs calls.
-    expect(messages.waiting).toMatchObject({ blocked: 64, pool: '4' })
+    expect(messages.waiting, JSON.stringify(messages.waiting)).toMatchObject({ blocked: 64, pool: '4' })
     // Nobody got the lock while the holder had it, and the reads did not wait for the holder.
     expect(messages['fs-ok']).toMatchObject({ reads: 16, inside: 0, granted: 0 })
     const granted = messages.granted as { order: number[]; count: number }
