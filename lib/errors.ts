@@ -38,6 +38,9 @@ export type VmspaceErrorCode =
   | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
   | 'ERR_IMAGE_IN_USE' // the image is already mounted at another path (the message names it); nothing made
   | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image; openPool without image: it is the image's unmounted mount point
+  | 'ERR_LAYER_UNSAFE' // an image layer's entry reaches outside the layer's root or the OCI spec does not allow it (.., absolute names, a hard link out or to a missing entry, a malformed whiteout); path: the entry; nothing published
+  | 'ERR_LAYER_INVALID' // an image layer is not a tar the applier reads (bad checksum, truncated, GNU sparse, an unknown entry type, a number out of range); path: the entry; nothing published
+  | 'ERR_OCI_NOT_PERMITTED' // an image import needs root: chown, mknod or a security.* xattr was refused (cause: EPERM); nothing published
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system
