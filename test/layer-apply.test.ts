@@ -13,6 +13,7 @@ import * as path from 'node:path'
 import { afterAll, beforeAll, describe, expect, test } from 'vitest'
 import { native, type BuildHandle, type PoolHandle, type ProgressHandle } from '../lib/binding.js'
 import { call } from '../lib/errors.js'
+import { openPool } from '../lib/index.js'
 import { fixtures, mounts, requireMount } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
@@ -218,6 +219,21 @@ describe.each(fsList.filter(([, m]) => m !== null))('layers on %s', (label, moun
     expect(ls('was-file')).toEqual(['child'])
     // The lower template is as it was.
     expect(fs.readdirSync(path.join(templatesDir(), lower, 'tree', 'd')).sort()).toEqual(['lower1', 'sub'])
+  })
+
+  test('a workspace allocated from a layer template holds its tree with the write bits given back', async () => {
+    const lower = await layer('', [tar([{ name: 'etc/conf', data: 'lower', mode: 0o644 }])])
+    const upper = await layer(lower, [tar([{ name: 'etc/conf', data: 'upper', mode: 0o640 }, { name: 'bin/tool', data: 't', mode: 0o755 }])])
+    const pool = await openPool(root)
+    try {
+      const ws = await pool.allocate({ from: upper })
+      expect(fs.readFileSync(path.join(ws.path, 'etc/conf'), 'utf8')).toBe('upper')
+      expect(fs.statSync(path.join(ws.path, 'etc/conf')).mode & 0o7777).toBe(0o640)
+      expect(fs.statSync(path.join(ws.path, 'bin/tool')).mode & 0o7777).toBe(0o755)
+      await ws.dispose()
+    } finally {
+      await pool.close()
+    }
   })
 
   test('an opaque marker first in its directory keeps the entries after it', async () => {
