@@ -55,6 +55,7 @@ const CONFIG = { Env: ['PATH=/usr/bin:/bin', 'A=1'], Cmd: ['/bin/tool'], Working
 /** Image fixtures, built once per file. */
 let work: string
 let layout: string
+let archives: Record<'oci-archive' | 'docker-archive', { file: string; ref: string }>
 
 function errorOf(p: Promise<unknown>): Promise<VmspaceError> {
   return p.then(
@@ -108,6 +109,7 @@ beforeAll(() => {
   buildImage(layout, [[{ dir: 'usr' }, { file: 'usr/base', data: 'base' }], [{ file: 'usr/base2', data: 'base 2' }]], { ref: 'base' })
   buildImage(layout, [[{ file: 'usr/app', data: 'app' }]], { ref: 'app', from: 'base' })
   buildImage(layout, [[{ file: 'usr/other', data: 'other' }]], { ref: 'other', from: 'base' })
+  archives = { 'oci-archive': toArchive(layout, 'every', 'oci-archive'), 'docker-archive': toArchive(layout, 'every', 'docker-archive') }
 })
 
 afterAll(() => {
@@ -194,6 +196,7 @@ describe.skipIf(!!missing)(`importImage: options and sources ${needs('umoci, sko
 const pools = [
   { label: 'XFS', dir: mounts.xfs, why: mounts.missing.xfs },
   { label: 'btrfs', dir: mounts.btrfs, why: mounts.missing.btrfs },
+  { label: `${mounts.scratchFsType} (copies)`, dir: mounts.scratch, why: undefined },
 ]
 
 describe.each(pools)('importImage on $label', ({ label, dir, why }) => {
@@ -219,8 +222,7 @@ describe.each(pools)('importImage on $label', ({ label, dir, why }) => {
   test.skipIf(skip)('the three source formats give the same tree', async () => {
     const pool = await fresh()
     const oci = await pool.importImage(`oci:${layout}:every`, { name: 'from-oci' })
-    const ociArchive = toArchive(layout, 'every', 'oci-archive')
-    const dockerArchive = toArchive(layout, 'every', 'docker-archive')
+    const { 'oci-archive': ociArchive, 'docker-archive': dockerArchive } = archives
     const a = await pool.importImage(ociArchive.file, { ref: ociArchive.ref, name: 'from-oci-archive' })
     const d = await pool.importImage(`docker-archive:${dockerArchive.file}`, { name: 'from-docker-archive' })
     expect(a.image.layers.every((l) => l.reused)).toBe(true)
@@ -331,6 +333,7 @@ describe.each(pools)('importImage on $label', ({ label, dir, why }) => {
     await c.exited
     const pool = await openPool(root)
     expect(await pool.templates()).toEqual([])
+    expect(builds(root)).toMatchObject({ templates: [], layers: [], templateStaging: [expect.stringMatching(/^[0-9a-f]{32}$/)] })
     await pool.sweep({ graceMs: 0 })
     await expectNothingLeft(pool)
     await pool.close()
