@@ -15,7 +15,7 @@ import { AbortError, call, errnoError, VmspaceError } from './errors.js'
 import { runOk } from './image.js'
 import { hostPlatform, locateLayers, openImage, parsePlatform, type LayerSource, type OciSource, type Platform, type SourceImage } from './oci.js'
 import { streamLayer, type LayerDigests } from './oci-stream.js'
-import { TEMPLATE_ID, TEMPLATE_NAME, templateInfo, unlistedLayers } from './template.js'
+import { TEMPLATE_ID, templateInfo, templateName, unlistedLayers } from './template.js'
 import type { ImageLayer, ImageTemplate, ImportImageOptions, JsonObject, Reflink, Template } from './types.js'
 
 
@@ -63,18 +63,14 @@ export function importOptions(source: unknown, options: ImportImageOptions | und
       throw invalidValue('options.platform', "'os/architecture[/variant]'", o.platform)
     }
   }
-  if (o.name !== undefined) {
-    if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-    if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-      throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-  }
+  const name = templateName('options.name', o.name)
   const format = oneOf('options.format', o.format, ['tree', 'ext4'] as const, 'tree')
   const ext4 = optionsObject<NonNullable<ImportImageOptions['ext4']>>('options.ext4', o.ext4, { headroomBytes: true })
   if (o.ext4 !== undefined && format !== 'ext4') throw invalidValue('options.ext4', "nothing unless format is 'ext4'", o.ext4)
   const headroom = integerIn('options.ext4.headroomBytes', ext4.headroomBytes, 0, Number.MAX_SAFE_INTEGER, EXT4_HEADROOM_BYTES)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
   return {
-    ref: o.ref, platform, name: o.name, format, replace: boolean('options.replace', o.replace, false), headroom,
+    ref: o.ref, platform, name, format, replace: boolean('options.replace', o.replace, false), headroom,
     signal: abortSignal('options.signal', o.signal), onProgress: o.onProgress,
   }
 }

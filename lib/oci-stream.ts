@@ -47,12 +47,7 @@ const nativeZstd = (zlib as unknown as { createZstdDecompress?: () => Transform 
 
 /** fzstd's streaming decoder as a Transform (Node without a zstd decoder of its own: Node 20). */
 function fzstdTransform(): Transform {
-  let out: Transform
-  const d = new ZstdDecompress((data) => {
-    // fzstd may hand out a view of its window, which later pushes overwrite: copied.
-    if (data.length > 0) out.push(Buffer.from(data))
-  })
-  out = new Transform({
+  const out: Transform = new Transform({
     transform(chunk: Buffer, _enc, done) {
       try {
         d.push(chunk)
@@ -69,6 +64,10 @@ function fzstdTransform(): Transform {
         done(e as Error)
       }
     },
+  })
+  const d = new ZstdDecompress((data) => {
+    // fzstd may hand out a view of its window, which later pushes overwrite: copied.
+    if (data.length > 0) out.push(Buffer.from(data))
   })
   return out
 }
