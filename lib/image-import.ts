@@ -162,9 +162,13 @@ async function buildChain(host: ImportHost, src: OciSource, image: SourceImage, 
   locateLayers(src, { ...image, layers: missing })
   const totalBytes = missing.reduce((n, l) => n + l.size, 0)
   let bytes = 0
+  let rejected: { error: unknown } | undefined
   const onBytes = (n: number) => {
     bytes += n
-    o.onProgress?.({ bytes, totalBytes })
+    // A throw (or an async callback's rejection, at the next chunk) fails the import with what it threw.
+    if (rejected) throw rejected.error
+    const r = o.onProgress?.({ bytes, totalBytes }) as unknown
+    if (typeof (r as PromiseLike<void> | undefined)?.then === 'function') (r as PromiseLike<void>).then(undefined, (error) => (rejected ??= { error }))
   }
   const layers: ImageLayer[] = []
   let parent = ''

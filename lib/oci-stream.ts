@@ -36,7 +36,11 @@ function meter(hash: crypto.Hash, count: (n: number) => void, limit: number, too
       seen += chunk.length
       if (seen > limit) return done(tooLong())
       hash.update(chunk)
-      count(chunk.length)
+      try {
+        count(chunk.length) // the caller's progress callback: what it throws fails the stream
+      } catch (e) {
+        return done(e as Error)
+      }
       done(null, chunk)
     },
   })

@@ -16,12 +16,16 @@ import {
   blobPath,
   buildImage,
   compareTrees,
+  hostArchitecture,
   makeTar,
+  MEDIA,
   ociToolsMissing,
   rawLayerImage,
   readManifest,
+  setIndexRef,
   toArchive,
   umociUnpack,
+  writeBlob,
   type LayerSpec,
 } from './oci-helpers.js'
 
@@ -181,6 +185,65 @@ describe.skipIf(!!missing)(`importImage: options and sources ${needs('umoci, sko
     index.manifests[0].size = raw.manifest.size + 1
     fs.writeFileSync(indexFile, JSON.stringify(index))
     expect((await errorOf(pool.importImage(raw.layoutDir))).code).toBe('ERR_OCI_DIGEST_MISMATCH')
+    await expectNothingLeft(pool)
+    await pool.close()
+  })
+
+  test('plain, gzip and zstd layers import alike; onProgress reaches the blobs\' total', async () => {
+    const pool = await openPool(freshDir())
+    const tars = ['none', 'gzip', 'zstd'].map((c) => makeTar([{ name: c, data: `${c} `.repeat(5000) }]))
+    const raw = rawLayerImage(freshDir(mounts.scratch, 'raw'), tars, { compression: ['none', 'gzip', 'zstd'] })
+    const seen: { bytes: number; totalBytes: number }[] = []
+    const t = await pool.importImage(raw.layoutDir, { onProgress: (p) => void seen.push(p) })
+    const total = raw.layers.reduce((n, l) => n + l.size, 0)
+    expect(seen.at(-1)).toEqual({ bytes: total, totalBytes: total })
+    expect(t.image.layers.map((l) => [l.digest, l.bytes])).toEqual(raw.layers.map((l) => [l.digest, l.size]))
+    const ws = await pool.allocate({ from: t.id })
+    for (const c of ['none', 'gzip', 'zstd']) expect(fs.readFileSync(path.join(ws.path, c), 'utf8')).toBe(`${c} `.repeat(5000))
+    await ws.dispose()
+    await pool.close()
+  })
+
+  test('an onProgress that throws fails the import with its error; an aborted signal fails before anything is read', async () => {
+    const pool = await openPool(freshDir())
+    const raw = rawLayerImage(freshDir(mounts.scratch, 'raw'), [makeTar([{ name: 'f', data: 'x' }])])
+    const thrown = new Error('from onProgress')
+    await expect(pool.importImage(raw.layoutDir, { onProgress: () => { throw thrown } })).rejects.toBe(thrown)
+    await expectNothingLeft(pool)
+    await expect(pool.importImage(raw.layoutDir, { signal: AbortSignal.abort() })).rejects.toMatchObject({ name: 'AbortError' })
+    await expectNothingLeft(pool)
+    await pool.close()
+  })
+
+  test('an image index is searched for the platform, nested indexes too', async () => {
+    const pool = await openPool(freshDir())
+    const dir = freshDir(mounts.scratch, 'multi')
+    const host = rawLayerImage(dir, [makeTar([{ name: 'which', data: 'host' }])], { ref: 'host' })
+    const s390x = rawLayerImage(dir, [makeTar([{ name: 'which', data: 's390x' }])], { ref: 's390x', platform: { os: 'linux', architecture: 's390x' } })
+    const nested = writeBlob(dir, MEDIA.index, JSON.stringify({ schemaVersion: 2, mediaType: MEDIA.index, manifests: [host.manifest, s390x.manifest] }))
+    setIndexRef(dir, 'multi', nested)
+    for (const [platform, want] of [[undefined, 'host'], ['linux/s390x', 's390x']] as const) {
+      const t = await pool.importImage(`oci:${dir}:multi`, { platform, name: want })
+      const ws = await pool.allocate({ from: t.id })
+      expect(fs.readFileSync(path.join(ws.path, 'which'), 'utf8')).toBe(want)
+      await ws.dispose()
+    }
+    const e = await errorOf(pool.importImage(`oci:${dir}:multi`, { platform: 'linux/mips64le', name: 'none' }))
+    expect(e.code).toBe('ERR_OCI_PLATFORM')
+    expect(e.message).toMatch(/linux\/s390x/)
+    await pool.close()
+  })
+
+  test('a docker-archive whose manifest.json or a link in it leads out of the archive is ERR_OCI_INVALID', async () => {
+    const pool = await openPool(freshDir())
+    const dir = freshDir(mounts.scratch, 'docker')
+    const config = JSON.stringify({ os: 'linux', architecture: hostArchitecture(), rootfs: { type: 'layers', diff_ids: ['sha256:' + 'a'.repeat(64)] } })
+    for (const [layer, extra] of [['../../etc/passwd', []], ['l.tar', [{ name: 'l.tar', type: 'symlink', linkname: '/etc/passwd' }]]] as const) {
+      const manifest = JSON.stringify([{ Config: 'c.json', RepoTags: ['x:1'], Layers: [layer] }])
+      const file = path.join(dir, `${extra.length}.tar`)
+      fs.writeFileSync(file, makeTar([{ name: 'manifest.json', data: manifest }, { name: 'c.json', data: config }, ...extra]))
+      expect((await errorOf(pool.importImage(`docker-archive:${file}`))).code, layer).toBe('ERR_OCI_INVALID')
+    }
     await expectNothingLeft(pool)
     await pool.close()
   })
