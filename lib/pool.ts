@@ -659,7 +659,8 @@ export class Pool implements AsyncDisposable {
   async importImage(source: string, options?: ImportImageOptions): Promise<ImageTemplate> {
     importOptions(source, options)
     this.#assertOpen()
-    return importImage(this.#imageHost(), source, options)
+    // Tracked whole: close() waits for an import's every step, not only the native call under way.
+    return this.#inFlight.track(importImage(this.#imageHost(), source, options))
   }
 
   /** The pool's image templates (current names only), oldest first; each layer as a re-import reports it (`reused`). */
@@ -676,13 +677,14 @@ export class Pool implements AsyncDisposable {
   async removeImage(nameOrId: string): Promise<{ removed: string[] }> {
     const ref = templateRef('nameOrId', nameOrId)!
     this.#assertOpen()
-    return removeImage(this.#imageHost(), ref, (id) => this.removeTemplate(id))
+    return this.#inFlight.track(removeImage(this.#imageHost(), ref, (id) => call(this.#inFlight.track(native.removeTemplate(this.#handle, id)))))
   }
 
   #imageHost(): ImportHost {
     return {
       handle: this.#handle, root: this.root, reflink: this.#reflink, durable: this.#durable,
-      templates: () => this.templates(), track: (p) => this.#inFlight.track(p),
+      // Not this.templates(): an import or removal under way finishes after close() began (close waits for it).
+      templates: () => this.#inFlight.track(listTemplates(this.#handle, this.root)), track: (p) => this.#inFlight.track(p),
     }
   }
 

@@ -215,6 +215,18 @@ describe.skipIf(!!missing)(`importImage: options and sources ${needs('umoci, sko
     await pool.close()
   })
 
+  test('close() during an import waits for it to publish', async () => {
+    const root = freshDir()
+    const pool = await openPool(root)
+    const raw = rawLayerImage(freshDir(mounts.scratch, 'raw'), [makeTar([{ name: 'big', data: Buffer.alloc(8 << 20, 3) }])])
+    const importing = pool.importImage(raw.layoutDir, { name: 'img' })
+    await Promise.all([importing, pool.close()])
+    const again = await openPool(root)
+    expect((await again.template('img')).id).toBe((await importing).id)
+    expect(builds(root)).toMatchObject({ staging: [], templateStaging: [] })
+    await again.close()
+  })
+
   test('an image index is searched for the platform, nested indexes too', async () => {
     const pool = await openPool(freshDir())
     const dir = freshDir(mounts.scratch, 'multi')
