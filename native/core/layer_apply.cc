@@ -243,7 +243,11 @@ class LayerApplier {
     for (size_t i = 1; i <= n; i++) {
       UniqueFd next(openInRoot(rootFd_, comps, i));
       if (!next && errno == ENOENT) {
-        if (mkdirat(prev.get(), comps[i - 1].c_str(), 0755) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", name);
+        if (mkdirat(prev.get(), comps[i - 1].c_str(), 0755) == 0) {
+          if (fchmodat(prev.get(), comps[i - 1].c_str(), 0755, 0) != 0) throwErrno(errno, "chmod", name);  // umask
+        } else if (errno != EEXIST) {
+          throwErrno(errno, "mkdir", name);
+        }
         made(std::vector<std::string>(comps.begin(), comps.begin() + static_cast<long>(i)));
         next.reset(openInRoot(rootFd_, comps, i));
       }
