@@ -379,6 +379,37 @@ describe.each(fsList.filter(([, m]) => m !== null))('layers on %s', (label, moun
     expect(staging()).toEqual([])
   })
 
+  test('four processes building one chain key at once all succeed with one template', async () => {
+    const before = published()
+    const bytes = tar([{ name: 'shared', data: 'one' }]).toString('base64')
+    const body = `
+        const [r, w] = n.pipe();
+        const applied = n.layerApply(build, r, {});
+        require('fs').writeSync(w, Buffer.from(${JSON.stringify(bytes)}, 'base64'));
+        require('fs').closeSync(w);
+        await applied;
+        const p = await n.templateBuildPublish(build, { info: '', layerKey: ${JSON.stringify(key(5))} });
+        console.log(JSON.stringify({ id: p.id, existing: p.existing }));`
+    const runs = await Promise.all(
+      [0, 1, 2, 3].map(
+        () =>
+          new Promise<{ id: string; existing: boolean }>((resolve, reject) => {
+            const child = spawn(process.execPath, ['-e', childScript(body)], { stdio: ['ignore', 'pipe', 'inherit'] })
+            let out = ''
+            child.stdout.on('data', (d: Buffer) => (out += d.toString()))
+            child.on('exit', (code) => (code === 0 ? resolve(JSON.parse(out) as { id: string; existing: boolean }) : reject(new Error(`exit ${code}`))))
+          }),
+      ),
+    )
+    const id = runs[0].id
+    expect(runs.every((r) => r.id === id)).toBe(true)
+    expect(runs.filter((r) => !r.existing).length).toBe(1)
+    expect(await call(native.findLayer(handle, key(5)))).toBe(id)
+    expect(fs.readFileSync(path.join(templatesDir(), id, 'tree', 'shared'), 'utf8')).toBe('one')
+    expect(published().sort()).toEqual([...before, id].sort()) // the three losers removed their own
+    expect(staging()).toEqual([])
+  })
+
   test('a SIGKILLed build leaves only leased staging, which a sweep reclaims', async () => {
     const body = `
         const [r, w] = n.pipe();
