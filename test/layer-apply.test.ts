@@ -97,7 +97,7 @@ describe.each(fsList.filter(([, m]) => m !== null))('layers on %s', (label, moun
 
   const templatesDir = () => path.join(root, '.vmspace', 'templates')
   const staging = () => fs.readdirSync(path.join(templatesDir(), 'staging'))
-  const published = () => fs.readdirSync(templatesDir()).filter((n) => /^[0-9a-f]{32}$/.test(n))
+  const published = () => (fs.existsSync(templatesDir()) ? fs.readdirSync(templatesDir()).filter((n) => /^[0-9a-f]{32}$/.test(n)) : [])
 
   /** A build from `parent` with each tar applied in turn, published under `layerKey`: its id. */
   async function layer(parent: string, tars: Buffer[], layerKey?: string): Promise<string> {
