@@ -209,7 +209,7 @@ bool TarReader::next(TarEntry* out) {
     readHeaderBlock(h, where);
     if (allZero(h, kBlock)) {
       if (hasPax || !longName.empty() || !longLink.empty()) invalid(where, "an extended header without its entry");
-      while (fill()) pos_ = end_;  // drained to EOF: the writer is never left blocked on the pipe
+      endOfArchive(where);
       return false;
     }
     std::string hname = field(h, 100);
@@ -252,6 +252,21 @@ bool TarReader::next(TarEntry* out) {
     *out = std::move(e);
     return true;
   }
+}
+
+void TarReader::endOfArchive(const std::string& name) {
+  // The second zero block (a stream that ends after the first is taken as tar readers take it); what follows is
+  // the writer's padding to its record size, read to EOF so that the writer is never left blocked on the pipe.
+  size_t seen = 0;
+  unsigned char block[kBlock];
+  while (seen < kBlock && (pos_ < end_ || fill())) {
+    size_t k = std::min(kBlock - seen, end_ - pos_);
+    memcpy(block + seen, buf_.data() + pos_, k);
+    pos_ += k;
+    seen += k;
+  }
+  if (!allZero(block, seen)) invalid(name, "data where the archive's second end block should be");
+  while (fill()) pos_ = end_;
 }
 
 void TarReader::headerFields(const unsigned char* h, char type, const PaxSeen& seen, TarEntry* e) {

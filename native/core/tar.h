@@ -65,6 +65,8 @@ class TarReader {
     bool path = false, linkPath = false, size = false, uid = false, gid = false, mtime = false;
   };
   void parsePax(const std::string& data, TarEntry* pending, PaxSeen* seen, const std::string& name);
+  // After the first zero block: the second checked, the rest of the stream read to EOF.
+  void endOfArchive(const std::string& name);
   // The ustar header's fields the PAX header did not set, the type and device numbers.
   void headerFields(const unsigned char* h, char type, const PaxSeen& seen, TarEntry* e);
   std::string readLongName(uint64_t size, const std::string& name);

@@ -733,6 +733,9 @@ static void tarReaderChecksNumbersAndChecksums() {
   CHECK(tarOutcome(tarHeader("a", 0, std::string("\xff\xff\xff\xff\xff\xff\xff\xff", 8)) + end) ==
         "ERR_LAYER_INVALID");                                                       // negative
   CHECK(tarOutcome(tarHeader("a", 10, "0000001") + "abc") == "ERR_LAYER_INVALID");  // truncated
+  CHECK(tarOutcome(tarHeader("a", 0, "0000001") + std::string(512, '\0') + tarHeader("b", 0, "0000001")) ==
+        "ERR_LAYER_INVALID");                                                      // an entry after one end block
+  CHECK(tarOutcome(tarHeader("a", 0, "0000001") + std::string(512, '\0')) == "");  // one end block, then EOF
 }
 
 int main() {
