@@ -62,6 +62,24 @@ export function poolRoot(arg: string): string {
   return root
 }
 
+/**
+ * `arg` as the root of a pool that is made when missing: a pool, an empty directory or a new one whose parent
+ * exists. A directory holding other entries is not made a pool (openPool's rule; ls and sweep refuse it too).
+ */
+export function poolRootOrNew(what: string, arg: string): string {
+  const root = path.resolve(arg)
+  let st: fs.Stats | undefined
+  try {
+    st = fs.statSync(root)
+  } catch {
+    if (!fs.statSync(path.dirname(root), { throwIfNoEntry: false })?.isDirectory()) throw new UsageError(`${what} ${root}: its parent directory does not exist`)
+  }
+  if (st && !st.isDirectory()) throw new UsageError(`${what} ${root} is not a directory`)
+  if (st && !fs.existsSync(path.join(root, '.vmspace')) && fs.readdirSync(root).length > 0)
+    throw new UsageError(`${what} ${root} is not a vmspace pool and holds other entries (a pool is made in an empty or missing directory)`)
+  return root
+}
+
 /** Parses a non-negative integer option value (commander calls it; a throw is reported as a usage error). */
 export function nonNegativeInt(name: string, max: number, min = 0) {
   return (value: string): number => {

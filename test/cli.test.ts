@@ -57,7 +57,7 @@ function usage(args: string[]): string {
   expect(r.stdout).toBe('')
   expect(r.stderr.endsWith('\n')).toBe(true)
   expect(r.stderr.trimEnd().split('\n')).toHaveLength(1)
-  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork', 'template']
+  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork', 'template', 'image']
   expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}[ :]`) : /^vmspace: /)
   return r.stderr.trim()
 }
@@ -597,7 +597,7 @@ describe('the vmspace command', () => {
     expect(help.status).toBe(0)
     expect(bare.stderr).toBe(help.stdout)
     for (const args of [['help'], ['help', 'help'], ['help', '--help'], ['help', '-h']]) expect(vmspace(args)).toEqual({ status: 0, stdout: help.stdout, stderr: '' })
-    for (const cmd of ['ls', 'inspect', 'sweep', 'metrics', 'commit', 'fork', 'template', 'run', 'clone', 'probe', 'mount', 'unmount', 'demo']) {
+    for (const cmd of ['ls', 'inspect', 'sweep', 'metrics', 'commit', 'fork', 'template', 'image', 'run', 'clone', 'probe', 'mount', 'unmount', 'demo']) {
       expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
       expect(help.stdout.split('\nOptions:')[0].replace(/\s+/g, ' ')).toMatch(new RegExp(`[ ,;]${cmd}[ ,;.]`))
     }
