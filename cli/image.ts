@@ -4,33 +4,10 @@
  * templates (pool.importImage, one layer template per chainID shared between images), listed, shown and removed.
  * `vmspace run --from IMAGE` allocates from one as from any template.
  */
-import * as fs from 'node:fs'
-import * as path from 'node:path'
-import { openPool, type Pool, type Template } from 'vmspace'
+import { openPool } from 'vmspace'
 import { EXIT_OK, humanAge, humanBytes, poolRoot, poolRootOrNew, printJson, table, UsageError } from './common.js'
+import { imageSourceProblem, imagesOf, type ImageTemplate } from '../shared/image-source.js'
 import { ByteProgress, interruptible } from './progress.js'
-
-/** One layer of an image template (pool.importImage, pool.images). */
-interface ImageLayer {
-  digest: string
-  diffId: string
-  chainId: string
-  reused: boolean
-  bytes: number
-}
-
-/** A template made by pool.importImage. */
-type ImageTemplate = Template & {
-  image: { digest: string; ref: string; platform: string; format: 'tree' | 'ext4'; config: Record<string, unknown>; layers: ImageLayer[] }
-}
-
-/** The image calls of a pool (docs/images.md). */
-interface ImagePool {
-  importImage(source: string, options: Record<string, unknown>): Promise<ImageTemplate>
-  images(): Promise<ImageTemplate[]>
-  removeImage(nameOrId: string): Promise<{ removed: string[] }>
-}
-const images = (pool: Pool) => pool as unknown as ImagePool
 
 /** The flags `vmspace image import` takes. */
 export interface ImportFlags {
@@ -43,19 +20,10 @@ export interface ImportFlags {
   json?: boolean
 }
 
-const PREFIXES = ['oci:', 'oci-archive:', 'docker-archive:']
-
-/**
- * SOURCE as importImage takes it (a path, or `oci:DIR[:REF]`, `oci-archive:FILE[:REF]`, `docker-archive:FILE[:REF]`
- * as skopeo spells them), checked to name something that exists; which kind it is, importImage decides.
- */
+/** SOURCE as importImage takes it (see imageSourceProblem), checked to name something that exists. */
 function sourceArg(arg: string): string {
-  const prefix = PREFIXES.find((p) => arg.startsWith(p))
-  const rest = prefix ? arg.slice(prefix.length) : arg
-  // With a prefix the path may be followed by ':REF'; a path holding ':' itself is tried whole first.
-  const colon = rest.lastIndexOf(':')
-  const candidates = prefix && colon > 0 ? [rest, rest.slice(0, colon)] : [rest]
-  if (rest === '' || !candidates.some((p) => fs.existsSync(p))) throw new UsageError(`SOURCE ${path.resolve(candidates.at(-1) ?? '')}: no such file or directory`)
+  const problem = imageSourceProblem(arg)
+  if (problem) throw new UsageError(`SOURCE ${problem}`)
   return arg
 }
 
@@ -79,7 +47,7 @@ export async function imageImport(rootArg: string, sourceText: string, o: Import
   const progress = new ByteProgress('image import')
   try {
     const t = await interruptible(
-      (signal) => images(pool).importImage(source, { ...options, signal, onProgress: (p: { bytes: number; totalBytes: number }) => progress.update(p.bytes, p.totalBytes) }),
+      (signal) => imagesOf(pool).importImage(source, { ...options, signal, onProgress: (p: { bytes: number; totalBytes: number }) => progress.update(p.bytes, p.totalBytes) }),
       (sig) => {
         progress.stop()
         process.stderr.write(`vmspace image import: ${sig}: stopped, nothing published\n`)
@@ -110,7 +78,7 @@ export async function imageLs(rootArg: string, o: { json?: boolean }): Promise<n
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const list = await images(pool).images()
+    const list = await imagesOf(pool).images()
     if (o.json) printJson({ root, images: list.map(imageJson) })
     else {
       const now = Date.now()
@@ -136,7 +104,7 @@ export async function imageInspect(rootArg: string, ref: string): Promise<number
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const t = (await images(pool).images()).find((i) => i.id === ref || (i.name === ref && i.current))
+    const t = (await imagesOf(pool).images()).find((i) => i.id === ref || (i.name === ref && i.current))
     if (!t) throw new Error(`no image ${ref} in ${root} (vmspace image ls ROOT lists them)`)
     printJson({ root, ...imageJson(t) })
     return EXIT_OK
@@ -150,7 +118,7 @@ export async function imageRm(rootArg: string, ref: string, o: { json?: boolean 
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const r = await images(pool).removeImage(ref)
+    const r = await imagesOf(pool).removeImage(ref)
     if (o.json) printJson({ root, removed: r.removed })
     else for (const id of r.removed) process.stdout.write(`removed ${id}\n`)
     return EXIT_OK
