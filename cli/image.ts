@@ -4,9 +4,9 @@
  * templates (pool.importImage, one layer template per chainID shared between images), listed, shown and removed.
  * `vmspace run --from IMAGE` allocates from one as from any template.
  */
-import { openPool } from 'vmspace'
+import { openPool, type ImageTemplate, type ImportImageOptions } from 'vmspace'
 import { EXIT_OK, humanAge, humanBytes, poolRoot, poolRootOrNew, printJson, table, UsageError } from './common.js'
-import { imageSourceProblem, imagesOf, type ImageTemplate } from '../shared/image-source.js'
+import { imageSourceProblem } from '../shared/image-source.js'
 import { ByteProgress, interruptible } from './progress.js'
 
 /** The flags `vmspace image import` takes. */
@@ -36,18 +36,16 @@ function imageJson(t: ImageTemplate) {
 export async function imageImport(rootArg: string, sourceText: string, o: ImportFlags): Promise<number> {
   const root = poolRootOrNew('ROOT', rootArg)
   const source = sourceArg(sourceText)
-  // importImage refuses a non-root caller too; refused here before the pool is made.
-  if (process.geteuid?.() !== 0) throw new Error('ERR_OCI_NOT_PERMITTED: importing an image needs root (it sets owners, makes device nodes and security.* xattrs)')
-  const options = Object.fromEntries(
-    Object.entries({ ref: o.ref, platform: o.platform, name: o.name, format: o.format, replace: o.replace, ext4: o.ext4Headroom === undefined ? undefined : { headroomBytes: o.ext4Headroom } }).filter(
-      ([, v]) => v !== undefined,
-    ),
-  )
+  if (o.ext4Headroom !== undefined && o.format !== 'ext4') throw new UsageError('--ext4-headroom needs --format ext4')
+  // importImage refuses a non-root caller too, but only once the pool is opened (made, where it was missing).
+  if (process.geteuid?.() !== 0) throw new Error('ERR_OCI_NOT_PERMITTED: importing an image needs root (its layers set owners, device nodes and capabilities); nothing made')
+  const options: ImportImageOptions = { ref: o.ref, platform: o.platform, name: o.name, format: o.format, replace: o.replace }
+  if (o.ext4Headroom !== undefined) options.ext4 = { headroomBytes: o.ext4Headroom }
   const pool = await openPool(root)
   const progress = new ByteProgress('image import')
   try {
     const t = await interruptible(
-      (signal) => imagesOf(pool).importImage(source, { ...options, signal, onProgress: (p: { bytes: number; totalBytes: number }) => progress.update(p.bytes, p.totalBytes) }),
+      (signal) => pool.importImage(source, { ...options, signal, onProgress: (p) => progress.update(p.bytes, p.totalBytes) }),
       (sig) => {
         progress.stop()
         process.stderr.write(`vmspace image import: ${sig}: stopped, nothing published\n`)
@@ -78,7 +76,7 @@ export async function imageLs(rootArg: string, o: { json?: boolean }): Promise<n
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const list = await imagesOf(pool).images()
+    const list = await pool.images()
     if (o.json) printJson({ root, images: list.map(imageJson) })
     else {
       const now = Date.now()
@@ -104,7 +102,7 @@ export async function imageInspect(rootArg: string, ref: string): Promise<number
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const t = (await imagesOf(pool).images()).find((i) => i.id === ref || (i.name === ref && i.current))
+    const t = (await pool.images()).find((i) => i.id === ref || (i.name === ref && i.current))
     if (!t) throw new Error(`no image ${ref} in ${root} (vmspace image ls ROOT lists them)`)
     printJson({ root, ...imageJson(t) })
     return EXIT_OK
@@ -118,7 +116,7 @@ export async function imageRm(rootArg: string, ref: string, o: { json?: boolean 
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    const r = await imagesOf(pool).removeImage(ref)
+    const r = await pool.removeImage(ref)
     if (o.json) printJson({ root, removed: r.removed })
     else for (const id of r.removed) process.stdout.write(`removed ${id}\n`)
     return EXIT_OK

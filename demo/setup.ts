@@ -8,7 +8,6 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { openPool, unmountImage, type Pool, type Workspace } from 'vmspace'
-import { imagesOf } from '../shared/image-source.js'
 import { baseInfo, prepareBase, type Base } from './base.js'
 import type { Demo } from './context.js'
 import type { TreeSpec } from './protocol.js'
@@ -163,7 +162,7 @@ async function templateTree(demo: Demo, s: Setup, original: string): Promise<Tem
 async function imageTree(demo: Demo, s: Setup, source: string): Promise<TemplateTree> {
   const t0 = performance.now()
   status(`importing the image ${source} into the pool`)
-  const t = await imagesOf(s.pool).importImage(source, {})
+  const t = await s.pool.importImage(source)
   const layers = t.image.layers
   const reused = layers.filter((l) => l.reused).length
   demo.notes.push(

@@ -1,7 +1,6 @@
 /** An image SOURCE as pool.importImage takes it, checked by the vmspace command (cli/) and the demo (demo/). */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import type { Pool, Template } from 'vmspace'
 
 /** The transport prefixes skopeo spells, which importImage accepts before a path. */
 const PREFIXES = ['oci:', 'oci-archive:', 'docker-archive:']
@@ -19,26 +18,3 @@ export function imageSourceProblem(source: string): string | undefined {
   if (rest !== '' && candidates.some((p) => fs.existsSync(p))) return undefined
   return `${path.resolve(candidates.at(-1) ?? '')}: no such file or directory`
 }
-
-/** One layer of an image template (pool.importImage, pool.images). */
-interface ImageLayer {
-  digest: string
-  diffId: string
-  chainId: string
-  reused: boolean
-  bytes: number
-}
-
-/** A template made by pool.importImage. */
-export type ImageTemplate = Template & {
-  image: { digest: string; ref: string; platform: string; format: 'tree' | 'ext4'; config: Record<string, unknown>; layers: ImageLayer[] }
-}
-
-/** The image calls of a pool (docs/images.md). */
-interface ImagePool {
-  importImage(source: string, options: Record<string, unknown>): Promise<ImageTemplate>
-  images(): Promise<ImageTemplate[]>
-  removeImage(nameOrId: string): Promise<{ removed: string[] }>
-}
-export const imagesOf = (pool: Pool) => pool as unknown as ImagePool
-
