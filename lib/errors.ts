@@ -44,7 +44,9 @@ export type VmspaceErrorCode =
   | 'ERR_OCI_BLOB_MISSING' // importImage: a blob the manifest names is not in the source
   | 'ERR_OCI_DIGEST_MISMATCH' // importImage: a blob's digest or size, or a layer's diffID, is not its descriptor's (blob, expected, actual); nothing published
   | 'ERR_OCI_MEDIA_TYPE' // importImage: a layer media type or compression not supported
-  | 'ERR_OCI_NOT_PERMITTED' // importImage as non-root (or a chown, mknod or security.* xattr refused with EPERM); nothing made
+  | 'ERR_LAYER_UNSAFE' // an image layer's entry reaches outside the layer's root or the OCI spec does not allow it (.., absolute names, a hard link out or to a missing entry, a malformed whiteout); path: the entry; nothing published
+  | 'ERR_LAYER_INVALID' // an image layer is not a tar the applier reads (bad checksum, truncated, GNU sparse, an unknown entry type, a number out of range); path: the entry; nothing published
+  | 'ERR_OCI_NOT_PERMITTED' // an image import needs root: refused up front when not root, or chown, mknod or a security.* xattr was refused (cause: EPERM); nothing published
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as net from 'node:net'
 import * as path from 'node:path'
 import { abortSignal, boolean, integerIn, invalidType, invalidValue, oneOf, optionsObject } from './args.js'
-import { jsonMembers, native, type PoolHandle, type ProgressHandle } from './binding.js'
+import { jsonMembers, native, type BuildHandle, type PoolHandle, type ProgressHandle } from './binding.js'
 import { AbortError, call, errnoError, VmspaceError } from './errors.js'
 import { runOk } from './image.js'
 import { hostPlatform, locateLayers, openImage, parsePlatform, type LayerSource, type OciSource, type Platform, type SourceImage } from './oci.js'
@@ -18,25 +18,7 @@ import { streamLayer, type LayerDigests } from './oci-stream.js'
 import { TEMPLATE_ID, TEMPLATE_NAME, templateInfo, unlistedLayers } from './template.js'
 import type { ImageLayer, ImageTemplate, ImportImageOptions, JsonObject, Reflink, Template } from './types.js'
 
-/** An opaque handle of a template being built in `.vmspace/templates/staging/<id>/`. */
-type BuildHandle = object
-
-/** The addon's layer calls (native/binding; the interface of docs/images.md, "On disk"). */
-interface LayerNative {
-  templateBuildStart(
-    handle: PoolHandle,
-    options: { parent: string; reflink?: Reflink; durable?: boolean; progress?: ProgressHandle },
-  ): Promise<{ build: BuildHandle; id: string; treePath: string }>
-  layerApply(build: BuildHandle, fd: number, options: { progress?: ProgressHandle; durable?: boolean }): Promise<{ entries: number; bytes: number; whiteouts: number }>
-  templateBuildPublish(
-    build: BuildHandle,
-    options: { info: string; layerKey?: string; name?: string; replace?: boolean },
-  ): Promise<{ id: string; existing: boolean; metaText: string; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
-  templateBuildAbandon(build: BuildHandle): Promise<void>
-  findLayer(handle: PoolHandle, layerKey: string): Promise<string | null>
-  pipe(): [number, number]
-}
-const N = native as unknown as LayerNative
+const N = native
 
 /** The default free space an ext4 image has beyond its tree: 128 MiB. */
 export const EXT4_HEADROOM_BYTES = 128 * 2 ** 20
