@@ -108,7 +108,7 @@ class TemplateStore {
   std::string resolve(const std::string& idOrName, bool* byName);
   // flock(LOCK_EX) on names/ (a fresh open): name links are checked and changed under it (readers take none).
   UniqueFd lockNames();
-  bool named(const std::string& id);           // whether a name points to `id`
+  bool named(const std::string& id);                   // whether a name points to `id`
   std::string liveLayer(const std::string& layerKey);  // findLayer, for a checked key
   // Unlinks every layers/ link pointing at `id`, or (`id` "") at a template gone or retired. The caller holds
   // lockNames (a stale link is replaced under it). Returns how many went.

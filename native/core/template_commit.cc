@@ -129,8 +129,8 @@ bool TemplateCommit::claimLayerLink(int leaseFd) {
       res_.id = live;
       res_.existing = true;
       res_.allocatedBytes = 0;
-      int err = readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20,
-                                  &res_.metaText);
+      int err =
+          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.metaText);
       if (err) throwErrno(err, "open", store_.path(live) + "/template.json");
       return false;
     }
@@ -333,7 +333,6 @@ void TemplateCommit::removeReplaced() {
     res_.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
   }
 }
-
 
 CommitResult TemplateStore::commit(const CommitRequest& req) { return TemplateCommit(*this, req).run(); }
 
