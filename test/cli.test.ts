@@ -806,7 +806,7 @@ describe.skipIf(ociMissing !== false)(`vmspace image ${needs('root, umoci and sk
   test('--format ext4 gives a template holding rootfs.ext4 that run --from hands each command a copy of', () => {
     const { dir, layout } = twoLayers()
     const root = path.join(dir, 'pool')
-    const t = json(['image', 'import', root, `oci:${layout}:v1`, '--format', 'ext4', '--name', 'disk', '--ext4-headroom', '8M'])
+    const t = json(['image', 'import', root, `oci:${layout}:v1`, '--format', 'ext4', '--name', 'disk', '--ext4-headroom', '32M'])
     expect(t).toMatchObject({ name: 'disk', format: 'ext4' })
     expect(fs.readdirSync(t.path)).toEqual(['rootfs.ext4'])
     const ran = vmspace(['run', '--pool', root, '--from', 'disk', '--', 'sh', '-c', 'ls; /usr/sbin/debugfs -R "cat /etc/motd" rootfs.ext4 2>/dev/null'])
