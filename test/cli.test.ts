@@ -744,6 +744,21 @@ describe.skipIf(ociMissing !== false)(`vmspace image ${needs('root, umoci and sk
     return { dir, layout }
   }
 
+  test('demo --image: every workspace is allocated from the imported image and checked against it; the image stays in a --root pool', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    const r = vmspace(['demo', '--vms', '6', '--workers', '2', '--live', '2', '--image', `oci:${layout}:v1`, '--root', root])
+    expect(r.status, r.stderr + r.stdout).toBe(0)
+    expect(r.stdout).toMatch(new RegExp(`^  image     oci:${layout}:v1: template v1, `, 'm'))
+    expect(r.stdout).toMatch(/\| isolation checks passed\s+\| 6\/6 /)
+    expect(r.stdout).toMatch(/\| template unchanged\s+\| yes /)
+    expect(r.stdout).toMatch(/\| result\s+\| all checks passed\s+\|/)
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(json(['image', 'ls', root]).images.map((i: { name: string }) => i.name)).toEqual(['v1'])
+    expect(usage(['demo', '--image', path.join(dir, 'nothing')])).toBe(`vmspace demo: --image ${path.join(dir, 'nothing')}: no such file or directory (see vmspace demo --help)`)
+    expect(usage(['demo', '--image', layout, '--template-dir', dir])).toMatch(/--image and --template-dir exclude each other/)
+  })
+
   test('import (progress lines without a TTY, the id on stdout), ls, inspect, run --from, re-import (all reused), rm (the layers too)', () => {
     const { dir, layout } = twoLayers()
     const root = path.join(dir, 'pool')
