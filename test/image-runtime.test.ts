@@ -14,6 +14,7 @@ import * as path from 'node:path'
 import { afterEach, describe, expect, test } from 'vitest'
 import { guestImages } from '../demo/boot/image.js'
 import { chooseAccel, GuestVm } from '../demo/boot/qemu.js'
+import { runBootDemo } from '../demo/boot/run.js'
 import { findBootTools, type BootTools } from '../demo/boot/tools.js'
 import { openPool, type Pool } from '../lib/index.js'
 import { busybox, containerId, crunMissing, crunSync, requireCrun, writeBundleConfig } from './crun-helpers.js'
@@ -130,6 +131,24 @@ describe.skipIf(bootMissing !== undefined)(`a guest booting an imported rootfs.e
       } finally {
         await pool.close()
       }
+    },
+    900_000,
+  )
+
+  test(
+    'the boot demo boots VMs of an imported image (--image): each clone gets the demo`s init from the initramfs and passes every check',
+    async () => {
+      const root = freshDir(mounts.xfs ?? mounts.scratch, 'boot-image')
+      const { layoutDir, ref } = buildImage(path.join(root, 'oci'), [[{ dir: 'etc' }, { file: 'etc/os-release', data: 'ID=vmspace-test\n' }]], { ref: 'tiny' })
+      const lines: string[] = []
+      const report = await runBootDemo({ boot: 2, parallel: 2, root, nice: 10, image: `oci:${layoutDir}:${ref}`, log: (l) => lines.push(l), timeoutMs: 600_000 })
+      const failed = [...report.vms.flatMap((v) => v.checks.filter((c) => !c.ok).map((c) => `${v.name}: ${c.name}: ${c.detail}`)),
+        ...report.runChecks.filter((c) => !c.ok).map((c) => `${c.name}: ${c.detail}`)]
+      expect(failed, `${lines.join('\n')}\n${report.table}`).toEqual([])
+      expect(lines).toContainEqual(expect.stringMatching(/^imported oci:.* as rootfs\.ext4 \(template tiny, 1 layer\(s\), 0 reused\)/))
+      expect(report.vms.map((v) => v.outcome)).toEqual(['booted', 'booted'])
+      expect(report.left).toBe(0)
+      expect(report.ok).toBe(true)
     },
     900_000,
   )
