@@ -5,9 +5,9 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { clone as cloneTree, type Reflink } from 'vmspace'
-import { EXIT_OK, errorText, humanBytes, printJson, UsageError } from './common.js'
+import { EXIT_OK, errorText, humanBytes, interruptible, printJson, UsageError } from './common.js'
 import { treeUsage } from './du.js'
-import { ByteProgress, interruptible } from './progress.js'
+import { ByteProgress } from './progress.js'
 
 export interface CloneCliOptions {
   reflink?: Reflink

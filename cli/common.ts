@@ -135,3 +135,29 @@ export function table(header: string[], rows: string[][]): string {
 export function printJson(value: unknown): void {
   process.stdout.write(JSON.stringify(value, null, 2) + '\n')
 }
+
+const INTERRUPTS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const
+
+/**
+ * An AbortSignal that the first of SIGINT, SIGTERM or SIGHUP aborts, for as long as `fn` runs; `fn`'s result, or,
+ * when an interrupt stopped it (whatever it threw), the status a shell gives for that signal (128 + N) after
+ * `onInterrupt` has said what was left.
+ */
+export async function interruptible<T>(fn: (signal: AbortSignal) => Promise<T>, onInterrupt: (sig: NodeJS.Signals) => void): Promise<T | number> {
+  const abort = new AbortController()
+  let interrupted: NodeJS.Signals | undefined
+  const onSignal = (sig: NodeJS.Signals) => {
+    interrupted ??= sig
+    abort.abort()
+  }
+  for (const sig of INTERRUPTS) process.on(sig, onSignal)
+  try {
+    return await fn(abort.signal)
+  } catch (e) {
+    if (!interrupted) throw e
+    onInterrupt(interrupted)
+    return 128 + (os.constants.signals[interrupted] ?? 0)
+  } finally {
+    for (const sig of INTERRUPTS) process.off(sig, onSignal)
+  }
+}

@@ -5,9 +5,9 @@
  * `vmspace run --from IMAGE` allocates from one as from any template.
  */
 import { openPool, type ImageTemplate, type ImportImageOptions } from 'vmspace'
-import { EXIT_OK, humanAge, humanBytes, poolRoot, poolRootOrNew, printJson, table, UsageError } from './common.js'
+import { EXIT_OK, humanAge, humanBytes, interruptible, poolRoot, poolRootOrNew, printJson, table, UsageError } from './common.js'
 import { imageSourceProblem } from '../shared/image-source.js'
-import { ByteProgress, interruptible } from './progress.js'
+import { ByteProgress } from './progress.js'
 
 /** The flags `vmspace image import` takes. */
 export interface ImportFlags {

@@ -1,8 +1,4 @@
-/**
- * What the long-running commands (clone, image import) share: progress towards a total of bytes on stderr, and an
- * interrupt (SIGINT, SIGTERM, SIGHUP) turned into an abort.
- */
-import * as os from 'node:os'
+/** Progress towards a total of bytes on stderr, for the long-running commands (clone, image import). */
 import { Presets, SingleBar } from 'cli-progress'
 import { humanBytes } from './common.js'
 
@@ -43,31 +39,5 @@ export class ByteProgress {
     this.#stopped = true
     this.#bar?.stop()
     this.#bar = undefined
-  }
-}
-
-const INTERRUPTS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const
-
-/**
- * An AbortSignal that the first of SIGINT, SIGTERM or SIGHUP aborts, for as long as `fn` runs; `fn`'s result, or,
- * when an interrupt stopped it (whatever it threw), the status a shell gives for that signal (128 + N) after
- * `onInterrupt` has said what was left.
- */
-export async function interruptible<T>(fn: (signal: AbortSignal) => Promise<T>, onInterrupt: (sig: NodeJS.Signals) => void): Promise<T | number> {
-  const abort = new AbortController()
-  let interrupted: NodeJS.Signals | undefined
-  const onSignal = (sig: NodeJS.Signals) => {
-    interrupted ??= sig
-    abort.abort()
-  }
-  for (const sig of INTERRUPTS) process.on(sig, onSignal)
-  try {
-    return await fn(abort.signal)
-  } catch (e) {
-    if (!interrupted) throw e
-    onInterrupt(interrupted)
-    return 128 + (os.constants.signals[interrupted] ?? 0)
-  } finally {
-    for (const sig of INTERRUPTS) process.off(sig, onSignal)
   }
 }

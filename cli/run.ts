@@ -7,8 +7,8 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { openPool, type JsonObject, type Reflink, type Workspace } from 'vmspace'
-import { EXIT_RUN_FAILED, errorText, poolRootOrNew, UsageError } from './common.js'
+import { openPool, type JsonObject, type Pool, type Reflink, type Workspace } from 'vmspace'
+import { EXIT_RUN_FAILED, errorText, interruptible, poolRootOrNew, UsageError } from './common.js'
 
 /** fd number of the lease in the command's process. */
 export const LEASE_FD = 3
@@ -105,26 +105,20 @@ export async function run(cmd: string[], opts: RunOptions): Promise<number> {
   const meta = metaObject(opts.meta)
 
   // Until the command runs, an interrupt rolls the allocation back (the AbortSignal) and exits 128+signal.
-  const abort = new AbortController()
-  let interrupted: NodeJS.Signals | undefined
-  const onSignal = (sig: NodeJS.Signals) => {
-    interrupted ??= sig
-    abort.abort()
-  }
-  for (const sig of FORWARDED) process.on(sig, onSignal)
-  const pool = await openPool(root, {
-    ...(opts.reflink ? { reflink: opts.reflink } : {}),
-  })
-  let ws: Workspace
-  try {
-    ws = await pool.allocate({ template, from: opts.from, meta, signal: abort.signal })
-  } catch (e) {
-    await pool.close()
-    if (interrupted) return 128 + (os.constants.signals[interrupted] ?? 0)
-    throw e
-  } finally {
-    for (const sig of FORWARDED) process.off(sig, onSignal)
-  }
+  let pool!: Pool
+  const ws = await interruptible(
+    async (signal) => {
+      pool = await openPool(root, { ...(opts.reflink ? { reflink: opts.reflink } : {}) })
+      try {
+        return await pool.allocate({ template, from: opts.from, meta, signal })
+      } catch (e) {
+        await pool.close()
+        throw e
+      }
+    },
+    () => {},
+  )
+  if (typeof ws === 'number') return ws
 
   // The command handles its own signals (forwarded); ours are ignored until the workspace is disposed.
   const ignore = () => {}
