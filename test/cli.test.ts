@@ -29,7 +29,7 @@ import {
   unprivilegedChildren,
   writeRandomFile,
 } from './helpers.js'
-import { buildImage, ociToolsMissing, toArchive } from './oci-helpers.js'
+import { buildImage, makeTar, ociToolsMissing, rawLayerImage, toArchive } from './oci-helpers.js'
 
 const bin = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
 
@@ -826,6 +826,34 @@ describe.skipIf(ociMissing !== false)(`vmspace image ${needs('root, umoci and sk
     expect(fs.readdirSync(t.path)).toEqual(['rootfs.ext4'])
     const ran = vmspace(['run', '--pool', root, '--from', 'disk', '--', 'sh', '-c', 'ls; /usr/sbin/debugfs -R "cat /etc/motd" rootfs.ext4 2>/dev/null'])
     expect(ran).toEqual({ status: 0, stdout: 'rootfs.ext4\ntop\n', stderr: '' })
+  })
+
+  test('SIGINT while the layers stream stops the import: exit 130, one line saying so, no template and no staging left', async () => {
+    const dir = freshDir()
+    // One uncompressed layer of 256 MiB: still streaming when the first progress line (10%) has been read.
+    const big = makeTar([{ name: 'big.bin', data: Buffer.alloc(256 * 1024 * 1024, 7) }])
+    const { layoutDir } = rawLayerImage(path.join(dir, 'oci'), [big], { ref: 'big' })
+    const root = path.join(dir, 'pool')
+    const child = spawn(process.execPath, [bin, 'image', 'import', root, layoutDir], { stdio: ['ignore', 'pipe', 'pipe'] })
+    killOnFinish(child.pid!)
+    let stderr = ''
+    let stdout = ''
+    child.stdout!.on('data', (b: Buffer) => (stdout += b))
+    await new Promise<void>((resolve) =>
+      child.stderr!.on('data', (b: Buffer) => {
+        stderr += b
+        if (/% /.test(stderr)) resolve()
+      }),
+    )
+    child.kill('SIGINT')
+    const status = await new Promise<number | null>((resolve) => child.once('close', (code) => resolve(code)))
+    expect(status, stderr).toBe(130)
+    expect(stdout).toBe('')
+    expect(stderr.trimEnd().split('\n').at(-1)).toBe('vmspace image import: SIGINT: stopped, nothing published')
+    const pool = await openPool(root, { create: false })
+    onTestFinished(() => pool.close())
+    expect(await pool.templates()).toEqual([])
+    expect(ls(path.join(root, '.vmspace', 'templates', 'staging'))).toEqual([])
   })
 
   test('bad arguments exit 2 with one line and make nothing; an unknown ref exits 1 and publishes nothing', () => {
