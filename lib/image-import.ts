@@ -15,10 +15,9 @@ import { AbortError, call, errnoError, VmspaceError } from './errors.js'
 import { runOk } from './image.js'
 import { hostPlatform, locateLayers, openImage, parsePlatform, type LayerSource, type OciSource, type Platform, type SourceImage } from './oci.js'
 import { streamLayer, type LayerDigests } from './oci-stream.js'
-import { TEMPLATE_ID, TEMPLATE_NAME, templateInfo, unlistedLayers } from './template.js'
+import { TEMPLATE_ID, templateInfo, templateName, unlistedLayers } from './template.js'
 import type { ImageLayer, ImageTemplate, ImportImageOptions, JsonObject, Reflink, Template } from './types.js'
 
-const N = native
 
 /** The default free space an ext4 image has beyond its tree: 128 MiB. */
 export const EXT4_HEADROOM_BYTES = 128 * 2 ** 20
@@ -64,18 +63,14 @@ export function importOptions(source: unknown, options: ImportImageOptions | und
       throw invalidValue('options.platform', "'os/architecture[/variant]'", o.platform)
     }
   }
-  if (o.name !== undefined) {
-    if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-    if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-      throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-  }
+  const name = templateName('options.name', o.name)
   const format = oneOf('options.format', o.format, ['tree', 'ext4'] as const, 'tree')
   const ext4 = optionsObject<NonNullable<ImportImageOptions['ext4']>>('options.ext4', o.ext4, { headroomBytes: true })
   if (o.ext4 !== undefined && format !== 'ext4') throw invalidValue('options.ext4', "nothing unless format is 'ext4'", o.ext4)
   const headroom = integerIn('options.ext4.headroomBytes', ext4.headroomBytes, 0, Number.MAX_SAFE_INTEGER, EXT4_HEADROOM_BYTES)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
   return {
-    ref: o.ref, platform, name: o.name, format, replace: boolean('options.replace', o.replace, false), headroom,
+    ref: o.ref, platform, name, format, replace: boolean('options.replace', o.replace, false), headroom,
     signal: abortSignal('options.signal', o.signal), onProgress: o.onProgress,
   }
 }
@@ -162,14 +157,18 @@ async function withRetry<T>(signal: AbortSignal | undefined, build: () => Promis
 
 /** The layer templates of `image`, lowest first: each found by its chainID, or built and published. */
 async function buildChain(host: ImportHost, src: OciSource, image: SourceImage, chains: string[], progress: ProgressHandle, o: CheckedImport) {
-  const found = await Promise.all(chains.map((c) => call(host.track(N.findLayer(host.handle, layerKey(c))))))
+  const found = await Promise.all(chains.map((c) => call(host.track(native.findLayer(host.handle, layerKey(c))))))
   const missing = image.layers.filter((_, i) => found[i] === null)
   locateLayers(src, { ...image, layers: missing })
   const totalBytes = missing.reduce((n, l) => n + l.size, 0)
   let bytes = 0
+  let rejected: { error: unknown } | undefined
   const onBytes = (n: number) => {
     bytes += n
-    o.onProgress?.({ bytes, totalBytes })
+    // A throw (or an async callback's rejection, at the next chunk) fails the import with what it threw.
+    if (rejected) throw rejected.error
+    const r = o.onProgress?.({ bytes, totalBytes }) as unknown
+    if (typeof (r as PromiseLike<void> | undefined)?.then === 'function') (r as PromiseLike<void>).then(undefined, (error) => (rejected ??= { error }))
   }
   const layers: ImageLayer[] = []
   let parent = ''
@@ -187,17 +186,17 @@ async function buildChain(host: ImportHost, src: OciSource, image: SourceImage, 
 async function buildLayer(
   host: ImportHost, parent: string, layer: LayerSource, chainId: string, progress: ProgressHandle, onBytes: (n: number) => void, signal: AbortSignal | undefined,
 ): Promise<string> {
-  const b = await call(host.track(N.templateBuildStart(host.handle, { parent, reflink: host.reflink, durable: host.durable, progress })))
+  const b = await call(host.track(native.templateBuildStart(host.handle, { parent, reflink: host.reflink, durable: host.durable, progress })))
   try {
     const d = await applyLayer(b.build, layer, progress, onBytes, host.durable, signal)
     if (signal?.aborted) throw new AbortError(signal.reason)
     layer.digest ??= d.digest // a docker-archive's blob: its digest is what it hashed to
     const record = { chainId, diffId: d.diffId, digest: d.digest, mediaType: layer.mediaType, size: d.bytes }
     const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: parent || undefined, layer: record })
-    const r = await call(host.track(N.templateBuildPublish(b.build, { info, layerKey: layerKey(chainId) })))
+    const r = await call(host.track(native.templateBuildPublish(b.build, { info, layerKey: layerKey(chainId) })))
     return r.id
   } catch (e) {
-    await N.templateBuildAbandon(b.build)
+    await native.templateBuildAbandon(b.build)
     throw e
   }
 }
@@ -210,7 +209,7 @@ async function buildLayer(
 async function applyLayer(
   build: BuildHandle, layer: LayerSource, progress: ProgressHandle, onBytes: (n: number) => void, durable: boolean, signal: AbortSignal | undefined,
 ): Promise<LayerDigests> {
-  const [readFd, writeFd] = N.pipe()
+  const [readFd, writeFd] = native.pipe()
   let out: net.Socket
   try {
     out = new net.Socket({ fd: writeFd, readable: false, writable: true })
@@ -219,7 +218,7 @@ async function applyLayer(
     fs.closeSync(writeFd)
     throw e
   }
-  const [applied, streamed] = await Promise.allSettled([call(N.layerApply(build, readFd, { progress, durable })), streamLayer(layer, out, onBytes, signal)])
+  const [applied, streamed] = await Promise.allSettled([call(native.layerApply(build, readFd, { progress, durable })), streamLayer(layer, out, onBytes, signal)])
   if (streamed.status === 'rejected' && (streamed.reason as { code?: string }).code !== 'EPIPE') throw streamed.reason
   if (applied.status === 'rejected') throw applied.reason
   if (streamed.status === 'rejected') throw streamed.reason
@@ -235,14 +234,14 @@ async function publishImage(
     layers: layers.map(({ digest, diffId, chainId, size }) => ({ digest, diffId, chainId, size })),
   }
   const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: topId || undefined, image: record })
-  const b = await call(host.track(N.templateBuildStart(host.handle, { parent: o.format === 'tree' ? topId : '', reflink: host.reflink, durable: host.durable, progress })))
+  const b = await call(host.track(native.templateBuildStart(host.handle, { parent: o.format === 'tree' ? topId : '', reflink: host.reflink, durable: host.durable, progress })))
   let r
   try {
     if (o.format === 'ext4') await writeExt4(host, topId, b.treePath, o.headroom, progress, o.signal)
     if (o.signal?.aborted) throw new AbortError(o.signal.reason)
-    r = await call(host.track(N.templateBuildPublish(b.build, { info, name: o.name, replace: o.replace })))
+    r = await call(host.track(native.templateBuildPublish(b.build, { info, name: o.name, replace: o.replace })))
   } catch (e) {
-    await N.templateBuildAbandon(b.build)
+    await native.templateBuildAbandon(b.build)
     // Another importer published the same image under the name first: theirs is the result.
     const same = (e as VmspaceError).code === 'EEXIST' && !o.replace ? await sameImage(host, o.name, image, o.format) : undefined
     if (same) return reusedImage(same, layers.map((l) => l.chainId))
@@ -286,7 +285,7 @@ async function treeNeeds(tree: string): Promise<{ dataBytes: number; inodes: num
  * journal) plus `headroom`, after a check that the file system has that much free.
  */
 async function writeExt4(host: ImportHost, topId: string, destDir: string, headroom: number, progress: ProgressHandle, signal: AbortSignal | undefined): Promise<void> {
-  const b = await call(host.track(N.templateBuildStart(host.handle, { parent: topId, reflink: host.reflink, durable: host.durable, progress })))
+  const b = await call(host.track(native.templateBuildStart(host.handle, { parent: topId, reflink: host.reflink, durable: host.durable, progress })))
   try {
     const { dataBytes, inodes } = await treeNeeds(b.treePath)
     const inodeCount = inodes + Math.ceil(headroom / 16384) + 64
@@ -310,7 +309,7 @@ async function writeExt4(host: ImportHost, topId: string, destDir: string, headr
     const args = ['-q', '-F', '-t', 'ext4', '-b', '4096', '-m', '0', '-N', String(inodeCount), '-J', `size=${journalMiB}`, '-E', 'root_owner=0:0', '-d', b.treePath, file]
     await runOk('mke2fs', args, file, signal)
   } finally {
-    await N.templateBuildAbandon(b.build)
+    await native.templateBuildAbandon(b.build)
   }
 }
 

@@ -7,7 +7,7 @@
  */
 import * as crypto from 'node:crypto'
 import * as fs from 'node:fs'
-import { Transform, type Readable, type Writable } from 'node:stream'
+import { Readable, Transform, type Writable } from 'node:stream'
 import { pipeline } from 'node:stream/promises'
 import * as zlib from 'node:zlib'
 import { Decompress as ZstdDecompress } from 'fzstd'
@@ -23,6 +23,8 @@ export interface LayerDigests {
 
 /** The bytes of `loc` from `offset` on (a file, or a member of an archive). */
 function blobStream(loc: BlobLocation, offset = 0): Readable {
+  // createReadStream reads to the file's end when `end` is below `start`: an empty range is an empty stream.
+  if (offset >= loc.size) return Readable.from([])
   return fs.createReadStream(loc.file, { start: loc.start + offset, end: loc.start + loc.size - 1 })
 }
 
@@ -34,7 +36,11 @@ function meter(hash: crypto.Hash, count: (n: number) => void, limit: number, too
       seen += chunk.length
       if (seen > limit) return done(tooLong())
       hash.update(chunk)
-      count(chunk.length)
+      try {
+        count(chunk.length) // the caller's progress callback: what it throws fails the stream
+      } catch (e) {
+        return done(e as Error)
+      }
       done(null, chunk)
     },
   })
@@ -45,12 +51,7 @@ const nativeZstd = (zlib as unknown as { createZstdDecompress?: () => Transform 
 
 /** fzstd's streaming decoder as a Transform (Node without a zstd decoder of its own: Node 20). */
 function fzstdTransform(): Transform {
-  let out: Transform
-  const d = new ZstdDecompress((data) => {
-    // fzstd may hand out a view of its window, which later pushes overwrite: copied.
-    if (data.length > 0) out.push(Buffer.from(data))
-  })
-  out = new Transform({
+  const out: Transform = new Transform({
     transform(chunk: Buffer, _enc, done) {
       try {
         d.push(chunk)
@@ -67,6 +68,10 @@ function fzstdTransform(): Transform {
         done(e as Error)
       }
     },
+  })
+  const d = new ZstdDecompress((data) => {
+    // fzstd may hand out a view of its window, which later pushes overwrite: copied.
+    if (data.length > 0) out.push(Buffer.from(data))
   })
   return out
 }
@@ -99,6 +104,16 @@ async function firstBytes(loc: BlobLocation): Promise<Buffer> {
  * blob is still hashed, and a blob that does not match its digest is reported as that (it explains the rest).
  */
 export async function streamLayer(layer: LayerSource, out: Writable, onBytes: (n: number) => void, signal?: AbortSignal): Promise<LayerDigests> {
+  try {
+    return await verifiedCopy(layer, out, onBytes, signal)
+  } catch (e) {
+    // Closed on every failure, also one before the copy began: the applier reads the pipe until its EOF.
+    out.destroy()
+    throw e
+  }
+}
+
+async function verifiedCopy(layer: LayerSource, out: Writable, onBytes: (n: number) => void, signal?: AbortSignal): Promise<LayerDigests> {
   const name = layer.digest ?? layer.blob.name
   const mismatch = (what: string, expected: string, actual: string) =>
     ociError('ERR_OCI_DIGEST_MISMATCH', `blob ${name}: ${what} is ${actual}, its descriptor says ${expected}`, layer.blob.name, { blob: name, expected, actual })
@@ -112,10 +127,12 @@ export async function streamLayer(layer: LayerSource, out: Writable, onBytes: (n
     onBytes(n)
   }
   const dec = decoder(layer.compression, await firstBytes(layer.blob))
-  let decodeError: unknown
-  dec.once('error', (e) => (decodeError = e))
+  const stages = [blobStream(layer.blob), meter(blobHash, count, layer.size, tooLong), dec, meter(diffHash, () => {}, Infinity, tooLong), out]
+  // The stage that failed first: pipeline destroys every other with the same error.
+  let origin: unknown
+  for (const stage of stages) stage.once('error', () => (origin ??= stage))
   try {
-    await pipeline(blobStream(layer.blob), meter(blobHash, count, layer.size, tooLong), dec, meter(diffHash, () => {}, Infinity, tooLong), out, { signal })
+    await pipeline(stages, { signal })
   } catch (e) {
     if (signal?.aborted || (e as VmspaceError).code === 'ERR_OCI_DIGEST_MISMATCH') throw e
     // The rest of the blob decides whether it was corrupt (then that is the error) or the tar was refused as it is.
@@ -124,7 +141,7 @@ export async function streamLayer(layer: LayerSource, out: Writable, onBytes: (n
       const actual = rest ? 'sha256:' + blobHash.digest('hex') : 'unreadable'
       if (actual !== layer.digest) throw mismatch('the digest', layer.digest, actual)
     }
-    if (e === decodeError)
+    if (origin === dec)
       throw Object.assign(ociError('ERR_OCI_INVALID', `blob ${name} does not decompress (${layer.mediaType}): ${(e as Error).message}`, layer.blob.name), { cause: e })
     throw e
   }

@@ -102,6 +102,14 @@ export function templateRef(name: string, value: unknown): string | undefined {
   return value
 }
 
+/** A new template's name (1–128 of `[A-Za-z0-9._-]`, not an id's shape), or undefined when not given. */
+export function templateName(name: string, value: unknown): string | undefined {
+  if (value === undefined) return undefined
+  if (typeof value !== 'string') throw invalidType(name, 'a string', value)
+  if (!TEMPLATE_NAME.test(value) || TEMPLATE_ID.test(value)) throw invalidValue(name, '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', value)
+  return value
+}
+
 /** Pool.commit's options. */
 export interface CommitOptions {
   /** The template's name: 1–128 of `[A-Za-z0-9._-]`, not 32 hex characters. Default: none (found by its id). */
@@ -130,13 +138,7 @@ export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   const o = optionsObject<CommitOptions>('options', options, {
     name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
   })
-  let name = ''
-  if (o.name !== undefined) {
-    if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-    if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-      throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-    name = o.name
-  }
+  const name = templateName('options.name', o.name) ?? ''
   const replace = boolean('options.replace', o.replace, false)
   const signal = abortSignal('options.signal', o.signal)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)

@@ -13,6 +13,7 @@ import * as path from 'node:path'
 import { afterAll, beforeAll, describe, expect, test } from 'vitest'
 import { native, type BuildHandle, type PoolHandle, type ProgressHandle } from '../lib/binding.js'
 import { call } from '../lib/errors.js'
+import { openPool } from '../lib/index.js'
 import { fixtures, mounts, requireMount } from './helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
@@ -220,6 +221,21 @@ describe.each(fsList.filter(([, m]) => m !== null))('layers on %s', (label, moun
     expect(fs.readdirSync(path.join(templatesDir(), lower, 'tree', 'd')).sort()).toEqual(['lower1', 'sub'])
   })
 
+  test('a workspace allocated from a layer template holds its tree with the write bits given back', async () => {
+    const lower = await layer('', [tar([{ name: 'etc/conf', data: 'lower', mode: 0o644 }])])
+    const upper = await layer(lower, [tar([{ name: 'etc/conf', data: 'upper', mode: 0o640 }, { name: 'bin/tool', data: 't', mode: 0o755 }])])
+    const pool = await openPool(root)
+    try {
+      const ws = await pool.allocate({ from: upper })
+      expect(fs.readFileSync(path.join(ws.path, 'etc/conf'), 'utf8')).toBe('upper')
+      expect(fs.statSync(path.join(ws.path, 'etc/conf')).mode & 0o7777).toBe(0o640)
+      expect(fs.statSync(path.join(ws.path, 'bin/tool')).mode & 0o7777).toBe(0o755)
+      await ws.dispose()
+    } finally {
+      await pool.close()
+    }
+  })
+
   test('an opaque marker first in its directory keeps the entries after it', async () => {
     const lower = await layer('', [tar([{ name: 'o/old', data: 'o' }])])
     const upper = await layer(lower, [tar([{ name: 'o', type: 'dir' }, { name: 'o/.wh..wh..opq' }, { name: 'o/new', data: 'n' }])])
@@ -333,20 +349,42 @@ describe.each(fsList.filter(([, m]) => m !== null))('layers on %s', (label, moun
     expect(fs.existsSync(path.join(templatesDir(), 'layers', key(4)))).toBe(false)
   })
 
-  test('a SIGKILLed build leaves only leased staging, which a sweep reclaims', async () => {
+  /** A node script that opens the pool with the addon as `n`, starts a build as `build`, then runs `body`. */
+  function childScript(body: string): string {
     const addon = path.join(process.env.VMSPACE_PREBUILD!, 'build', 'Release', 'vmspace.node')
-    const script = `
+    return `
       const n = require(${JSON.stringify(addon)});
       (async () => {
         const { handle } = await n.openPool({ root: ${JSON.stringify(root)}, create: false, nonEmpty: false, projectIdFirst: 0, projectIdLast: 0 });
         const { build } = await n.templateBuildStart(handle, { parent: '' });
+        ${body}
+      })();`
+  }
+
+  test('chown refused (EPERM: the import is not root) is ERR_OCI_NOT_PERMITTED naming the entry', async () => {
+    const bytes = tar([{ name: 'owned', data: 'x', uid: 1000, gid: 1000 }])
+    const body = `
+        const [r, w] = n.pipe();
+        const applied = n.layerApply(build, r, {}).then(() => ({}), (e) => e);
+        require('fs').writeSync(w, Buffer.from(${JSON.stringify(bytes.toString('base64'))}, 'base64'));
+        require('fs').closeSync(w);
+        const e = await applied;
+        await n.templateBuildAbandon(build);
+        console.log(JSON.stringify({ code: e.code, errno: e.errno, syscall: e.syscall, path: e.path }));`
+    const r = spawnSync('setpriv', ['--bounding-set', '-chown,-mknod', '--', process.execPath, '-e', childScript(body)], { encoding: 'utf8' })
+    expect(r.stderr).toBe('')
+    expect(JSON.parse(r.stdout)).toEqual({ code: 'ERR_OCI_NOT_PERMITTED', errno: -1, syscall: 'chown', path: 'owned' })
+    expect(staging()).toEqual([])
+  })
+
+  test('a SIGKILLed build leaves only leased staging, which a sweep reclaims', async () => {
+    const body = `
         const [r, w] = n.pipe();
         n.layerApply(build, r, {});
         require('fs').writeSync(w, Buffer.alloc(512, 1));
         console.log('applying');
-        setInterval(() => {}, 1000);
-      })();`
-    const child = spawn(process.execPath, ['-e', script], { stdio: ['ignore', 'pipe', 'inherit'] })
+        setInterval(() => {}, 1000);`
+    const child = spawn(process.execPath, ['-e', childScript(body)], { stdio: ['ignore', 'pipe', 'inherit'] })
     await new Promise<void>((resolve) => child.stdout.on('data', (d: Buffer) => d.toString().includes('applying') && resolve()))
     expect(staging().length).toBe(1)
     const swept = await call(native.sweep(handle, { dryRun: false, graceMs: 0 }))

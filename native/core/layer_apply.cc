@@ -143,10 +143,11 @@ int openInRoot(int rootFd, const std::vector<std::string>& comps, size_t n) {
   if (!walk) {
     OpenHow how{O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, kResolveInRoot | kResolveNoMagicLinks | kResolveNoXdev};
     std::string rel = joined(comps, n);
-    for (;;) {
+    for (int tries = 0;; tries++) {
       long fd = syscall(SYS_openat2, rootFd, rel.c_str(), &how, sizeof how);
       if (fd >= 0) return static_cast<int>(fd);
-      if (errno == EINTR || errno == EAGAIN) continue;  // EAGAIN: a rename raced the resolution
+      // EAGAIN: a rename anywhere on the system raced the resolution (RESOLVE_IN_ROOT checks for one).
+      if ((errno == EINTR || errno == EAGAIN) && tries < kMaxSymlinks) continue;
       if (errno != ENOSYS) return -1;
       noOpenat2.store(true, std::memory_order_relaxed);
       break;
