@@ -27,6 +27,7 @@
 #include "io.h"
 #include "remove.h"
 #include "tar.h"
+#include "walk.h"
 
 namespace vmspace {
 namespace {
@@ -243,7 +244,11 @@ class LayerApplier {
     for (size_t i = 1; i <= n; i++) {
       UniqueFd next(openInRoot(rootFd_, comps, i));
       if (!next && errno == ENOENT) {
-        if (mkdirat(prev.get(), comps[i - 1].c_str(), 0755) != 0 && errno != EEXIST) throwErrno(errno, "mkdir", name);
+        if (mkdirat(prev.get(), comps[i - 1].c_str(), 0755) == 0) {
+          if (fchmodat(prev.get(), comps[i - 1].c_str(), 0755, 0) != 0) throwErrno(errno, "chmod", name);  // umask
+        } else if (errno != EEXIST) {
+          throwErrno(errno, "mkdir", name);
+        }
         made(std::vector<std::string>(comps.begin(), comps.begin() + static_cast<long>(i)));
         next.reset(openInRoot(rootFd_, comps, i));
       }
@@ -366,7 +371,7 @@ class LayerApplier {
     UniqueFd dir(openInRoot(rootFd_, comps, comps.size() - 1));
     if (leaf == kOpaque) {
       if (!dir && errno != ENOENT && errno != ENOTDIR) throwErrno(errno, "openat2", e.name);
-      if (dir) hideLower(dir.get(), dirRel, e.name);
+      if (dir) hideLower(dir.get(), dirRel);
       return;
     }
     std::string target = leaf.substr(kWhiteout.size());
@@ -386,20 +391,43 @@ class LayerApplier {
   }
 
   // The opaque directory `dirFd` (at `rel`): every entry this layer did not make goes; a directory on the way to
-  // one it made stays, with what it holds filtered alike (the lower layer's part of it is hidden too).
-  void hideLower(int dirFd, const std::string& rel, const std::string& name) {
-    for (auto& child : readNames(dirFd, rootPath_ + "/" + rel)) {
-      const std::string childRel = rel.empty() ? child.first : rel + "/" + child.first;
-      if (!touched_.count(childRel)) {
-        removeTreeNoFollow(dirFd, child.first, rootPath_ + "/" + childRel);
+  // one it made stays, with what it holds filtered alike (the lower layer's part of it is hidden too). The walk is
+  // walk.h's (its fd budget, the climb checked by device and inode); it enters only directories this layer touched.
+  void hideLower(int dirFd, const std::string& rel) {
+    TreeWalk walk(rootPath_ + (rel.empty() ? "" : "/" + rel), TreeWalk::Resume::AtPosition);
+    std::vector<std::string> rels{rel};  // the walk's directories, as the tar names them
+    struct stat st;
+    int fd = walk.withFds([&] { return openat(dirFd, ".", kDirFlags); });
+    if (fd < 0 || fstat(fd, &st) != 0) throwErrno(errno, "open", walk.path(0));
+    if (int err = walk.push(fd, "", st.st_dev, st.st_ino)) throwErrno(err, "fdopendir", walk.path(0));
+    while (!walk.empty()) {
+      struct dirent* de;
+      if (int err = walk.next(&de)) throwErrno(err, "readdir", walk.path(walk.depth()));
+      if (!de) {
+        TreeWalk::Left left;
+        const char* syscall = "openat";
+        if (int err = walk.pop(&left, &syscall)) throwErrno(err, syscall, walk.path(walk.depth()));
+        rels.pop_back();
         continue;
       }
-      UniqueFd sub(openat(dirFd, child.first.c_str(), kDirFlags));
-      if (!sub) {
-        if (errno == ENOTDIR || errno == ELOOP) continue;  // a file or link this layer made
-        throwErrno(errno, "open", rootPath_ + "/" + childRel);
+      const std::string childRel = rels.back().empty() ? de->d_name : rels.back() + "/" + de->d_name;
+      if (!touched_.count(childRel)) {
+        removeTreeNoFollow(walk.topFd(), de->d_name, walk.path(walk.depth(), de->d_name));
+        continue;
       }
-      hideLower(sub.get(), childRel, name);
+      int sub = walk.openDir(walk.topFd(), de->d_name);
+      if (sub < 0) {
+        if (errno == ENOTDIR || errno == ELOOP) continue;  // a file or link this layer made
+        throwErrno(errno, "open", walk.path(walk.depth(), de->d_name));
+      }
+      if (fstat(sub, &st) != 0) {
+        int err = errno;
+        ::close(sub);
+        throwErrno(err, "fstat", walk.path(walk.depth(), de->d_name));
+      }
+      if (int err = walk.push(sub, de->d_name, st.st_dev, st.st_ino))
+        throwErrno(err, "fdopendir", walk.path(walk.depth(), de->d_name));
+      rels.push_back(childRel);
     }
   }
 
