@@ -29,7 +29,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -533,6 +533,17 @@ if (want('template-cache')) {
   }
   if (!mnt) console.log('\ntemplate cache: skipped (needs root and mkfs.xfs for a loop mount)')
   else await (await import('./template-cache.mjs')).benchTemplateCache({ vmspace, dir: mnt, src: work })
+}
+
+// Image import (bench/import.mjs): a 5-layer image of /usr against umoci unpack on a loop XFS; re-import; allocate
+// from the image as a tree and as rootfs.ext4 on the loop XFS and on an image-backed pool.
+if (want('import')) {
+  let mnt = null
+  if (process.getuid?.() === 0) {
+    try { mnt = loopMount('xfs-import', 8192) } catch (e) { console.error(`no xfs: ${e.message}`) }
+  }
+  if (!mnt) console.log('\nimage import: skipped (needs root and mkfs.xfs for a loop mount)')
+  else await (await import('./import.mjs')).benchImport({ vmspace, dir: mnt, src: work })
 }
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/json-file.mjs).
