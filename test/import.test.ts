@@ -215,6 +215,26 @@ describe.skipIf(!!missing)(`importImage: options and sources ${needs('umoci, sko
     await pool.close()
   })
 
+  test('hostile layers reach nothing outside: .. is ERR_LAYER_UNSAFE, a lower layer\'s symlink to / leads back to the root', async () => {
+    const pool = await openPool(freshDir())
+    const outside = freshDir(mounts.scratch, 'canary')
+    const canary = path.join(outside, 'canary')
+    fs.writeFileSync(canary, 'canary')
+    const up = path.relative('/', canary)
+    const dotdot = rawLayerImage(freshDir(mounts.scratch, 'raw'), [makeTar([{ name: `../../../../../../../../${up}`, data: 'owned' }])])
+    const e = await errorOf(pool.importImage(dotdot.layoutDir))
+    expect(e.code).toBe('ERR_LAYER_UNSAFE')
+    await expectNothingLeft(pool)
+    const through = rawLayerImage(freshDir(mounts.scratch, 'raw'), [
+      makeTar([{ name: 'evil', type: 'symlink', linkname: '/' }]),
+      makeTar([{ name: `evil/${up}`, data: 'owned' }]),
+    ])
+    const t = await pool.importImage(through.layoutDir)
+    expect(fs.readFileSync(canary, 'utf8')).toBe('canary')
+    expect(fs.readFileSync(path.join(t.path, up), 'utf8')).toBe('owned')
+    await pool.close()
+  })
+
   test('close() during an import waits for it to publish', async () => {
     const root = freshDir()
     const pool = await openPool(root)
