@@ -280,6 +280,29 @@ describe.skipIf(!!missing)(`importImage: options and sources ${needs('umoci, sko
     await pool.close()
   })
 
+  test('an archive\'s members with PAX and GNU long names, and a symlink member, are found', async () => {
+    const pool = await openPool(freshDir())
+    const dir = freshDir(mounts.scratch, 'docker')
+    const layers = [makeTar([{ name: 'one', data: '1' }]), makeTar([{ name: 'two', data: '2' }])]
+    const config = JSON.stringify({ os: 'linux', architecture: hostArchitecture(), rootfs: { type: 'layers', diff_ids: layers.map((t) => 'sha256:' + createHash('sha256').update(t).digest('hex')) } })
+    const long = 'd'.repeat(120)
+    const manifest = JSON.stringify([{ Config: `${long}/config.json`, RepoTags: ['long:1'], Layers: [`${long}/pax/layer.tar`, 'link.tar'] }])
+    const file = path.join(dir, 'long.tar')
+    fs.writeFileSync(file, makeTar([
+      { name: 'manifest.json', data: manifest },
+      { name: `${long}/config.json`, data: config, gnu: true },
+      { name: `${long}/pax/layer.tar`, data: layers[0] },
+      { name: `${long}/gnu/layer.tar`, data: layers[1], gnu: true },
+      { name: 'link.tar', type: 'symlink', linkname: `${long}/gnu/layer.tar` },
+    ]))
+    const t = await pool.importImage(file)
+    expect([t.name, t.image.ref]).toEqual(['long-1', 'long:1'])
+    const ws = await pool.allocate({ from: t.id })
+    expect(['one', 'two'].map((n) => fs.readFileSync(path.join(ws.path, n), 'utf8'))).toEqual(['1', '2'])
+    await ws.dispose()
+    await pool.close()
+  })
+
   test('chainIDs follow image-spec config.md', () => {
     const d = ['sha256:' + 'a'.repeat(64), 'sha256:' + 'b'.repeat(64)]
     const [c0, c1] = chainIds(d)
