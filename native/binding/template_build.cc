@@ -71,7 +71,11 @@ Napi::Value TemplateBuildStart(const Napi::CallbackInfo& info) {
         o.Set("id", state->build->id());
         o.Set("treePath", state->build->treePath());
         o.Set("build", Napi::External<BuildRef>::New(env, new BuildRef(state), [](Napi::Env, BuildRef* ref) {
-                if (!(*ref)->build->over()) abandonLater(*ref);
+                // A call still using the build holds its lock: the abandon waits for it, off this thread.
+                std::unique_lock<std::mutex> lock((*ref)->build->mutex(), std::try_to_lock);
+                bool over = lock.owns_lock() && (*ref)->build->over();
+                if (lock.owns_lock()) lock.unlock();
+                if (!over) abandonLater(*ref);
                 delete ref;
               }));
         return o;

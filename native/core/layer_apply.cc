@@ -13,16 +13,16 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "error.h"
+#include "fallback.h"
 #include "fd.h"
 #include "io.h"
 #include "remove.h"
@@ -137,11 +137,7 @@ int walkInRoot(int rootFd, const std::vector<std::string>& rel) {
 // The directory at comps[0..n) beneath `rootFd`, resolved in root (openat2, or walkInRoot): an fd, or -1 and errno.
 int openInRoot(int rootFd, const std::vector<std::string>& comps, size_t n) {
   if (n == 0) return openat(rootFd, ".", kDirFlags);
-  bool walk = noOpenat2.load(std::memory_order_relaxed);
-#ifdef VMSPACE_TEST_HOOKS
-  if (const char* f = getenv("VMSPACE_TEST_FALLBACK")) walk = walk || strstr(f, "openat2") != nullptr;
-#endif
-  if (!walk) {
+  if (!noOpenat2.load(std::memory_order_relaxed) && !kTestFallback.noOpenat2) {
     OpenHow how{O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, kResolveInRoot | kResolveNoMagicLinks | kResolveNoXdev};
     std::string rel = joined(comps, n);
     for (int tries = 0;; tries++) {
