@@ -27,9 +27,13 @@ function sourceArg(arg: string): string {
   return arg
 }
 
-/** What --json gives for an image template: every key present, null where unknown. */
-function imageJson(t: ImageTemplate) {
-  const { digest, ref, platform, format, config, layers } = t.image
+/**
+ * What --json gives for an image template: every key present, null where unknown. Layers as the pool records them;
+ * after an import also whether each was reused and the bytes of its blob read (`imported`).
+ */
+function imageJson(t: ImageTemplate, imported = false) {
+  const { digest, ref, platform, format, config } = t.image
+  const layers = t.image.layers.map((l) => (imported ? l : { digest: l.digest, diffId: l.diffId, chainId: l.chainId, size: l.size }))
   return { id: t.id, name: t.name, current: t.current, path: t.path, createdAt: t.createdAt ?? null, digest, ref, platform, format, config, layers }
 }
 
@@ -53,7 +57,7 @@ export async function imageImport(rootArg: string, sourceText: string, o: Import
     )
     progress.stop()
     if (typeof t === 'number') return t
-    if (o.json) printJson({ root, ...imageJson(t) })
+    if (o.json) printJson({ root, ...imageJson(t, true) })
     else {
       const layers = t.image.layers
       const reused = layers.filter((l) => l.reused).length
@@ -77,7 +81,7 @@ export async function imageLs(rootArg: string, o: { json?: boolean }): Promise<n
   const pool = await openPool(root, { create: false })
   try {
     const list = await pool.images()
-    if (o.json) printJson({ root, images: list.map(imageJson) })
+    if (o.json) printJson({ root, images: list.map((t) => imageJson(t)) })
     else {
       const now = Date.now()
       const rows = list.map((t) => [
