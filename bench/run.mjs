@@ -29,7 +29,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -515,25 +515,29 @@ if (want('warm')) {
   console.table(summary)
 }
 
-// Templates on btrfs: subvolume snapshots against the reflink walk, on a btrfs of its own (bench/template.mjs).
-if (want('templates-btrfs')) {
+/** Runs `fn(mountPoint)` on a loop mount of its own (`kind`: btrfs, or xfs-<name>), or says why the section is skipped. */
+async function onLoopMount(label, kind, sizeMb, fn) {
+  const fsName = kind.startsWith('xfs') ? 'xfs' : kind
   let mnt = null
   if (process.getuid?.() === 0) {
-    try { mnt = loopMount('btrfs', 2048) } catch (e) { console.error(`no btrfs: ${e.message}`) }
+    try { mnt = loopMount(kind, sizeMb) } catch (e) { console.error(`no ${fsName}: ${e.message}`) }
   }
-  if (!mnt) console.log('\ntemplates on btrfs: skipped (needs root and mkfs.btrfs for a loop mount)')
-  else await (await import('./template.mjs')).benchTemplatesBtrfs({ vmspace, dir: mnt, load, sizes: args['template-files'].split(',').map(Number) })
+  if (!mnt) console.log(`\n${label}: skipped (needs root and mkfs.${fsName} for a loop mount)`)
+  else await fn(mnt)
 }
 
+// Templates on btrfs: subvolume snapshots against the reflink walk, on a btrfs of its own (bench/template.mjs).
+if (want('templates-btrfs'))
+  await onLoopMount('templates on btrfs', 'btrfs', 2048, async (mnt) =>
+    (await import('./template.mjs')).benchTemplatesBtrfs({ vmspace, dir: mnt, load, sizes: args['template-files'].split(',').map(Number) }))
+
 // The template cache (bench/template-cache.mjs): a dense 2 GiB image on the host file system into a loop XFS pool.
-if (want('template-cache')) {
-  let mnt = null
-  if (process.getuid?.() === 0) {
-    try { mnt = loopMount('xfs-cache', 6144) } catch (e) { console.error(`no xfs: ${e.message}`) }
-  }
-  if (!mnt) console.log('\ntemplate cache: skipped (needs root and mkfs.xfs for a loop mount)')
-  else await (await import('./template-cache.mjs')).benchTemplateCache({ vmspace, dir: mnt, src: work })
-}
+if (want('template-cache'))
+  await onLoopMount('template cache', 'xfs-cache', 6144, async (mnt) => (await import('./template-cache.mjs')).benchTemplateCache({ vmspace, dir: mnt, src: work }))
+
+// Image import (bench/import.mjs): a 5-layer image of /usr against umoci unpack on a loop XFS; re-import; allocate
+// from the image as a tree and as rootfs.ext4 on the loop XFS and on an image-backed pool.
+if (want('import')) await onLoopMount('image import', 'xfs-import', 8192, async (mnt) => (await import('./import.mjs')).benchImport({ vmspace, dir: mnt, src: work }))
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/json-file.mjs).
 if (want('json-file')) {

@@ -62,6 +62,24 @@ export function poolRoot(arg: string): string {
   return root
 }
 
+/**
+ * `arg` as the root of a pool that is made when missing: a pool, an empty directory or a new one whose parent
+ * exists. A directory holding other entries is not made a pool (openPool's rule; ls and sweep refuse it too).
+ */
+export function poolRootOrNew(what: string, arg: string): string {
+  const root = path.resolve(arg)
+  let st: fs.Stats | undefined
+  try {
+    st = fs.statSync(root)
+  } catch {
+    if (!fs.statSync(path.dirname(root), { throwIfNoEntry: false })?.isDirectory()) throw new UsageError(`${what} ${root}: its parent directory does not exist`)
+  }
+  if (st && !st.isDirectory()) throw new UsageError(`${what} ${root} is not a directory`)
+  if (st && !fs.existsSync(path.join(root, '.vmspace')) && fs.readdirSync(root).length > 0)
+    throw new UsageError(`${what} ${root} is not a vmspace pool and holds other entries (a pool is made in an empty or missing directory)`)
+  return root
+}
+
 /** Parses a non-negative integer option value (commander calls it; a throw is reported as a usage error). */
 export function nonNegativeInt(name: string, max: number, min = 0) {
   return (value: string): number => {
@@ -116,4 +134,30 @@ export function table(header: string[], rows: string[][]): string {
 /** --json output: one JSON document on stdout, pretty-printed, newline-terminated. */
 export function printJson(value: unknown): void {
   process.stdout.write(JSON.stringify(value, null, 2) + '\n')
+}
+
+const INTERRUPTS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const
+
+/**
+ * An AbortSignal that the first of SIGINT, SIGTERM or SIGHUP aborts, for as long as `fn` runs; `fn`'s result, or,
+ * when an interrupt stopped it (whatever it threw), the status a shell gives for that signal (128 + N) after
+ * `onInterrupt` has said what was left.
+ */
+export async function interruptible<T>(fn: (signal: AbortSignal) => Promise<T>, onInterrupt: (sig: NodeJS.Signals) => void): Promise<T | number> {
+  const abort = new AbortController()
+  let interrupted: NodeJS.Signals | undefined
+  const onSignal = (sig: NodeJS.Signals) => {
+    interrupted ??= sig
+    abort.abort()
+  }
+  for (const sig of INTERRUPTS) process.on(sig, onSignal)
+  try {
+    return await fn(abort.signal)
+  } catch (e) {
+    if (!interrupted) throw e
+    onInterrupt(interrupted)
+    return 128 + (os.constants.signals[interrupted] ?? 0)
+  } finally {
+    for (const sig of INTERRUPTS) process.off(sig, onSignal)
+  }
 }

@@ -7,8 +7,8 @@ import { spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { openPool, type JsonObject, type Reflink, type Workspace } from 'vmspace'
-import { EXIT_RUN_FAILED, errorText, UsageError } from './common.js'
+import { openPool, type JsonObject, type Pool, type Reflink, type Workspace } from 'vmspace'
+import { EXIT_RUN_FAILED, errorText, interruptible, poolRootOrNew, UsageError } from './common.js'
 
 /** fd number of the lease in the command's process. */
 export const LEASE_FD = 3
@@ -66,25 +66,6 @@ function metaObject(text: string | undefined): JsonObject | undefined {
   return meta as JsonObject
 }
 
-/**
- * The pool root: a pool, an empty directory or a new one (the pool is made) whose parent exists. A directory holding
- * other entries is not made a pool (openPool's rule; ls and sweep refuse it too).
- */
-function runRoot(arg: string): string {
-  const root = path.resolve(arg)
-  let st: fs.Stats | undefined
-  try {
-    st = fs.statSync(root)
-  } catch {
-    if (!fs.statSync(path.dirname(root), { throwIfNoEntry: false })?.isDirectory())
-      throw new UsageError(`--pool ${root}: its parent directory does not exist`)
-  }
-  if (st && !st.isDirectory()) throw new UsageError(`--pool ${root} is not a directory`)
-  if (st && !fs.existsSync(path.join(root, '.vmspace')) && fs.readdirSync(root).length > 0)
-    throw new UsageError(`--pool ${root} is not a vmspace pool and holds other entries (a pool is made in an empty or missing directory)`)
-  return root
-}
-
 /** The command's exit status, as a shell gives it: its code, or 128 + the signal that killed it. */
 function statusOf(code: number | null, signal: NodeJS.Signals | null): number {
   if (code !== null) return code
@@ -119,31 +100,25 @@ function runIn(ws: Workspace, root: string, cmd: string[]): Promise<number> {
 
 export async function run(cmd: string[], opts: RunOptions): Promise<number> {
   // Every argument is checked before the pool is opened (or made).
-  const root = runRoot(opts.pool)
+  const root = poolRootOrNew('--pool', opts.pool)
   const template = templates(opts.template)
   const meta = metaObject(opts.meta)
 
   // Until the command runs, an interrupt rolls the allocation back (the AbortSignal) and exits 128+signal.
-  const abort = new AbortController()
-  let interrupted: NodeJS.Signals | undefined
-  const onSignal = (sig: NodeJS.Signals) => {
-    interrupted ??= sig
-    abort.abort()
-  }
-  for (const sig of FORWARDED) process.on(sig, onSignal)
-  const pool = await openPool(root, {
-    ...(opts.reflink ? { reflink: opts.reflink } : {}),
-  })
-  let ws: Workspace
-  try {
-    ws = await pool.allocate({ template, from: opts.from, meta, signal: abort.signal })
-  } catch (e) {
-    await pool.close()
-    if (interrupted) return 128 + (os.constants.signals[interrupted] ?? 0)
-    throw e
-  } finally {
-    for (const sig of FORWARDED) process.off(sig, onSignal)
-  }
+  let pool!: Pool
+  const ws = await interruptible(
+    async (signal) => {
+      pool = await openPool(root, { ...(opts.reflink ? { reflink: opts.reflink } : {}) })
+      try {
+        return await pool.allocate({ template, from: opts.from, meta, signal })
+      } catch (e) {
+        await pool.close()
+        throw e
+      }
+    },
+    () => {},
+  )
+  if (typeof ws === 'number') return ws
 
   // The command handles its own signals (forwarded); ours are ignored until the workspace is disposed.
   const ignore = () => {}

@@ -7,6 +7,7 @@
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
 import { EXIT_FAILED, EXIT_RUN_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseDuration, parseSize, UsageError } from './common.js'
+import type { ImportFlags } from './image.js'
 import { templateArg, type CommitFlags, type ForkFlags } from './template.js'
 
 const program = new Command('vmspace')
@@ -40,6 +41,12 @@ const parseSizeArg = (value: string): number => {
   return n
 }
 
+/** `--platform os/arch[/variant]`, as an image index's platform names it (e.g. linux/arm64/v8). */
+const platformArg = (value: string): string => {
+  if (!/^[a-z0-9_]+\/[a-z0-9_]+(\/[a-z0-9_]+)?$/.test(value)) throw new UsageError(`--platform must be OS/ARCH[/VARIANT] (e.g. linux/amd64), got ${JSON.stringify(value)}`)
+  return value
+}
+
 const reflinkOption = () => new Option('--reflink <mode>', 'reflink: share extents, else copy (auto), or fail (always), or always copy (never)').choices(['always', 'auto', 'never'])
 
 /** Runs an action and records its exit status; a lazy import keeps each command's dependencies off the others' path. */
@@ -53,7 +60,7 @@ function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
 configure(program)
   .description(
     'Private per-VM workspace directories: ls, inspect, sweep, metrics; run, commit, fork, template (rm, prune); ' +
-      'clone, probe; mount, unmount (image-backed pools); demo.',
+      'image (import, ls, inspect, rm); clone, probe; mount, unmount (image-backed pools); demo.',
   )
   .enablePositionalOptions()
   .version((require('../../package.json') as { version: string }).version, '-V, --version')
@@ -141,6 +148,44 @@ template
   .option('--dry-run', 'report what would be removed, remove nothing')
   .option('--json', 'JSON output')
   .action(action(async (root: string, o: import('./template.js').PruneArgs) => (await import('./template.js')).templatePrune(root, o)))
+
+const image = program.command('image').description('OCI images as templates of a pool: import, ls, inspect, rm (docs/images.md)')
+
+image
+  .command('import')
+  .description('import an OCI image (layout dir, oci-archive or docker-archive) as a template; layers shared with earlier imports are reused (root only)')
+  .argument('<root>', 'pool directory (made if missing)')
+  .argument('<source>', 'a path, or oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REF]')
+  .option('--ref <ref>', 'the tag in the layout or archive (needed where there are several)')
+  .option('--platform <os/arch[/variant]>', "the manifest of an index to take (default: the host's linux/ARCH)", parser(platformArg))
+  .addOption(new Option('--format <format>', 'tree: the rootfs as a directory; ext4: a rootfs.ext4 image file a VMM boots').choices(['tree', 'ext4']))
+  .option('--name <name>', 'template name (default: the ref); an existing one fails unless --replace', parser(templateArg('--name')))
+  .option('--replace', 'swap an existing name to the new template atomically')
+  .option('--ext4-headroom <bytes>', 'free space in rootfs.ext4 beyond what the tree needs, e.g. 256M (K, M, G, T: binary units)', parser(parseSize('--ext4-headroom')))
+  .option('--json', 'JSON output (the image template)')
+  .action(action(async (root: string, source: string, o: ImportFlags) => (await import('./image.js')).imageImport(root, source, o)))
+
+image
+  .command('ls')
+  .description('list the image templates of a pool: name, id, format, platform, layers, age, manifest digest')
+  .argument('<root>', 'pool directory')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, o: { json?: boolean }) => (await import('./image.js')).imageLs(root, o)))
+
+image
+  .command('inspect')
+  .description('one image template as JSON: its digest, platform, format, config (Env, Entrypoint, Cmd, ...) and layers')
+  .argument('<root>', 'pool directory')
+  .argument('<image>', 'image template id (32 hex characters) or name', parser(templateArg('IMAGE')))
+  .action(action(async (root: string, ref: string) => (await import('./image.js')).imageInspect(root, ref)))
+
+image
+  .command('rm')
+  .description('remove an image template, then the layer templates no other image uses (workspaces made from it stay)')
+  .argument('<root>', 'pool directory')
+  .argument('<image>', 'image template id (32 hex characters) or name', parser(templateArg('IMAGE')))
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, ref: string, o: { json?: boolean }) => (await import('./image.js')).imageRm(root, ref, o)))
 
 program
   .command('run')

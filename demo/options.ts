@@ -4,6 +4,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { parseArgs } from 'node:util'
 import { CRASH_ENV, describe, MARKER_LEN, MARKER_OFFSET, ROOTFS, TREE_MARKER } from './protocol.js'
+import { imageSourceProblem } from '../shared/image-source.js'
 import { statOrUndefined } from './util.js'
 
 export const HELP = `Usage: vmspace demo [options]      (npm run demo -- [options])
@@ -36,6 +37,15 @@ Options:
                    listing, modes, sizes, times and file contents) must be
                    unchanged at the end. On another file system than the pool, DIR
                    is copied into the pool once and the workspaces clone the copy.
+  --image SOURCE   start every workspace from an OCI image imported into the pool
+                   (pool.importImage, as root): SOURCE is an image layout
+                   directory, an oci-archive or a docker-archive (a path, or
+                   oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REF];
+                   skopeo copy docker://IMAGE oci:DIR:REF fetches one). Each
+                   workspace is allocated from the image template
+                   (allocate({ from })), gets its marker as with --template-dir,
+                   and must hold the image's tree; the template must be
+                   unchanged at the end. It stays in a pool you name (--root).
   --quota BYTES    give every workspace a disk quota of BYTES (suffix K, M, G:
                    binary units), enforced by the kernel (allocate({ quota })):
                    the pool must be on btrfs with quotas enabled (btrfs quota
@@ -73,6 +83,8 @@ export interface Options {
   root?: string
   base?: string
   templateDir?: string
+  /** --image: an OCI image SOURCE to import and allocate every workspace from. */
+  image?: string
   /** --quota: bytes per workspace. */
   quota?: number
   /** --chaos: how many workers to kill, as a count or a percentage of --workers. */
@@ -177,6 +189,7 @@ export function parseOptions(argv: string[]): Options | 'help' {
         root: { type: 'string' },
         base: { type: 'string' },
         'template-dir': { type: 'string' },
+        image: { type: 'string' },
         chaos: { type: 'string' },
         fork: { type: 'string' },
         quota: { type: 'string' },
@@ -200,6 +213,12 @@ export function parseOptions(argv: string[]): Options | 'help' {
   if (v['template-dir'] !== undefined) {
     if (v['template-dir'].trim() !== '' && opts.base) throw new UsageError('--template-dir and --base exclude each other: a workspace starts from one of them')
     opts.templateDir = templateDirOption(v['template-dir'])
+  }
+  if (v.image !== undefined) {
+    if (opts.base || opts.templateDir) throw new UsageError(`--image and --${opts.base ? 'base' : 'template-dir'} exclude each other: a workspace starts from one of them`)
+    const problem = v.image.trim() === '' ? 'must name an image' : imageSourceProblem(v.image)
+    if (problem) throw new UsageError(`--image ${problem}`)
+    opts.image = v.image
   }
   if (v.quota !== undefined) opts.quota = quotaOption(v.quota)
   if (v.chaos !== undefined) opts.chaos = chaosOption(v.chaos)

@@ -36,8 +36,10 @@ export interface WorkerConfig {
 
 /** A template tree as the workers check their clones of it. */
 export interface TreeSpec {
-  /** The directory cloned (the template itself, or its copy in the pool's file system). */
+  /** The directory cloned (the template itself, or its copy in the pool's file system; --image: the template's tree). */
   dir: string
+  /** --image: the id of the image template every workspace is allocated from (allocate({ from })). */
+  from?: string
   /** treeManifest(dir, { contents: false }).digest: paths, types, modes, sizes, symlink targets. */
   shape: string
   entries: number

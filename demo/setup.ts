@@ -21,6 +21,8 @@ export interface TemplateTree {
   before: Manifest
   /** The same of the original, when spec.dir is a copy. */
   originalBefore?: Manifest
+  /** --image: the image template the workspaces are allocated from. */
+  image?: { id: string; name: string | null; layers: number; reused: number }
 }
 
 export interface Setup {
@@ -42,7 +44,7 @@ export interface Setup {
 
 export async function setup(demo: Demo): Promise<Setup> {
   const o = demo.opts
-  const base0 = o.templateDir ? undefined : await prepareBase(o, demo.cleanup)
+  const base0 = o.templateDir || o.image ? undefined : await prepareBase(o, demo.cleanup)
   let root: string
   let ownRoot = false
   let pool: Pool | undefined
@@ -73,6 +75,7 @@ export async function setup(demo: Demo): Promise<Setup> {
     s.hashBefore = await sha256(base.path)
   }
   if (o.templateDir) s.tree = await templateTree(demo, s, o.templateDir)
+  if (o.image) s.tree = await imageTree(demo, s, o.image)
   return s
 }
 
@@ -148,5 +151,38 @@ async function templateTree(demo: Demo, s: Setup, original: string): Promise<Tem
     before: full,
     originalBefore: dir === original ? undefined : await treeManifest(original, { contents: true }),
     spec: { dir, shape: shape.digest, entries: shape.entries, files: shape.files, bytes: shape.bytes, probe: full.probe },
+  }
+}
+
+/**
+ * --image: the image imported into the pool (its layers as templates, reused where the pool has them), and what
+ * every workspace allocated from it must hold: the shape of one allocated here for reference (its write bits are
+ * given back, so it is not the template's own), and the template's full manifest, which must not change.
+ */
+async function imageTree(demo: Demo, s: Setup, source: string): Promise<TemplateTree> {
+  const t0 = performance.now()
+  status(`importing the image ${source} into the pool`)
+  const t = await s.pool.importImage(source)
+  const layers = t.image.layers
+  const reused = layers.filter((l) => l.reused).length
+  demo.notes.push(
+    `the image ${source} was imported as template ${t.name ?? t.id} (${t.id}, ${layers.length} layer(s), ${reused} reused, ` +
+      `${((performance.now() - t0) / 1000).toFixed(1)} s); every workspace was allocated from it (allocate({ from })).`,
+  )
+  const reference = await s.pool.allocate({ from: t.id, meta: { demo: 'vmspace', role: 'image-reference' } })
+  let full: Manifest
+  let shape: Manifest
+  try {
+    full = await treeManifest(reference.path, { contents: true })
+    shape = await treeManifest(reference.path, { contents: false })
+  } finally {
+    await reference.dispose()
+  }
+  status(`hashing the image template ${t.path} (listing, modes, sizes, times, contents)`)
+  return {
+    original: source,
+    before: await treeManifest(t.path, { contents: true }),
+    image: { id: t.id, name: t.name, layers: layers.length, reused },
+    spec: { dir: t.path, from: t.id, shape: shape.digest, entries: shape.entries, files: shape.files, bytes: shape.bytes, probe: full.probe },
   }
 }

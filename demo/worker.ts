@@ -90,7 +90,7 @@ async function useOne(pool: Pool, config: WorkerConfig, seq: number, report: (m:
   const t0 = performance.now()
   try {
     ws = await pool.allocate({
-      template: config.tree ? config.tree.dir : { [ROOTFS]: config.base },
+      ...(config.tree?.from ? { from: config.tree.from } : { template: config.tree ? config.tree.dir : { [ROOTFS]: config.base } }),
       meta: { demo: 'vmspace', worker: config.index, seq, pid: process.pid },
       ...(config.quota ? { quota: { bytes: config.quota } } : {}),
     })

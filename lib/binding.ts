@@ -164,6 +164,32 @@ export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink
   replace: boolean
 }
 
+/** An opaque handle of a template being built in .vmspace/templates/staging/<id>/ (its staging entry leased). */
+export type BuildHandle = { readonly __brand: 'BuildHandle' }
+
+export interface TemplateBuildStartOptions extends Pick<NativeCloneOptions, 'reflink' | 'durable' | 'progress'> {
+  /** The id or name of the template whose tree is cloned first (its write bits given back), or '' for an empty tree. */
+  parent: string
+}
+
+export interface TemplateBuildPublishOptions {
+  /** The caller's members of template.json; the core adds id, name, method and usage. */
+  info: JsonMembers
+  /** A layer's chain key, `<algo>-<hex>` ('sha256-abc…'): layers/<layerKey> is claimed. Not with `name`. */
+  layerKey?: string
+  name?: string
+  replace?: boolean
+}
+
+export interface LayerApplyResult {
+  /** Tar entries applied, whiteouts included (PAX and GNU long-name headers not). */
+  entries: number
+  /** Bytes of the tar stream read. */
+  bytes: number
+  /** `.wh.` entries and opaque markers applied. */
+  whiteouts: number
+}
+
 export interface ClonePathOptions extends NativeCloneOptions {
   src: string
   dst: string
@@ -188,6 +214,37 @@ export interface Native {
     handle: PoolHandle,
     options: CommitTemplateOptions,
   ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
+  // Template builds and image layers (native/core/template_build.h, native/core/layer_apply.h)
+  /**
+   * Starts a build: staging/<id>/tree/ is a clone of template `parent`'s tree (its write bits given back), or an
+   * empty directory when parent is ''. The parent is held for reading while it is cloned. Rejects with
+   * ERR_TEMPLATE_NOT_FOUND (nothing made) or the first errno. The handle's finalizer abandons a build left open.
+   */
+  templateBuildStart(handle: PoolHandle, options: TemplateBuildStartOptions): Promise<{ build: BuildHandle; id: string; treePath: string }>
+  /**
+   * Applies one uncompressed tar stream read from `fd` (to its EOF; the call closes `fd`, success or not) to the
+   * build's tree per the OCI image spec's layer rules. Rejects with ERR_LAYER_UNSAFE / ERR_LAYER_INVALID /
+   * ERR_OCI_NOT_PERMITTED (the message names the entry, `path` is the entry's name), ECANCELED (the progress
+   * handle cancelled), EBUSY (another call uses the build), EBADF (published or abandoned), or a system error; the
+   * build is then left to templateBuildAbandon. It reads the pipe on a libuv pool thread: write the other end
+   * through a stream that does not need one (net.Socket), not fs.write.
+   */
+  layerApply(build: BuildHandle, fd: number, options: { progress?: ProgressHandle; durable?: boolean }): Promise<LayerApplyResult>
+  /**
+   * Removes write bits (as commit), writes template.json (`info` + id, name, method, usage) and publishes. With
+   * `layerKey`, when another build's live template holds layers/<layerKey>, this build is removed and that id is
+   * returned with `existing: true`. `name`/`replace` as commitTemplate. Any failure removes the build.
+   */
+  templateBuildPublish(
+    build: BuildHandle,
+    options: TemplateBuildPublishOptions,
+  ): Promise<{ id: string; existing: boolean; metaText: string; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
+  /** Removes the build's staging entry (idempotent, never rejects); waits for a layerApply on it to end. */
+  templateBuildAbandon(build: BuildHandle): Promise<void>
+  /** The live layer template of chain key `layerKey` (`<algo>-<hex>`), or null. */
+  findLayer(handle: PoolHandle, layerKey: string): Promise<string | null>
+  /** pipe2(O_CLOEXEC): [readFd, writeFd] (synchronous; throws the errno). */
+  pipe(): [readFd: number, writeFd: number]
   listTemplates(handle: PoolHandle): Promise<NativeTemplateListing[]>
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
   /**

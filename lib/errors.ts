@@ -38,6 +38,15 @@ export type VmspaceErrorCode =
   | 'ERR_IMAGE_ROOT_MOUNTED' // the pool root is already the mount of something other than the image
   | 'ERR_IMAGE_IN_USE' // the image is already mounted at another path (the message names it); nothing made
   | 'ERR_IMAGE_NOT_MOUNTED' // unmountImage: the root is not the mount of a vmspace image; openPool without image: it is the image's unmounted mount point
+  | 'ERR_OCI_INVALID' // importImage: the source is not an OCI layout, oci-archive or docker-archive, or its index, manifest or config is malformed
+  | 'ERR_OCI_REF' // importImage: the ref is not in the source, or none given where it has several (the message lists them)
+  | 'ERR_OCI_PLATFORM' // importImage: no manifest for the platform (the message lists those there)
+  | 'ERR_OCI_BLOB_MISSING' // importImage: a blob the manifest names is not in the source
+  | 'ERR_OCI_DIGEST_MISMATCH' // importImage: a blob's digest or size, or a layer's diffID, is not its descriptor's (blob, expected, actual); nothing published
+  | 'ERR_OCI_MEDIA_TYPE' // importImage: a layer media type or compression not supported
+  | 'ERR_LAYER_UNSAFE' // an image layer's entry reaches outside the layer's root or the OCI spec does not allow it (.., absolute names, a hard link out or to a missing entry, a malformed whiteout); path: the entry; nothing published
+  | 'ERR_LAYER_INVALID' // an image layer is not a tar the applier reads (bad checksum, truncated, GNU sparse, an unknown entry type, a number out of range); path: the entry; nothing published
+  | 'ERR_OCI_NOT_PERMITTED' // an image import needs root: refused up front when not root, or chown, mknod or a security.* xattr was refused (cause: EPERM); nothing published
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system
@@ -93,6 +102,12 @@ export class VmspaceError extends Error {
   declare readonly gid?: number
   /** `ERR_POOL_UNSAFE`: the permission bits (`st_mode & 0o7777`) of the entry at `path`. */
   declare readonly mode?: number
+  /** `ERR_OCI_DIGEST_MISMATCH`: the blob (its digest, or its name in the source) whose check failed. */
+  declare readonly blob?: string
+  /** `ERR_OCI_DIGEST_MISMATCH`: the digest (or size, as a decimal string) its descriptor gives. */
+  declare readonly expected?: string
+  /** `ERR_OCI_DIGEST_MISMATCH`: the digest (or size) read. */
+  declare readonly actual?: string
 
   constructor(
     message: string,
@@ -106,6 +121,9 @@ export class VmspaceError extends Error {
       uid?: number
       gid?: number
       mode?: number
+      blob?: string
+      expected?: string
+      actual?: string
     },
   ) {
     super(message, fields.cause === undefined ? undefined : { cause: fields.cause })
@@ -118,6 +136,9 @@ export class VmspaceError extends Error {
     if (fields.uid !== undefined) this.uid = fields.uid
     if (fields.gid !== undefined) this.gid = fields.gid
     if (fields.mode !== undefined) this.mode = fields.mode
+    if (fields.blob !== undefined) this.blob = fields.blob
+    if (fields.expected !== undefined) this.expected = fields.expected
+    if (fields.actual !== undefined) this.actual = fields.actual
   }
 }
 

@@ -70,6 +70,7 @@ const PACKAGES: Record<string, string> = {
   mount: 'util-linux (Debian: mount)',
   umount: 'util-linux (Debian: mount)',
   blkid: 'util-linux',
+  mke2fs: 'e2fsprogs',
 }
 
 interface ToolResult {
@@ -79,9 +80,9 @@ interface ToolResult {
 }
 
 /** Runs `tool`; a missing tool is ERR_IMAGE_TOOL_MISSING naming its package. Never throws for an exit status. */
-function run(tool: string, args: string[]): Promise<ToolResult> {
+function run(tool: string, args: string[], signal?: AbortSignal): Promise<ToolResult> {
   return new Promise((resolve, reject) => {
-    execFile(tool, args, { env: { ...process.env, PATH: TOOL_PATH, LC_ALL: 'C' }, encoding: 'utf8' }, (err, stdout, stderr) => {
+    execFile(tool, args, { env: { ...process.env, PATH: TOOL_PATH, LC_ALL: 'C' }, encoding: 'utf8', signal }, (err, stdout, stderr) => {
       const code = (err as NodeJS.ErrnoException | null)?.code
       if (code === 'ENOENT')
         return reject(vmspaceError('ERR_IMAGE_TOOL_MISSING', `${tool} is not installed (package ${PACKAGES[tool] ?? tool})`, { cause: err }))
@@ -92,8 +93,8 @@ function run(tool: string, args: string[]): Promise<ToolResult> {
 }
 
 /** Runs `tool` and fails with ERR_IMAGE_TOOL_FAILED (its stderr's first line) unless it exits 0. */
-async function runOk(tool: string, args: string[], p: string): Promise<string> {
-  const r = await run(tool, args)
+export async function runOk(tool: string, args: string[], p: string, signal?: AbortSignal): Promise<string> {
+  const r = await run(tool, args, signal)
   if (r.status !== 0) {
     const why = (r.stderr || r.stdout).trim().split('\n')[0] || `exit status ${r.status}`
     throw vmspaceError('ERR_IMAGE_TOOL_FAILED', `${tool} ${args.join(' ')}: ${why}`, { path: p })

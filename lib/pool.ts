@@ -28,6 +28,7 @@ import { constructing, InFlight, unknownHints, type DisposeHints } from './inter
 import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
 import { imageOptions, markedImage, withImage } from './image.js'
+import { importImage, importOptions, listImages, removeImage, type ImportHost } from './image-import.js'
 import {
   commitOptions,
   commitResult,
@@ -45,6 +46,8 @@ import {
 import type {
   AllocateOptions,
   CommitResult,
+  ImageTemplate,
+  ImportImageOptions,
   ListOptions,
   PoolOptions,
   PoolStats,
@@ -621,8 +624,9 @@ export class Pool implements AsyncDisposable {
 
   /**
    * Removes stale templates in one call: those outside the newest `keepNewest` of their name, and/or those not
-   * used (allocated from or committed) for `unusedForMs`. At least one of the two. Returns what it removed
-   * (with `dryRun`, what it would).
+   * used (allocated from or committed) for `unusedForMs`. At least one of the two. Layer templates (importImage)
+   * follow the images: one that an image kept lists is never removed, one that no image kept lists always is.
+   * Returns what it removed (with `dryRun`, what it would).
    */
   async pruneTemplates(options: PruneOptions): Promise<{
     /** Templates removed. */
@@ -634,6 +638,54 @@ export class Pool implements AsyncDisposable {
       this.#assertOpen()
       return call(this.#inFlight.track(native.removeTemplate(this.#handle, id, unlessCurrent)))
     })
+  }
+
+  // ---- images (lib/image-import.ts; docs/images.md) ----
+
+  /**
+   * Imports an OCI image into the pool: one layer template per layer (keyed by chainID, shared by every image
+   * that has the same layers below it; those the pool has are reused, nothing of their blobs read), then the
+   * image template named `name` (default: the ref), usable as `allocate({ from })`. `source`: an OCI image layout
+   * directory, an oci-archive or a docker-archive file (sniffed), or skopeo's `oci:DIR[:REF]`,
+   * `oci-archive:FILE[:REF]`, `docker-archive:FILE[:REF]`. Each blob's size and digest and each layer's diffID are
+   * checked as it streams; nothing is published on any failure. Importing the same image under the same name and
+   * format again returns the existing template (every layer `reused`). Needs root (owners, devices, capabilities).
+   * Throws `ERR_OCI_NOT_PERMITTED` (not root; nothing made), `ERR_OCI_INVALID`, `ERR_OCI_REF`, `ERR_OCI_PLATFORM`,
+   * `ERR_OCI_BLOB_MISSING`, `ERR_OCI_DIGEST_MISMATCH`, `ERR_OCI_MEDIA_TYPE`, `ERR_LAYER_UNSAFE`,
+   * `ERR_LAYER_INVALID`, `EEXIST` (the name holds another image or template, without `replace`), `ENOSPC` (format
+   * 'ext4': the file system has less free than the image's size; nothing written), `ERR_IMAGE_TOOL_MISSING`
+   * (mke2fs), `ERR_POOL_CLOSED`, or an AbortError (what it was building removed at once).
+   */
+  async importImage(source: string, options?: ImportImageOptions): Promise<ImageTemplate> {
+    importOptions(source, options)
+    this.#assertOpen()
+    // Tracked whole: close() waits for an import's every step, not only the native call under way.
+    return this.#inFlight.track(importImage(this.#imageHost(), source, options))
+  }
+
+  /** The pool's image templates (current names only), oldest first; each layer as a re-import reports it (`reused`). */
+  async images(): Promise<ImageTemplate[]> {
+    this.#assertOpen()
+    return listImages(this.#imageHost())
+  }
+
+  /**
+   * Removes the image template `nameOrId` (as removeTemplate), then every layer template that no remaining image
+   * lists. Returns the ids removed, the image's first. `ERR_TEMPLATE_NOT_FOUND` when no image template has that
+   * name or id.
+   */
+  async removeImage(nameOrId: string): Promise<{ removed: string[] }> {
+    const ref = templateRef('nameOrId', nameOrId)!
+    this.#assertOpen()
+    return this.#inFlight.track(removeImage(this.#imageHost(), ref, (id) => call(this.#inFlight.track(native.removeTemplate(this.#handle, id)))))
+  }
+
+  #imageHost(): ImportHost {
+    return {
+      handle: this.#handle, root: this.root, reflink: this.#reflink, durable: this.#durable,
+      // Not this.templates(): an import or removal under way finishes after close() began (close waits for it).
+      templates: () => this.#inFlight.track(listTemplates(this.#handle, this.root)), track: (p) => this.#inFlight.track(p),
+    }
   }
 
   /** The warm reserve's counters since the pool was opened (a copy); undefined without `warm`. */

@@ -13,7 +13,7 @@ import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from '.
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
 import { Workspace, workspaceMode } from './workspace.js'
-import type { AllocateOptions, CommitResult, JsonObject, PruneOptions, Template, TemplateUsage } from './types.js'
+import type { AllocateOptions, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, Template, TemplateUsage } from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -61,6 +61,8 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
   if (p.method === 'reflink' || p.method === 'copy' || p.method === 'mixed' || p.method === 'snapshot') info.method = p.method
   if (p.subvolume === true) info.subvolume = true
   if (isPlainObject(p.usage)) info.usage = p.usage as unknown as TemplateUsage
+  if (isPlainObject(p.layer) && typeof p.layer.chainId === 'string') info.layer = p.layer as unknown as LayerRecord
+  if (isPlainObject(p.image) && Array.isArray(p.image.layers)) info.image = p.image as unknown as ImageRecord
   return info
 }
 
@@ -100,6 +102,14 @@ export function templateRef(name: string, value: unknown): string | undefined {
   return value
 }
 
+/** A new template's name (1–128 of `[A-Za-z0-9._-]`, not an id's shape), or undefined when not given. */
+export function templateName(name: string, value: unknown): string | undefined {
+  if (value === undefined) return undefined
+  if (typeof value !== 'string') throw invalidType(name, 'a string', value)
+  if (!TEMPLATE_NAME.test(value) || TEMPLATE_ID.test(value)) throw invalidValue(name, '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', value)
+  return value
+}
+
 /** Pool.commit's options. */
 export interface CommitOptions {
   /** The template's name: 1–128 of `[A-Za-z0-9._-]`, not 32 hex characters. Default: none (found by its id). */
@@ -128,13 +138,7 @@ export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   const o = optionsObject<CommitOptions>('options', options, {
     name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
   })
-  let name = ''
-  if (o.name !== undefined) {
-    if (typeof o.name !== 'string') throw invalidType('options.name', 'a string', o.name)
-    if (!TEMPLATE_NAME.test(o.name) || TEMPLATE_ID.test(o.name))
-      throw invalidValue('options.name', '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', o.name)
-    name = o.name
-  }
+  const name = templateName('options.name', o.name) ?? ''
   const replace = boolean('options.replace', o.replace, false)
   const signal = abortSignal('options.signal', o.signal)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
@@ -266,7 +270,7 @@ export async function pruneTemplates(
   const dryRun = boolean('options.dryRun', o.dryRun, false)
   const all = await list()
   const now = Date.now()
-  const chosen = pruneCandidates(all, { keepNewest, unusedForMs, name }, now)
+  const chosen = withLayerRule(all, pruneCandidates(all, { keepNewest, unusedForMs, name }, now))
   // Chosen by age: removed even when current (its name goes). Chosen only as an older version: removed only
   // while no name points to it and no commit or reader holds it (native unlessCurrent), else left for later.
   const aged = new Set(unusedForMs === undefined ? [] : pruneCandidates(all, { unusedForMs, name }, now).map((t) => t.id))
@@ -286,4 +290,27 @@ export async function pruneTemplates(
     }
   }
   return { removed, deferred }
+}
+
+/** The chainIDs that the live image templates of `all` list. */
+export function listedChains(all: Template[]): Set<string> {
+  return new Set(all.filter((t) => t.image && !t.retired).flatMap((t) => t.image!.layers.map((l) => l.chainId)))
+}
+
+/** The live layer templates of `all` that no live image template of `all` lists. */
+export function unlistedLayers(all: Template[]): Template[] {
+  const listed = listedChains(all)
+  return all.filter((t) => t.layer && !t.retired && !t.error && !listed.has(t.layer.chainId))
+}
+
+/**
+ * A prune's choice with the layer rule (docs/images.md): never a layer template that an image kept lists, and
+ * every layer template that no image kept lists.
+ */
+function withLayerRule(all: Template[], chosen: Template[]): Template[] {
+  const kept = all.filter((t) => !chosen.includes(t))
+  const listed = listedChains(kept)
+  const out = chosen.filter((t) => !(t.layer && listed.has(t.layer.chainId)))
+  for (const t of unlistedLayers(kept)) if (!out.includes(t)) out.push(t)
+  return out
 }

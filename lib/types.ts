@@ -598,6 +598,85 @@ export interface Template {
   retired: boolean
   /** `ERR_CORRUPT_METADATA` (with `path`), or the errno of reading template.json: the template cannot be used. */
   error?: VmspaceError
+  /** A layer template (importImage): the layer applied onto its parent's tree. Absent for other templates. */
+  layer?: LayerRecord
+  /** An image template (importImage): the image it holds. Absent for other templates. */
+  image?: ImageRecord
+}
+
+/** A layer template's record: the layer applied onto the parent layer template's tree (docs/images.md). */
+export interface LayerRecord {
+  /** The chain of diffIDs up to this layer (image-spec config.md, ChainID): `sha256:<hex>`. */
+  chainId: string
+  /** The digest of the layer's uncompressed tar: `sha256:<hex>`. */
+  diffId: string
+  /** The digest of the layer's blob as the source held it (compressed). */
+  digest: string
+  /** The blob's media type. */
+  mediaType: string
+  /** The blob's size in bytes. */
+  size: number
+}
+
+/** An image template's record (template.json's `image`). */
+export interface ImageRecord {
+  /** The manifest's digest; for a docker-archive, its image config's digest (the image ID `docker save` names). */
+  digest: string
+  /** The ref the image was chosen by (the index's `org.opencontainers.image.ref.name`, a RepoTag), or null. */
+  ref: string | null
+  /** `os/architecture[/variant]` of the image. */
+  platform: string
+  /** 'tree': the template is the image's root file system; 'ext4': it holds `rootfs.ext4`, made from it. */
+  format: 'tree' | 'ext4'
+  /** The image config's `config` object (Env, Entrypoint, Cmd, User, WorkingDir, Labels, …) as the image gives it. */
+  config: JsonObject
+  /** The image's layers, lowest first. */
+  layers: { digest: string; diffId: string; chainId: string; size: number }[]
+}
+
+/** One layer of an imported image, as {@link Pool.importImage} reports it. */
+export interface ImageLayer {
+  /** The blob's digest (compressed). */
+  digest: string
+  /** The digest of the uncompressed tar. */
+  diffId: string
+  /** The layer template's key: the chain of diffIDs up to this layer. */
+  chainId: string
+  /** The blob's size in bytes. */
+  size: number
+  /** Whether the pool had the layer template already (nothing of the blob read). */
+  reused: boolean
+  /** Bytes of the blob this call read (0 when reused). */
+  bytes: number
+}
+
+/** An image template: a {@link Template} (usable by allocate({ from }), fork, removeTemplate) with its image. */
+export interface ImageTemplate extends Template {
+  image: Omit<ImageRecord, 'layers'> & { layers: ImageLayer[] }
+}
+
+/** Options of {@link Pool.importImage}. */
+export interface ImportImageOptions {
+  /** The image's ref in the source (its index's `org.opencontainers.image.ref.name`, a docker-archive's RepoTag);
+   * required where the source holds several. Default: the one image there (or the ref in `oci:DIR:REF`). */
+  ref?: string
+  /** `os/architecture[/variant]`. Default: the host's (`linux/amd64`, `linux/arm64`, `linux/arm/v7`, …). */
+  platform?: string
+  /** The template's name. Default: the ref with every character outside `[A-Za-z0-9._-]` made `-` (alpine:3.20 → alpine-3.20). */
+  name?: string
+  /** 'tree' (default): the template is the root file system; 'ext4': it holds `rootfs.ext4` made from it. */
+  format?: 'tree' | 'ext4'
+  /** Replace a template of that name that holds another image (default false: `EEXIST`). */
+  replace?: boolean
+  /** With format 'ext4'. */
+  ext4?: {
+    /** Free space in the file system beyond what the tree takes, in bytes (default 128 MiB). */
+    headroomBytes?: number
+  }
+  /** Abort the import: rejects with an AbortError; what it was building is removed at once. */
+  signal?: AbortSignal
+  /** Called as layer blobs are read: `bytes` read of `totalBytes` (the blobs not in the pool already). */
+  onProgress?: (p: { bytes: number; totalBytes: number }) => void
 }
 
 /** What {@link Pool.commit} returns: the new template, how it was cloned, and what it replaced. */

@@ -26,8 +26,10 @@ import {
   snapshotTree,
   tempLeftovers,
   tryLease,
+  unprivilegedChildren,
   writeRandomFile,
 } from './helpers.js'
+import { buildImage, makeTar, ociToolsMissing, rawLayerImage, toArchive } from './oci-helpers.js'
 
 const bin = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
 
@@ -57,7 +59,7 @@ function usage(args: string[]): string {
   expect(r.stdout).toBe('')
   expect(r.stderr.endsWith('\n')).toBe(true)
   expect(r.stderr.trimEnd().split('\n')).toHaveLength(1)
-  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork', 'template']
+  const commands = ['ls', 'inspect', 'sweep', 'run', 'clone', 'probe', 'demo', 'fork', 'template', 'image']
   expect(r.stderr).toMatch(commands.includes(args[0]) ? new RegExp(`^vmspace ${args[0]}[ :]`) : /^vmspace: /)
   return r.stderr.trim()
 }
@@ -597,7 +599,7 @@ describe('the vmspace command', () => {
     expect(help.status).toBe(0)
     expect(bare.stderr).toBe(help.stdout)
     for (const args of [['help'], ['help', 'help'], ['help', '--help'], ['help', '-h']]) expect(vmspace(args)).toEqual({ status: 0, stdout: help.stdout, stderr: '' })
-    for (const cmd of ['ls', 'inspect', 'sweep', 'metrics', 'commit', 'fork', 'template', 'run', 'clone', 'probe', 'mount', 'unmount', 'demo']) {
+    for (const cmd of ['ls', 'inspect', 'sweep', 'metrics', 'commit', 'fork', 'template', 'image', 'run', 'clone', 'probe', 'mount', 'unmount', 'demo']) {
       expect(help.stdout).toMatch(new RegExp(`^  ${cmd} `, 'm'))
       expect(help.stdout.split('\nOptions:')[0].replace(/\s+/g, ' ')).toMatch(new RegExp(`[ ,;]${cmd}[ ,;.]`))
     }
@@ -721,5 +723,168 @@ describe('vmspace run --from, template rm, template prune', () => {
     expect(usage(['template', 'rm', freshDir(), 'keep'])).toMatch(/is not a vmspace pool/)
     expect(usage(['run', '--pool', pool.root, '--from', 'a b', '--', 'true'])).toMatch(/--from must be a template id/)
     expect((await pool.templates()).map((x) => x.id)).toEqual([t.id])
+  })
+})
+
+const ociMissing = ociToolsMissing()
+
+describe.skipIf(ociMissing !== false)(`vmspace image ${needs('root, umoci and skopeo', ociMissing || undefined)}`, () => {
+  /** A two-layer image in a layout below a fresh directory; the top layer rewrites /etc/motd. */
+  function twoLayers(): { dir: string; layout: string } {
+    const dir = freshDir()
+    const layout = path.join(dir, 'oci')
+    buildImage(
+      layout,
+      [
+        [{ dir: 'etc' }, { file: 'etc/motd', data: 'lower\n' }, { file: 'etc/keep', data: 'kept\n' }],
+        [{ remove: 'etc/motd' }, { file: 'etc/motd', data: 'top\n' }],
+      ],
+      { ref: 'v1', config: { Env: ['A=1'], Cmd: ['/bin/sh'] } },
+    )
+    return { dir, layout }
+  }
+
+  test('demo --image: every workspace is allocated from the imported image and checked against it; the image stays in a --root pool', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    const r = vmspace(['demo', '--vms', '6', '--workers', '2', '--live', '2', '--image', `oci:${layout}:v1`, '--root', root])
+    expect(r.status, r.stderr + r.stdout).toBe(0)
+    expect(r.stdout).toMatch(new RegExp(`^  image     oci:${layout}:v1: template v1, `, 'm'))
+    expect(r.stdout).toMatch(/\| isolation checks passed\s+\| 6\/6 /)
+    expect(r.stdout).toMatch(/\| template unchanged\s+\| yes /)
+    expect(r.stdout).toMatch(/\| result\s+\| all checks passed\s+\|/)
+    expect(poolState(root)).toEqual(emptyPoolState)
+    expect(json(['image', 'ls', root]).images.map((i: { name: string }) => i.name)).toEqual(['v1'])
+    expect(usage(['demo', '--image', path.join(dir, 'nothing')])).toBe(`vmspace demo: --image ${path.join(dir, 'nothing')}: no such file or directory (see vmspace demo --help)`)
+    expect(usage(['demo', '--image', layout, '--template-dir', dir])).toMatch(/--image and --template-dir exclude each other/)
+  })
+
+  test('import (progress lines without a TTY, the id on stdout), ls, inspect, run --from, re-import (all reused), rm (the layers too)', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    const r = vmspace(['image', 'import', root, `oci:${layout}:v1`])
+    expect(r.status, r.stderr).toBe(0)
+    const id = r.stdout.trim()
+    expect(id).toMatch(/^[0-9a-f]{32}$/)
+    const lines = r.stderr.trimEnd().split('\n')
+    expect(lines.slice(0, -1).every((l) => /^vmspace image import: \d+% \S+ \S+ of \S+ \S+$/.test(l))).toBe(true)
+    expect(lines.at(-2)).toMatch(/^vmspace image import: 100% /)
+    expect(lines.at(-1)).toMatch(new RegExp(`^vmspace image import: v1 \\(${id}\\): v1, linux/\\w+, tree, 2 layer\\(s\\) \\(0 reused, \\S+ \\S+ read\\)$`))
+
+    const listed = json(['image', 'ls', root])
+    expect(listed.images).toEqual([expect.objectContaining({ id, name: 'v1', ref: 'v1', format: 'tree', current: true })])
+    expect(listed.images[0].layers).toHaveLength(2)
+    const table = vmspace(['image', 'ls', root])
+    expect(table.stdout.split('\n')[0].split(/\s+/)).toEqual(['NAME', 'ID', 'FORMAT', 'PLATFORM', 'LAYERS', 'AGE', 'DIGEST'])
+    expect(table.stdout.split('\n')[1].split(/\s+/).slice(0, 5)).toEqual(['v1', id, 'tree', listed.images[0].platform, '2'])
+    const shown = vmspace(['image', 'inspect', root, 'v1'])
+    expect(shown.status, shown.stderr).toBe(0)
+    expect(JSON.parse(shown.stdout)).toEqual({ root, ...listed.images[0] })
+    expect(JSON.parse(shown.stdout).config).toMatchObject({ Env: ['A=1'], Cmd: ['/bin/sh'] })
+    expect(JSON.parse(vmspace(['image', 'inspect', root, id]).stdout).id).toBe(id)
+
+    const ran = vmspace(['run', '--pool', root, '--from', 'v1', '--', 'cat', 'etc/motd', 'etc/keep'])
+    expect(ran).toEqual({ status: 0, stdout: 'top\nkept\n', stderr: '' })
+
+    const again = json(['image', 'import', root, layout, '--ref', 'v1'])
+    expect(again).toMatchObject({ root, id, name: 'v1' })
+    expect(again.layers.map((l: { reused: boolean; bytes: number }) => [l.reused, l.bytes])).toEqual([[true, 0], [true, 0]])
+
+    const removed = json(['image', 'rm', root, 'v1'])
+    expect(removed.root).toBe(root)
+    expect(removed.removed).toHaveLength(3)
+    expect(removed.removed[0]).toBe(id)
+    expect(json(['image', 'ls', root]).images).toEqual([])
+    const gone = vmspace(['image', 'rm', root, 'v1'])
+    expect(gone.status).toBe(1)
+    expect(gone.stderr).toMatch(/^vmspace image rm: ERR_TEMPLATE_NOT_FOUND: /)
+    const missing = vmspace(['image', 'inspect', root, 'v1'])
+    expect(missing).toEqual({ status: 1, stdout: '', stderr: `vmspace image inspect: no image v1 in ${root} (vmspace image ls ROOT lists them)\n` })
+  })
+
+  test('an oci-archive and a docker-archive of the image import as the layout does: the same layers, all reused', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    const first = json(['image', 'import', root, `oci:${layout}:v1`])
+    const oci = toArchive(layout, 'v1', 'oci-archive')
+    const fromOci = json(['image', 'import', root, `oci-archive:${oci.file}`, '--name', 'from-oci-archive'])
+    const docker = toArchive(layout, 'v1', 'docker-archive')
+    const fromDocker = json(['image', 'import', root, docker.file, '--ref', docker.ref, '--name', 'from-docker'])
+    const chains = (t: { layers: { chainId: string }[] }) => t.layers.map((l) => l.chainId)
+    expect(chains(fromOci)).toEqual(chains(first))
+    expect(chains(fromDocker)).toEqual(chains(first))
+    expect(fromOci.layers.every((l: { reused: boolean }) => l.reused)).toBe(true)
+    expect(fromDocker.layers.every((l: { reused: boolean }) => l.reused)).toBe(true)
+    expect(json(['image', 'ls', root]).images.map((i: { name: string }) => i.name).sort()).toEqual(['from-docker', 'from-oci-archive', 'v1'])
+  })
+
+  test('--format ext4 gives a template holding rootfs.ext4 that run --from hands each command a copy of', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    const t = json(['image', 'import', root, `oci:${layout}:v1`, '--format', 'ext4', '--name', 'disk', '--ext4-headroom', '32M'])
+    expect(t).toMatchObject({ name: 'disk', format: 'ext4' })
+    expect(fs.readdirSync(t.path)).toEqual(['rootfs.ext4'])
+    const ran = vmspace(['run', '--pool', root, '--from', 'disk', '--', 'sh', '-c', 'ls; /usr/sbin/debugfs -R "cat /etc/motd" rootfs.ext4 2>/dev/null'])
+    expect(ran).toEqual({ status: 0, stdout: 'rootfs.ext4\ntop\n', stderr: '' })
+  })
+
+  test('SIGINT while the layers stream stops the import: exit 130, one line saying so, no template and no staging left', async () => {
+    const dir = freshDir()
+    // One uncompressed layer of 256 MiB: still streaming when the first progress line (10%) has been read.
+    const big = makeTar([{ name: 'big.bin', data: Buffer.alloc(256 * 1024 * 1024, 7) }])
+    const { layoutDir } = rawLayerImage(path.join(dir, 'oci'), [big], { ref: 'big' })
+    const root = path.join(dir, 'pool')
+    const child = spawn(process.execPath, [bin, 'image', 'import', root, layoutDir], { stdio: ['ignore', 'pipe', 'pipe'] })
+    killOnFinish(child.pid!)
+    let stderr = ''
+    let stdout = ''
+    child.stdout!.on('data', (b: Buffer) => (stdout += b))
+    await new Promise<void>((resolve) =>
+      child.stderr!.on('data', (b: Buffer) => {
+        stderr += b
+        if (/% /.test(stderr)) resolve()
+      }),
+    )
+    child.kill('SIGINT')
+    const status = await new Promise<number | null>((resolve) => child.once('close', (code) => resolve(code)))
+    expect(status, stderr).toBe(130)
+    expect(stdout).toBe('')
+    expect(stderr.trimEnd().split('\n').at(-1)).toBe('vmspace image import: SIGINT: stopped, nothing published')
+    const pool = await openPool(root, { create: false })
+    onTestFinished(() => pool.close())
+    expect(await pool.templates()).toEqual([])
+    expect(ls(path.join(root, '.vmspace', 'templates', 'staging'))).toEqual([])
+  })
+
+  test('bad arguments exit 2 with one line and make nothing; an unknown ref exits 1 and publishes nothing', () => {
+    const { dir, layout } = twoLayers()
+    const root = path.join(dir, 'pool')
+    expect(usage(['image', 'import', root, path.join(dir, 'nothing')])).toBe(`vmspace image import: SOURCE ${path.join(dir, 'nothing')}: no such file or directory`)
+    expect(usage(['image', 'import', root, `oci:${path.join(dir, 'nothing')}:v1`])).toMatch(/: no such file or directory$/)
+    expect(usage(['image', 'import', root, layout, '--platform', 'linux'])).toMatch(/--platform must be OS\/ARCH\[\/VARIANT\]/)
+    expect(usage(['image', 'import', root, layout, '--format', 'qcow2'])).toMatch(/Allowed choices are tree, ext4/)
+    expect(usage(['image', 'import', root, layout, '--ext4-headroom', '8M'])).toBe('vmspace image import: --ext4-headroom needs --format ext4')
+    expect(usage(['image', 'import', root, layout, '--name', '../x'])).toMatch(/--name must be a template id \(32 hex characters\) or name/)
+    expect(usage(['image', 'import', dir, layout])).toMatch(/is not a vmspace pool and holds other entries/)
+    expect(usage(['image', 'import', root])).toMatch(/missing required argument 'source'/)
+    expect(usage(['image', 'ls', root])).toMatch(/is not a vmspace pool|no such directory/)
+    expect(fs.existsSync(root)).toBe(false)
+
+    const wrong = vmspace(['image', 'import', root, layout, '--ref', 'v2'])
+    expect(wrong.status).toBe(1)
+    expect(wrong.stdout).toBe('')
+    expect(wrong.stderr).toMatch(/^vmspace image import: ERR_OCI_REF: /)
+    expect(json(['image', 'ls', root]).images).toEqual([])
+  })
+
+  test.skipIf(!unprivilegedChildren)('as another user than root, import exits 1 with ERR_OCI_NOT_PERMITTED and makes no pool', () => {
+    const { dir, layout } = twoLayers()
+    fs.chmodSync(dir, 0o777)
+    const root = path.join(dir, 'pool')
+    const r = spawnSync(process.execPath, [bin, 'image', 'import', root, layout], { encoding: 'utf8', uid: 65534, gid: 65534, cwd: '/' })
+    expect(r.status).toBe(1)
+    expect(r.stdout).toBe('')
+    expect(r.stderr).toMatch(/^vmspace image import: ERR_OCI_NOT_PERMITTED: importing an image needs root/)
+    expect(fs.existsSync(root)).toBe(false)
   })
 })

@@ -29,13 +29,16 @@ export const TOKEN_FILE = '/vmspace/token'
 export const TOKEN_MARKER = 'vmspace-token:'
 
 /**
- * The guest's /init. Busybox applets are called through the binary (no symlinks needed). The marker is built
+ * The guest's /init. Busybox applets are called through the binary (no symlinks needed), at `busybox`: the base's
+ * /bin/busybox, or the copy the initramfs puts into an imported image (which need not have one). The marker is built
  * with printf so that the base image never holds the literal TOKEN_MARKER: a scan of a clone for the marker finds
  * only tokens that a guest wrote.
  */
-const GUEST_INIT = `#!/bin/busybox sh
+function guestInit(busybox: string): string {
+  return `#!${busybox} sh
 # vmspace boot demo guest: record the id and token the host passed, then power off.
-B=/bin/busybox
+B=${busybox}
+$B mkdir -p /proc /vmspace
 $B mount -t proc proc /proc
 $B mount -o remount,rw / || { echo "vmspace-guest: cannot mount / read-write"; $B poweroff -f; }
 id=; tok=
@@ -53,15 +56,26 @@ $B mount -o remount,ro / || echo "vmspace-guest: cannot remount / read-only"
 echo "vmspace-guest: $id wrote its token"
 $B poweroff -f
 `
+}
+
+const GUEST_INIT = guestInit('/bin/busybox')
+/** Where the initramfs puts its busybox and the guest's init in an imported image (kernel argument IMAGE_INIT_ARG). */
+const IMAGE_GUEST_DIR = '/.vmspace-guest'
+/** The kernel argument that makes the initramfs run the demo's guest init from IMAGE_GUEST_DIR (an imported image). */
+export const IMAGE_INIT_ARG = 'vmspace.init=initramfs'
 
 /** Modules the initramfs loads (with their dependencies): the disk, its bus, the file system and its checksum. */
 const GUEST_MODULES = ['virtio_pci', 'virtio_blk', 'crc32c_generic', 'ext4']
 
 function initramfsInit(modules: string[]): string {
   return `#!/bin/busybox sh
-# vmspace boot demo initramfs: load virtio and ext4, mount /dev/vda read-write, switch to it.
+# vmspace boot demo initramfs: load virtio and ext4, mount /dev/vda read-write, switch to it. With
+# vmspace.init=initramfs (an imported image, which has no init of the demo's) its own busybox and the guest's init
+# are copied into the root first and that init is run.
 B=/bin/busybox
 $B mount -t proc proc /proc
+init=/init
+for w in $($B cat /proc/cmdline); do [ "$w" = ${IMAGE_INIT_ARG} ] && init=${IMAGE_GUEST_DIR}/init; done
 $B mount -t sysfs sys /sys
 $B mount -t devtmpfs dev /dev
 for m in ${modules.join(' ')}; do
@@ -70,10 +84,14 @@ done
 i=0
 while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do $B sleep 0.1; i=$((i+1)); done
 $B mount -t ext4 -o rw /dev/vda /newroot || { echo "vmspace-initramfs: cannot mount /dev/vda"; $B poweroff -f; }
+if [ "$init" != /init ]; then
+  $B mkdir -p /newroot${IMAGE_GUEST_DIR} /newroot/dev
+  $B cp /bin/busybox /guest-init /newroot${IMAGE_GUEST_DIR}/ && $B mv /newroot${IMAGE_GUEST_DIR}/guest-init /newroot$init
+fi
 $B umount /sys
 $B umount /proc
 $B mount --move /dev /newroot/dev
-exec $B switch_root /newroot /init
+exec $B switch_root /newroot $init
 `
 }
 
@@ -92,7 +110,7 @@ export async function guestImages(tools: BootTools, cacheDir = os.tmpdir(), log:
   const modules = resolveModules(tools.kernel.modules, GUEST_MODULES)
   const busyboxHash = sha256(fs.readFileSync(tools.busybox))
   const modulesHash = sha256(Buffer.concat(modules.map((m) => fs.readFileSync(m.file))))
-  const initramfsKey = sha256(`${FORMAT}\n${busyboxHash}\n${modulesHash}\n${initramfsInit(modules.map((m) => m.name))}`).slice(0, 16)
+  const initramfsKey = sha256(`${FORMAT}\n${busyboxHash}\n${modulesHash}\n${initramfsInit(modules.map((m) => m.name))}\n${guestInit(`${IMAGE_GUEST_DIR}/busybox`)}`).slice(0, 16)
   const rootfsKey = sha256(`${FORMAT}\n${busyboxHash}\n${ROOTFS_BYTES}\n${GUEST_INIT}`).slice(0, 16)
   const initramfs = path.join(cacheDir, `vmspace-boot-initramfs-${tools.kernel.release}-${initramfsKey}.cpio`)
   const rootfs = path.join(cacheDir, `vmspace-boot-rootfs-${rootfsKey}.ext4`)
@@ -145,6 +163,7 @@ async function buildInitramfs(tools: BootTools, modules: KernelModule[], stage: 
   await fsp.chmod(path.join(stage, 'bin', 'busybox'), 0o755)
   for (const m of modules) await fsp.writeFile(path.join(stage, 'lib/modules', `${m.name}.ko`), await moduleBytes(m.file))
   await fsp.writeFile(path.join(stage, 'init'), initramfsInit(modules.map((m) => m.name)), { mode: 0o755 })
+  await fsp.writeFile(path.join(stage, 'guest-init'), guestInit(`${IMAGE_GUEST_DIR}/busybox`), { mode: 0o755 })
   const entries = ['.', ...(await fsp.readdir(stage, { recursive: true })).map(String).sort()]
   const cpio = await runBytes(tools.cpio, ['-o', '-H', 'newc', '--quiet', '--reproducible'], entries.join('\n') + '\n', stage)
   await fsp.writeFile(out, cpio)

@@ -7,6 +7,7 @@
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { parseArgs } from 'node:util'
+import { imageSourceProblem } from '../../shared/image-source.js'
 import { statOrUndefined } from '../util.js'
 import { runBootDemo, type BootDemoOptions } from './run.js'
 import { BootUnavailableError } from './tools.js'
@@ -27,6 +28,10 @@ checks every clone after its guest powers off, and lets sweep() reclaim the work
   --chaos          SIGKILL a share of the QEMU processes mid-boot
   --accel A        auto (default: KVM if a short probe boots a guest, else TCG), kvm or tcg
   --timeout S      per-VM limit in seconds from QEMU's start to the guest's power-off (default 300)
+  --image SOURCE   boot an OCI image instead of the demo's busybox base: imported into the pool as
+                   rootfs.ext4 (pool.importImage, as root); SOURCE is a layout directory, an
+                   oci-archive or a docker-archive (or oci:DIR[:REF], ...). The initramfs puts the
+                   demo's guest init and its busybox into each VM's clone
   --keep           keep the run directory (kept anyway when a check fails)
   -h, --help       this text
 
@@ -52,6 +57,13 @@ function checkRoot(value: string): string {
   return root
 }
 
+/** `--image SOURCE`: something that exists (which kind of image it is, importImage decides). */
+function imageArg(value: string): string {
+  const problem = value.trim() === '' ? 'must name an image' : imageSourceProblem(value)
+  if (problem) throw new RangeError(`--image ${problem}`)
+  return value
+}
+
 /** Parses the demo's arguments (strict: an unknown option is an error). */
 export function parseBootArgs(argv: string[]): BootDemoOptions | 'help' {
   const { values } = parseArgs({
@@ -66,6 +78,7 @@ export function parseBootArgs(argv: string[]): BootDemoOptions | 'help' {
       accel: { type: 'string' },
       timeout: { type: 'string' },
       keep: { type: 'boolean' },
+      image: { type: 'string' },
       help: { type: 'boolean', short: 'h' },
     },
   })
@@ -80,6 +93,7 @@ export function parseBootArgs(argv: string[]): BootDemoOptions | 'help' {
     accel,
     timeoutMs: (positiveInt('timeout', values.timeout, 300) ?? 300) * 1000,
     keep: values.keep ?? false,
+    ...(values.image === undefined ? {} : { image: imageArg(values.image) }),
   }
 }
 
@@ -98,7 +112,7 @@ export async function main(argv: string[]): Promise<number> {
   }
   try {
     const report = await runBootDemo(options)
-    console.log(`\nvmspace boot demo: ${options.boot} VMs${options.chaos ? ' with --chaos' : ''}\n${report.table}`)
+    console.log(`\nvmspace boot demo: ${options.boot} VMs${options.image ? ` of ${options.image}` : ''}${options.chaos ? ' with --chaos' : ''}\n${report.table}`)
     return report.ok ? 0 : 1
   } catch (e) {
     if (e instanceof BootUnavailableError) {

@@ -15,7 +15,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { clone, openPool, type CloneMethod, type Pool, type Workspace } from 'vmspace'
 import { extentBytes, fsckClean, readGuestRecord, tokensInImage } from './checks.js'
-import { guestImages, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
+import { guestImages, IMAGE_INIT_ARG, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
 import { chooseAccel, GuestVm, type Accel } from './qemu.js'
 import { findBootTools, type BootTools } from './tools.js'
 
@@ -40,6 +40,12 @@ export interface BootDemoOptions {
   cacheDir?: string
   /** Progress lines. Default console.log. */
   log?: (line: string) => void
+  /**
+   * An OCI image (a layout directory, an oci-archive or a docker-archive; as pool.importImage takes it) imported into
+   * the pool as rootfs.ext4: every VM boots its workspace's clone of it (allocate({ from })) instead of the demo's
+   * base. The initramfs puts its busybox and the guest's init into the clone (the image need not have either).
+   */
+  image?: string
 }
 
 export interface Check {
@@ -98,7 +104,7 @@ type State = 'running' | 'stopping' | 'exited' | 'reclaimed'
 /** Runs the boot demo; throws BootUnavailableError (with the packages to install) when guests cannot boot here. */
 export async function runBootDemo(options: BootDemoOptions): Promise<BootReport> {
   const log = options.log ?? ((line: string) => console.log(line))
-  const known = ['boot', 'parallel', 'root', 'chaos', 'accel', 'timeoutMs', 'keep', 'nice', 'cacheDir', 'log']
+  const known = ['boot', 'parallel', 'root', 'chaos', 'accel', 'timeoutMs', 'keep', 'nice', 'cacheDir', 'log', 'image']
   for (const key of Object.keys(options))
     if (!known.includes(key))
       throw Object.assign(new TypeError(`runBootDemo: unknown option ${JSON.stringify(key)} (known: ${known.join(', ')})`), { code: 'ERR_INVALID_ARG_VALUE' })
@@ -115,10 +121,8 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   const tools = findBootTools()
   const images = await guestImages(tools, options.cacheDir ?? os.tmpdir(), log)
   const { runDir, consoleDir } = await makeRunDir(path.resolve(options.root ?? os.tmpdir()))
-  // The base lives on the pool's file system: a reflink cannot cross file systems.
-  const base = path.join(runDir, 'base.ext4')
-  await clone(images.rootfs, base)
-  await fsp.chmod(base, 0o444)
+  const pool = await openPool(path.join(runDir, 'pool'))
+  const { base, from } = await bootBase(pool, runDir, images, options.image, log)
   const baseHash = await sha256File(base)
   const fileSystem = fsName(runDir)
 
@@ -127,7 +131,6 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
     : { accel: options.accel, why: `${options.accel.toUpperCase()}: chosen with --accel` }
   log(`${choice.why}; pool on ${fileSystem} under ${runDir}`)
 
-  const pool = await openPool(path.join(runDir, 'pool'))
   const victims = new Set<number>()
   if (options.chaos) {
     const count = Math.max(1, Math.round(n / 3))
@@ -135,7 +138,7 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   }
   const tokens = Array.from({ length: n }, () => randomBytes(16).toString('hex'))
   const ctx: RunContext = {
-    tools, images, pool, base, baseHash, consoleDir, accel: choice.accel, timeoutMs, nice, tokens, log,
+    tools, images, pool, base, from, baseHash, consoleDir, accel: choice.accel, timeoutMs, nice, tokens, log,
     states: new Map(), names: new Map(), sweepChecks: [], sweepStats: { sweeps: 0, reclaimed: 0, liveSkipped: 0 }, sweeping: Promise.resolve(),
   }
 
@@ -170,6 +173,24 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
 }
 
 /**
+ * What the VMs clone: the demo's base, cloned onto the pool's file system (a reflink cannot cross file systems), or
+ * `image` imported into the pool as rootfs.ext4 (its template id returned as `from`).
+ */
+async function bootBase(pool: Pool, runDir: string, images: GuestImages, image: string | undefined, log: (line: string) => void): Promise<{ base: string; from?: string }> {
+  if (image === undefined) {
+    const base = path.join(runDir, 'base.ext4')
+    await clone(images.rootfs, base)
+    await fsp.chmod(base, 0o444)
+    return { base }
+  }
+  const t0 = performance.now()
+  const t = await pool.importImage(image, { format: 'ext4' })
+  const reused = t.image.layers.filter((l) => l.reused).length
+  log(`imported ${image} as rootfs.ext4 (template ${t.name ?? t.id}, ${t.image.layers.length} layer(s), ${reused} reused) in ${((performance.now() - t0) / 1000).toFixed(1)} s`)
+  return { base: path.join(t.path, 'rootfs.ext4'), from: t.id }
+}
+
+/**
  * Makes the run's directory (`vmspace-boot-<random>`, 0700) and its `console/` under `root`. A missing `root` is made
  * first (one level, 0755 whatever the umask), as the other demo's `--root` is: there `openPool` makes it, here the
  * pool lives one level further down, so `mkdtemp` alone would fail with ENOENT.
@@ -191,7 +212,10 @@ interface RunContext {
   tools: BootTools
   images: GuestImages
   pool: Pool
+  /** The disk image every VM clones: the demo's base, or the imported image's rootfs.ext4. */
   base: string
+  /** The imported image's template id (allocate({ from })), when there is one. */
+  from?: string
   baseHash: string
   consoleDir: string
   accel: Accel
@@ -214,7 +238,8 @@ async function bootOne(ctx: RunContext, i: number, victim: boolean): Promise<VmR
   const name = `vm-${i + 1}`
   const token = ctx.tokens[i]!
   const t0 = performance.now()
-  const ws = await ctx.pool.allocate({ template: { 'rootfs.ext4': ctx.base }, meta: { demo: 'boot', vm: name } })
+  const meta = { demo: 'boot', vm: name }
+  const ws = await ctx.pool.allocate(ctx.from ? { from: ctx.from, meta } : { template: { 'rootfs.ext4': ctx.base }, meta })
   const allocateMs = performance.now() - t0
   const disk = path.join(ws.path, 'rootfs.ext4')
   const consoleLog = path.join(ctx.consoleDir, `${name}.log`)
@@ -224,7 +249,7 @@ async function bootOne(ctx: RunContext, i: number, victim: boolean): Promise<VmR
   ctx.names.set(ws.id, name)
   const vm = new GuestVm({
     tools: ctx.tools, images: ctx.images, disk, accel: ctx.accel, consoleLog, leaseFd: ws.leaseFd, nice: ctx.nice,
-    cmdline: `vmspace.id=${name} vmspace.token=${token}`,
+    cmdline: `vmspace.id=${name} vmspace.token=${token}${ctx.from ? ` ${IMAGE_INIT_ARG}` : ''}`,
   })
   try {
     return await driveVm(ctx, vm, ws, result, victim, token)

@@ -4,7 +4,8 @@
 // path it takes on an older kernel, so tests run those paths on a new one:
 //   mntid    statx(2) never reports STATX_MNT_ID (Linux < 5.8): the mount id comes from name_to_handle_at(2)
 //   fhandle  name_to_handle_at(2) fails too (file systems without file handles): the device number stands in
-// (openat2(2) is not used at all: walks open each directory with O_NOFOLLOW from its parent's fd, and reopen a
+//   openat2  openat2(2) is ENOSYS (Linux < 5.6): the layer applier resolves names by its component walk
+// (The walks do not use openat2(2): they open each directory with O_NOFOLLOW from its parent's fd, and reopen a
 // parent through ".." checked by device and inode, which works on every kernel.)
 // Building with -DVMSPACE_TEST_OLD_HEADERS compiles as if STATX_MNT_ID were missing (glibc
 // 2.28 with kernel headers 4.18, RHEL 8) and the libc had no renameat2/statx wrappers (compat.h): CI builds the
@@ -19,6 +20,7 @@ namespace vmspace {
 struct TestFallback {
   bool noMountId = false;
   bool noFileHandle = false;
+  bool noOpenat2 = false;
 };
 
 inline TestFallback readTestFallback() {
@@ -30,6 +32,7 @@ inline TestFallback readTestFallback() {
     auto is = [&](const char* word) { return n == std::strlen(word) && std::strncmp(p, word, n) == 0; };
     if (is("mntid")) f.noMountId = true;
     if (is("fhandle")) f.noMountId = f.noFileHandle = true;
+    if (is("openat2")) f.noOpenat2 = true;
     p += n;
     if (*p == ',') ++p;
   }

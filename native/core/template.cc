@@ -53,6 +53,18 @@ bool isTemplateName(const std::string& name) {
   return true;
 }
 
+bool isLayerKey(const std::string& key) {
+  size_t dash = key.find('-');
+  if (dash == std::string::npos || dash == 0 || dash > 16) return false;
+  for (size_t i = 0; i < dash; i++)
+    if (!((key[i] >= 'a' && key[i] <= 'z') || (key[i] >= '0' && key[i] <= '9'))) return false;
+  size_t hex = key.size() - dash - 1;
+  if (hex < 32 || hex > 128) return false;
+  for (size_t i = dash + 1; i < key.size(); i++)
+    if (!((key[i] >= 'a' && key[i] <= 'f') || (key[i] >= '0' && key[i] <= '9'))) return false;
+  return true;
+}
+
 std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& statePath, int trashFd, bool create,
                                                    long long sharedGid) {
   std::unique_ptr<TemplateStore> s(new TemplateStore());
@@ -71,6 +83,7 @@ std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::strin
   s->stagingFd_ = openPoolDir(s->fd_.get(), "staging", s->dir_ + "/staging", true, mode, trust);
   s->namesFd_ = openPoolDir(s->fd_.get(), "names", s->dir_ + "/names", true, mode, trust);
   s->retiredFd_ = openPoolDir(s->fd_.get(), "retired", s->dir_ + "/retired", true, mode, trust);
+  s->layersFd_ = openPoolDir(s->fd_.get(), "layers", s->dir_ + "/layers", true, mode, trust);
   return s;
 }
 
@@ -222,6 +235,10 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
     UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
     if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
     marker.reset();
+    {
+      UniqueFd namesLock = lockNames();
+      dropLayerLinks(id);
+    }
     return removeIfFree(id, fd.get());
   }
   // Retired first, so that a reader resolving the name meanwhile skips it; then every name pointing here goes.
@@ -235,7 +252,41 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
         unlinkat(namesFd_.get(), entry.first.c_str(), 0) != 0 && errno != ENOENT)
       throwErrno(errno, "unlink", dir_ + "/names/" + entry.first);
   }
+  dropLayerLinks(id);
   return removeIfFree(id, -1);
+}
+
+std::string TemplateStore::findLayer(const std::string& layerKey) {
+  if (!isLayerKey(layerKey))
+    throwCode("ERR_INVALID_ARG_VALUE", "not a layer key: '" + layerKey + "'", EINVAL, "readlink",
+              dir_ + "/layers/" + layerKey);
+  return liveLayer(layerKey);
+}
+
+std::string TemplateStore::liveLayer(const std::string& layerKey) {
+  std::string id;
+  if (!readLink(layersFd_.get(), layerKey, &id)) {
+    if (errno == ENOENT || errno == EINVAL) return "";
+    throwErrno(errno, "readlink", dir_ + "/layers/" + layerKey);
+  }
+  if (!isHexId(id) || !entryExists(fd_.get(), id) || entryExists(retiredFd_.get(), id)) return "";
+  return id;
+}
+
+size_t TemplateStore::dropLayerLinks(const std::string& id, bool dryRun) {
+  size_t dropped = 0;
+  for (auto& entry : readNames(layersFd_.get(), dir_ + "/layers")) {
+    std::string target;
+    if (!readLink(layersFd_.get(), entry.first, &target)) continue;
+    bool drop = id.empty() ? !isLayerKey(entry.first) || liveLayer(entry.first).empty() : target == id;
+    if (!drop) continue;
+    if (!dryRun && unlinkat(layersFd_.get(), entry.first.c_str(), 0) != 0) {
+      if (errno == ENOENT) continue;
+      throwErrno(errno, "unlink", dir_ + "/layers/" + entry.first);
+    }
+    dropped++;
+  }
+  return dropped;
 }
 
 UniqueFd TemplateStore::lockNames() {
@@ -300,6 +351,13 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     } catch (const Error& e) {
       failed("template-" + id, "template", e);
     }
+  }
+  // Layer links whose template is gone or retired (its removal by a last reader leaves the link).
+  try {
+    UniqueFd namesLock = lockNames();
+    dropLayerLinks("", dryRun);
+  } catch (const Error& e) {
+    failed("layers", "template", e);
   }
   // Names of commits that died between claiming the name and publishing, and swap temp links of dead replaces.
   for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {

@@ -5,6 +5,8 @@
 //                                         btrfs a read-only subvolume instead, modes kept, see DESIGN.md),
 //                                         template.json (0444), modes (0444), used (mtime: last allocate)
 //     names/<name> -> <id>                a symlink: the name's current template
+//     layers/<algo>-<hex> -> <id>         a symlink: the layer template of that chain id (an image's layer, see
+//                                         docs/images.md); one whose template is gone or retired counts as absent
 //     retired/<id>                        a marker: the template was replaced or removed while it was read;
 //                                         the last reader, or a sweep, removes it
 // Readers (allocate) hold flock(LOCK_SH) on <id>/ while they clone it; removal takes flock(LOCK_EX) and moves
@@ -32,6 +34,7 @@ struct CommitRequest {
   std::string name;        // "" for an unnamed template; checked by the caller: [A-Za-z0-9][A-Za-z0-9._-]{0,127}
   JsonMembers info;        // the caller's members of template.json (createdAt, parent, meta); id and usage are added
   bool replace = false;    // an existing name is swapped to the new template (RENAME_EXCHANGE) instead of EEXIST
+  std::string layerKey;    // "" or a layer's chain key (isLayerKey): layers/<layerKey> is claimed (never with a name)
   CloneOptions clone;
   CloneProgress* progress = nullptr;
 };
@@ -44,6 +47,7 @@ struct CommitResult {
   std::string replacedId;          // with replace: the template the name pointed to before ("" when none)
   bool replacedRemoved = false;    // it was removed at once (no reader); else the last reader or a sweep does
   bool readOnlySubvolume = false;  // btrfs: tree/ is a read-only subvolume (snapshot, or a walk into one)
+  bool existing = false;           // layerKey: another build's template held it; `id` is that one, ours removed
 };
 
 struct TemplateListing {
@@ -91,15 +95,24 @@ class TemplateStore {
   // names whose template was never published. Never touches a published template that is not retired.
   void sweep(bool dryRun, int64_t graceMs, SweepReport& report);
 
+  // The live layer template of chain key `layerKey` (layers/<layerKey> pointing at a published template that is not
+  // retired), or "".
+  std::string findLayer(const std::string& layerKey);
+
   std::string path(const std::string& id) const { return dir_ + "/" + id; }
 
  private:
   friend class TemplateCommit;  // template_commit.cc: commit's phases
+  friend class TemplateBuild;   // template_build.cc: a build around the same phases
   TemplateStore() = default;
   std::string resolve(const std::string& idOrName, bool* byName);
   // flock(LOCK_EX) on names/ (a fresh open): name links are checked and changed under it (readers take none).
   UniqueFd lockNames();
-  bool named(const std::string& id);           // whether a name points to `id`
+  bool named(const std::string& id);                   // whether a name points to `id`
+  std::string liveLayer(const std::string& layerKey);  // findLayer, for a checked key
+  // Unlinks every layers/ link pointing at `id`, or (`id` "") at a template gone or retired. The caller holds
+  // lockNames (a stale link is replaced under it). Returns how many went.
+  size_t dropLayerLinks(const std::string& id, bool dryRun = false);
   bool liveSwapLink(const std::string& name);  // a replace's `.<name>.new-<id>` link whose commit is live
   // Removes the published template `id` when flock(LOCK_EX|LOCK_NB) gets it (fd: open on it, or -1): moved
   // into the pool's trash, then removed, then its retired marker dropped. False while readers hold it.
@@ -108,7 +121,7 @@ class TemplateStore {
   std::string dir_;  // <root>/.vmspace/templates
   std::string trashDir_;
   long long sharedGid_ = -1;
-  UniqueFd fd_, stagingFd_, namesFd_, retiredFd_;
+  UniqueFd fd_, stagingFd_, namesFd_, retiredFd_, layersFd_;
   int trashFd_ = -1;  // the pool's, not owned
 };
 
@@ -118,5 +131,9 @@ void removeTemplateDir(int parentFd, const std::string& name, const std::string&
 
 // Whether `name` is a template name as the caller checks it (names/ entries of other shapes are ignored).
 bool isTemplateName(const std::string& name);
+
+// Whether `key` is a layer's chain key as layers/ spells it: `<algo>-<hex>`, algo [a-z0-9]{1,16}, hex
+// [0-9a-f]{32,128} (a digest `sha256:<hex>` with its colon written '-').
+bool isLayerKey(const std::string& key);
 
 }  // namespace vmspace

@@ -23,6 +23,7 @@
 #include "pool.h"
 #include "remove.h"
 #include "rename.h"
+#include "template_commit.h"
 #include "template_modes.h"
 #include "tree.h"
 
@@ -37,12 +38,6 @@ void writeNewFile(int dirFd, const char* name, const std::string& data, mode_t m
   if (int err = writeAll(fd.get(), data)) throwErrno(err, "write", shown);
   if (fchmod(fd.get(), mode) != 0) throwErrno(errno, "fchmod", shown);
   if (durable && fsync(fd.get()) != 0) throwErrno(errno, "fsync", shown);
-}
-
-// Whether the directory `fd` is on btrfs (where a template's tree is a read-only subvolume).
-bool isSubvolumeFs(int fd) {
-  struct statfs sfs;
-  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
 }
 
 // Snapshots the workspace at `sourcePath` (`readOnly` or writable) to tree/ below `leaseFd` when it is a subvolume
@@ -63,252 +58,281 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly
 
 }  // namespace
 
-// One commit of a template (TemplateStore::commit): a function per phase. An id is claimed in staging and leased;
-// the tree is made there (a snapshot, or a subvolume or directory the walk fills), its write bits stripped into the
-// mode list, template.json written; then it is published under its id and named (claimed, or swapped in for
-// replace), and a template it replaced is removed. Any failure before the end removes what it made.
-class TemplateCommit {
- public:
-  TemplateCommit(TemplateStore& store, const CommitRequest& req)
-      : store_(store), req_(req), nameShown_(store.dir_ + "/names/" + req.name) {
-    opts_ = req.clone;
-    opts_.overwrite = false;
-  }
+bool isSubvolumeFs(int fd) {
+  struct statfs sfs;
+  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
+}
 
-  CommitResult run() {
-    // Refused before anything is built; the symlinkat below decides for real.
-    if (!req_.name.empty() && !req_.replace && entryExists(store_.namesFd_.get(), req_.name))
-      throwErrno(EEXIST, "symlink", nameShown_);
-    UniqueFd lease = claimLease();
-    try {
-      makeTree(lease.get());
-      UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
-      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
-      writeModes(lease.get(), tree.get());
-      writeMeta(lease.get(), tree.get());
-      publish(lease.get());
-      if (!req_.name.empty() && req_.replace) swapName();
-      lease.reset();
-    } catch (...) {
-      cleanUp();
-      throw;
-    }
-    // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
-    // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
-    try {
-      if (entryExists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
-    } catch (const Error&) {
-      // Left retired: a sweep removes it.
-    }
-    if (!res_.replacedId.empty()) removeReplaced();
-    return std::move(res_);
-  }
+TemplateCommit::TemplateCommit(TemplateStore& store, CommitRequest req)
+    : store_(store), req_(std::move(req)), nameShown_(store.dir_ + "/names/" + req_.name) {
+  opts_ = req_.clone;
+  opts_.overwrite = false;
+}
 
- private:
-  // A fresh id in staging, leased: flock(LOCK_EX) on its directory, which a sweep honours. A sweep with graceMs 0
-  // may take the lease between our mkdir and flock and remove the entry: then the entry is no longer the one we
-  // locked (checked by device and inode) and a new id is claimed, so a build never works in a swept entry.
-  UniqueFd claimLease() {
-    for (int tries = 0;; tries++) {
-      claimId();
-      stagingPath_ = store_.dir_ + "/staging/" + res_.id;
-      UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
-      if (!lease && errno != ENOENT) throwErrno(errno, "open", stagingPath_);
-      if (lease) {
-        if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
-        struct stat own;
-        if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", stagingPath_);
-        if (sameEntry(store_.stagingFd_.get(), res_.id, own)) return lease;
-      }
-      if (tries + 1 == kMaxNameTries) throwErrno(ENOENT, "open", stagingPath_);
-    }
+CommitResult TemplateCommit::run() {
+  checkName();
+  UniqueFd lease = claimLease();
+  try {
+    makeTree(lease.get());
+  } catch (...) {
+    cleanUp();
+    throw;
   }
+  finish(std::move(lease));
+  return std::move(res_);
+}
 
-  // The exclusive mkdir in staging claims a fresh id.
-  void claimId() {
-    for (int tries = 0;; tries++) {
-      if (tries == kMaxNameTries)
-        throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir",
-                  store_.dir_ + "/staging");
-      res_.id = randomId();
-      if (mkdirat(store_.stagingFd_.get(), res_.id.c_str(), 0700) == 0) break;
-      if (errno != EEXIST) throwErrno(errno, "mkdir", store_.dir_ + "/staging/" + res_.id);
-    }
+void TemplateCommit::checkName() {
+  if (!req_.name.empty() && !req_.replace && entryExists(store_.namesFd_.get(), req_.name))
+    throwErrno(EEXIST, "symlink", nameShown_);
+}
+
+void TemplateCommit::finish(UniqueFd lease) {
+  try {
+    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+    if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+    writeModes(lease.get(), tree.get());
+    writeMeta(lease.get(), tree.get());
+    publish(lease.get());
+    if (!req_.layerKey.empty() && !claimLayerLink(lease.get())) return;
+    if (!req_.name.empty() && req_.replace) swapName();
+    lease.reset();
+  } catch (...) {
+    cleanUp();
+    throw;
   }
-
-  // tree/ below the lease. On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a
-  // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
-  void makeTree(int leaseFd) {
-    const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
-    if (subvolume) snapshotTree(leaseFd);
-    if (!res_.clone.snapshot) {
-      // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
-      // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
-      bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
-      if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath_ + "/tree");
-      UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
-      if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
-      res_.clone = cloneTreeInto(req_.sourcePath, tree.get(), stagingPath_ + "/tree", opts_, req_.progress);
-      res_.readOnlySubvolume = sub;
-    }
-    res_.clone.tree = true;
-    res_.readOnlySubvolume = res_.readOnlySubvolume || res_.clone.snapshot;
+  // Replaced by another commit while we held the lease (its removal could not lock it): now that the lease is
+  // dropped, removed here, as a last reader would, unless someone reads it (then that reader, or a sweep, does).
+  try {
+    if (entryExists(store_.retiredFd_.get(), res_.id)) store_.removeIfFree(res_.id, -1);
+  } catch (const Error&) {
+    // Left retired: a sweep removes it.
   }
+  if (!res_.replacedId.empty()) removeReplaced();
+}
 
-  // tree/ as a snapshot of the workspace, where it is a subvolume (snapshotWorkspace). A snapshot carries every
-  // device node and set-id bit as it is: unless the caller keeps them both, it is made writable, what the tree clone
-  // would not make is taken out (dropGuestPrivileges), and then it is made read-only.
-  void snapshotTree(int leaseFd) {
-    const bool filter = !opts_.keepDevices || !opts_.keepSetId;
-    res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd, !filter);
-    if (!res_.clone.snapshot || !filter) return;
-    const std::string shown = stagingPath_ + "/tree";
+bool TemplateCommit::claimLayerLink(int leaseFd) {
+  const int layersFd = store_.layersFd_.get();
+  const std::string& key = req_.layerKey;
+  const std::string shown = store_.dir_ + "/layers/" + key;
+  for (int tries = 0;; tries++) {
+    if (symlinkat(res_.id.c_str(), layersFd, key.c_str()) == 0) return true;
+    if (errno != EEXIST || tries == kMaxNameTries) throwErrno(errno, "symlink", shown);
+    // A link whose template is gone or retired counts as absent: replaced under the names lock, which every
+    // replacement of a stale link takes (a fresh claim needs none: symlinkat never replaces).
+    UniqueFd namesLock = store_.lockNames();
+    std::string live = store_.liveLayer(key);
+    if (!live.empty()) {
+      // Another build of the same chain published first: ours goes, theirs is the answer.
+      store_.removeIfFree(res_.id, leaseFd);
+      published_ = false;
+      res_.id = live;
+      res_.existing = true;
+      res_.allocatedBytes = 0;
+      int err =
+          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.metaText);
+      if (err) throwErrno(err, "open", store_.path(live) + "/template.json");
+      return false;
+    }
+    if (unlinkat(layersFd, key.c_str(), 0) != 0 && errno != ENOENT) throwErrno(errno, "unlink", shown);
+  }
+}
+
+// A fresh id in staging, leased: flock(LOCK_EX) on its directory, which a sweep honours. A sweep with graceMs 0
+// may take the lease between our mkdir and flock and remove the entry: then the entry is no longer the one we
+// locked (checked by device and inode) and a new id is claimed, so a build never works in a swept entry.
+UniqueFd TemplateCommit::claimLease() {
+  for (int tries = 0;; tries++) {
+    claimId();
+    stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+    UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
+    if (!lease && errno != ENOENT) throwErrno(errno, "open", stagingPath_);
+    if (lease) {
+      if (flock(lease.get(), LOCK_EX) != 0) throwErrno(errno, "flock", stagingPath_);
+      struct stat own;
+      if (fstat(lease.get(), &own) != 0) throwErrno(errno, "fstat", stagingPath_);
+      if (sameEntry(store_.stagingFd_.get(), res_.id, own)) return lease;
+    }
+    if (tries + 1 == kMaxNameTries) throwErrno(ENOENT, "open", stagingPath_);
+  }
+}
+
+// The exclusive mkdir in staging claims a fresh id.
+void TemplateCommit::claimId() {
+  for (int tries = 0;; tries++) {
+    if (tries == kMaxNameTries)
+      throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir",
+                store_.dir_ + "/staging");
+    res_.id = randomId();
+    if (mkdirat(store_.stagingFd_.get(), res_.id.c_str(), 0700) == 0) break;
+    if (errno != EEXIST) throwErrno(errno, "mkdir", store_.dir_ + "/staging/" + res_.id);
+  }
+}
+
+// tree/ below the lease. On btrfs (reflink not 'never') the tree is a read-only subvolume (see template.h): a
+// snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
+void TemplateCommit::makeTree(int leaseFd) {
+  const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
+  if (subvolume) snapshotTree(leaseFd);
+  if (!res_.clone.snapshot) {
+    // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
+    // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
+    bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
+    if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath_ + "/tree");
     UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
-    if (!tree) throwErrno(errno, "open", shown);
-    dropGuestPrivileges(tree.get(), shown, opts_.keepDevices, opts_.keepSetId, &res_.clone.skippedDevices);
-    if (int err = setSubvolumeReadOnly(tree.get(), true)) throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", shown);
+    if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
+    res_.clone = cloneTreeInto(req_.sourcePath, tree.get(), stagingPath_ + "/tree", opts_, req_.progress);
+    res_.readOnlySubvolume = sub;
   }
+  res_.clone.tree = true;
+  res_.readOnlySubvolume = res_.readOnlySubvolume || res_.clone.snapshot;
+}
 
-  // The mode list (stripWriteBits), read-only once written.
-  void writeModes(int leaseFd, int treeFd) {
-    const std::string modesShown = stagingPath_ + "/modes";
-    ModesFile closer = openModesFile(leaseFd, O_WRONLY | O_CREAT | O_EXCL, "w", modesShown);
-    FILE* f = closer.get();
-    // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
-    // stays empty, and a walk is made only where one made the tree already (to measure it).
-    if (!res_.clone.snapshot)
-      stripWriteBits(treeFd, stagingPath_ + "/tree", f, &res_.allocatedBytes, !res_.readOnlySubvolume);
-    if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
-    if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
-    if (opts_.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
-    FILE* done = closer.release();
-    if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+// tree/ as a snapshot of the workspace, where it is a subvolume (snapshotWorkspace). A snapshot carries every
+// device node and set-id bit as it is: unless the caller keeps them both, it is made writable, what the tree clone
+// would not make is taken out (dropGuestPrivileges), and then it is made read-only.
+void TemplateCommit::snapshotTree(int leaseFd) {
+  const bool filter = !opts_.keepDevices || !opts_.keepSetId;
+  res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd, !filter);
+  if (!res_.clone.snapshot || !filter) return;
+  const std::string shown = stagingPath_ + "/tree";
+  UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+  if (!tree) throwErrno(errno, "open", shown);
+  dropGuestPrivileges(tree.get(), shown, opts_.keepDevices, opts_.keepSetId, &res_.clone.skippedDevices);
+  if (int err = setSubvolumeReadOnly(tree.get(), true)) throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", shown);
+}
+
+// The mode list (stripWriteBits), read-only once written.
+void TemplateCommit::writeModes(int leaseFd, int treeFd) {
+  const std::string modesShown = stagingPath_ + "/modes";
+  ModesFile closer = openModesFile(leaseFd, O_WRONLY | O_CREAT | O_EXCL, "w", modesShown);
+  FILE* f = closer.get();
+  // A read-only subvolume keeps its modes (the flag refuses every write, root's included): the mode list
+  // stays empty, and a walk is made only where one made the tree already (to measure it).
+  if (!res_.clone.snapshot || changedAfterSnapshot_)
+    stripWriteBits(treeFd, stagingPath_ + "/tree", f, &res_.allocatedBytes, !res_.readOnlySubvolume);
+  if (fflush(f) != 0) throwErrno(errno, "write", modesShown);
+  if (fchmod(fileno(f), 0444) != 0) throwErrno(errno, "fchmod", modesShown);
+  if (opts_.durable && fsync(fileno(f)) != 0) throwErrno(errno, "fsync", modesShown);
+  FILE* done = closer.release();
+  if (fclose(done) != 0) throwErrno(errno, "close", modesShown);
+}
+
+// template.json and the last-used file, then the tree made read-only.
+void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
+  // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
+  JsonMembers members = req_.info;
+  std::string name;
+  if (req_.name.empty())
+    name = "null";
+  else
+    appendJsonString(&name, req_.name);
+  members.emplace_back("id", "\"" + res_.id + "\"");
+  members.emplace_back("name", std::move(name));
+  members.emplace_back("method", std::string("\"") + methodName(res_.clone, req_.clone.reflink) + "\"");
+  if (res_.readOnlySubvolume) members.emplace_back("subvolume", "true");
+  // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
+  if (!res_.clone.snapshot || changedAfterSnapshot_)
+    members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) +
+                                      ",\"files\":" + std::to_string(res_.clone.files) +
+                                      ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
+  std::string json = jsonObject(members) + "\n";
+  writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
+  res_.metaText = json;
+  writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
+  if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
+  // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
+  if (res_.readOnlySubvolume && (!res_.clone.snapshot || changedAfterSnapshot_)) {
+    if (int err = setSubvolumeReadOnly(treeFd, true))
+      throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath_ + "/tree");
   }
+}
 
-  // template.json and the last-used file, then the tree made read-only.
-  void writeMeta(int leaseFd, int treeFd) {
-    // The caller's members, then those known here: the id, the name, how it was cloned, its usage.
-    JsonMembers members = req_.info;
-    std::string name;
-    if (req_.name.empty())
-      name = "null";
-    else
-      appendJsonString(&name, req_.name);
-    members.emplace_back("id", "\"" + res_.id + "\"");
-    members.emplace_back("name", std::move(name));
-    members.emplace_back("method", std::string("\"") + methodName(res_.clone, req_.clone.reflink) + "\"");
-    if (res_.readOnlySubvolume) members.emplace_back("subvolume", "true");
-    // A snapshot does not walk the tree, so it is not measured: no usage (what it shares is the workspace's).
-    if (!res_.clone.snapshot)
-      members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) +
-                                        ",\"files\":" + std::to_string(res_.clone.files) +
-                                        ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
-    std::string json = jsonObject(members) + "\n";
-    writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
-    res_.metaText = json;
-    writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
-    if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
-    // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
-    if (res_.readOnlySubvolume && !res_.clone.snapshot) {
-      if (int err = setSubvolumeReadOnly(treeFd, true))
-        throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath_ + "/tree");
-    }
+// Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
+// so a name never points at a template another commit of the same name published.
+void TemplateCommit::publish(int leaseFd) {
+  if (!req_.name.empty() && !req_.replace) {
+    if (symlinkat(res_.id.c_str(), store_.namesFd_.get(), req_.name.c_str()) != 0)
+      throwErrno(errno, "symlink", nameShown_);
+    named_ = true;
   }
+  if (renameat2(store_.stagingFd_.get(), res_.id.c_str(), store_.fd_.get(), res_.id.c_str(), RENAME_NOREPLACE) != 0)
+    throwErrno(errno, "renameat2", stagingPath_, store_.path(res_.id));
+  published_ = true;
+  // 0555 only once published: moving a directory to another parent needs write permission on it (the kernel
+  // rewrites its ".."; vfs_rename), which an owner without CAP_DAC_OVERRIDE lacks on a 0555 one (EACCES).
+  if (fchmod(leaseFd, 0555) != 0) throwErrno(errno, "fchmod", store_.path(res_.id));
+  if (opts_.durable && fsync(store_.fd_.get()) != 0) throwErrno(errno, "fsync", store_.dir_);
+}
 
-  // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
-  // so a name never points at a template another commit of the same name published.
-  void publish(int leaseFd) {
-    if (!req_.name.empty() && !req_.replace) {
-      if (symlinkat(res_.id.c_str(), store_.namesFd_.get(), req_.name.c_str()) != 0)
-        throwErrno(errno, "symlink", nameShown_);
+// Replace: the name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template
+// or the new one, never no name. The swapped-out link tells which template was replaced.
+void TemplateCommit::swapName() {
+  const int namesFd = store_.namesFd_.get();
+  // Named after the new id, whose directory the commit holds LOCK_EX on until the swap is done: a sweep leaves
+  // the link while that lock is held, whatever graceMs (TemplateStore::sweep).
+  std::string tmp = "." + req_.name + ".new-" + res_.id;
+  if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
+    throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
+  UniqueFd namesLock;
+  try {
+    namesLock = store_.lockNames();
+  } catch (const Error&) {
+    unlinkat(namesFd, tmp.c_str(), 0);
+    throw;
+  }
+  for (;;) {
+    if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_EXCHANGE) == 0) {
       named_ = true;
+      std::string old;
+      if (readLink(namesFd, tmp, &old) && isHexId(old) && old != res_.id) res_.replacedId = old;
+      unlinkat(namesFd, tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
+      return;
     }
-    if (renameat2(store_.stagingFd_.get(), res_.id.c_str(), store_.fd_.get(), res_.id.c_str(), RENAME_NOREPLACE) != 0)
-      throwErrno(errno, "renameat2", stagingPath_, store_.path(res_.id));
-    published_ = true;
-    // 0555 only once published: moving a directory to another parent needs write permission on it (the kernel
-    // rewrites its ".."; vfs_rename), which an owner without CAP_DAC_OVERRIDE lacks on a 0555 one (EACCES).
-    if (fchmod(leaseFd, 0555) != 0) throwErrno(errno, "fchmod", store_.path(res_.id));
-    if (opts_.durable && fsync(store_.fd_.get()) != 0) throwErrno(errno, "fsync", store_.dir_);
-  }
-
-  // Replace: the name's new target is swapped in with RENAME_EXCHANGE: a reader resolving it sees the old template
-  // or the new one, never no name. The swapped-out link tells which template was replaced.
-  void swapName() {
-    const int namesFd = store_.namesFd_.get();
-    // Named after the new id, whose directory the commit holds LOCK_EX on until the swap is done: a sweep leaves
-    // the link while that lock is held, whatever graceMs (TemplateStore::sweep).
-    std::string tmp = "." + req_.name + ".new-" + res_.id;
-    if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
-      throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
-    UniqueFd namesLock;
-    try {
-      namesLock = store_.lockNames();
-    } catch (const Error&) {
-      unlinkat(namesFd, tmp.c_str(), 0);
-      throw;
-    }
-    for (;;) {
-      if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_EXCHANGE) == 0) {
+    if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
+      if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_NOREPLACE) == 0) {
         named_ = true;
-        std::string old;
-        if (readLink(namesFd, tmp, &old) && isHexId(old) && old != res_.id) res_.replacedId = old;
-        unlinkat(namesFd, tmp.c_str(), 0);  // ours; a leftover is swept as a temp name
         return;
       }
-      if (errno == ENOENT) {  // no such name yet: claim it as a plain commit would
-        if (renameat2(namesFd, tmp.c_str(), namesFd, req_.name.c_str(), RENAME_NOREPLACE) == 0) {
-          named_ = true;
-          return;
-        }
-        if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
-      }
-      int err = errno;
-      unlinkat(namesFd, tmp.c_str(), 0);
-      throwErrno(err, "renameat2", store_.dir_ + "/names/" + tmp, nameShown_);
+      if (errno == EEXIST) continue;  // claimed meanwhile: swap with that one
     }
+    int err = errno;
+    unlinkat(namesFd, tmp.c_str(), 0);
+    throwErrno(err, "renameat2", store_.dir_ + "/names/" + tmp, nameShown_);
   }
+}
 
-  void cleanUp() {
-    try {
-      std::string target;
-      UniqueFd namesLock = named_ && !req_.replace ? store_.lockNames() : UniqueFd();
-      if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
-        unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
-      if (published_)
-        store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
-      else
-        removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
-    } catch (...) {
-      // Left for a sweep; the original error is the one to report.
+void TemplateCommit::cleanUp() {
+  try {
+    std::string target;
+    UniqueFd namesLock = named_ && !req_.replace ? store_.lockNames() : UniqueFd();
+    if (named_ && !req_.replace && readLink(store_.namesFd_.get(), req_.name, &target) && target == res_.id)
+      unlinkat(store_.namesFd_.get(), req_.name.c_str(), 0);
+    if (published_)
+      store_.removeIfFree(res_.id, -1);  // never named: no reader can hold it
+    else
+      removeTemplateDir(store_.stagingFd_.get(), res_.id, stagingPath_);
+  } catch (...) {
+    // Left for a sweep; the original error is the one to report.
+  }
+}
+
+// The new template is published and named: the commit has succeeded whatever happens to the old one here.
+// Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
+// marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
+// removeTemplate or pruneTemplates removes it).
+void TemplateCommit::removeReplaced() {
+  try {
+    UniqueFd marker(
+        openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
+    if (marker) {
+      marker.reset();
+      res_.replacedRemoved = store_.removeIfFree(res_.replacedId, -1);
     }
+  } catch (const Error&) {
+    res_.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
   }
-
-  // The new template is published and named: the commit has succeeded whatever happens to the old one here.
-  // Marked before the removal is tried, so that a reader holding it removes it when it is done. Where the
-  // marker cannot be made (EMFILE, ENOSPC), the old template stays as an unnamed one (replacedRemoved false;
-  // removeTemplate or pruneTemplates removes it).
-  void removeReplaced() {
-    try {
-      UniqueFd marker(
-          openat(store_.retiredFd_.get(), res_.replacedId.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
-      if (marker) {
-        marker.reset();
-        res_.replacedRemoved = store_.removeIfFree(res_.replacedId, -1);
-      }
-    } catch (const Error&) {
-      res_.replacedRemoved = false;  // left in trash or retired: a sweep finishes it
-    }
-  }
-
-  TemplateStore& store_;
-  const CommitRequest& req_;
-  const std::string nameShown_;
-  CloneOptions opts_;
-  CommitResult res_;
-  std::string stagingPath_;
-  bool named_ = false, published_ = false;  // what a failure undoes: the name claimed, the template published
-};
+}
 
 CommitResult TemplateStore::commit(const CommitRequest& req) { return TemplateCommit(*this, req).run(); }
 

@@ -27,6 +27,7 @@
 #include "../../native/core/pool.h"
 #include "../../native/core/remove.h"
 #include "../../native/core/rename.h"
+#include "../../native/core/tar.h"
 #include "../../native/core/tree.h"
 
 using namespace vmspace;
@@ -665,7 +666,80 @@ static void errorTextIsBoundedPathIsWhole() {
   }
 }
 
+// A ustar header block for `name` (a regular file of `size` bytes), `uid` as its 8 raw bytes, checksum set.
+static std::string tarHeader(const std::string& name, size_t size, const std::string& uid) {
+  std::string h(512, '\0');
+  h.replace(0, name.size(), name);
+  h.replace(100, 8, "0000644", 8);
+  std::string u = uid;
+  u.resize(8, '\0');
+  h.replace(108, 8, u);
+  h.replace(116, 8, "0000000", 8);
+  char num[13];
+  (void)std::snprintf(num, sizeof num, "%011zo", size);
+  h.replace(124, 12, num, 12);
+  h.replace(136, 12, "00000000000", 12);
+  h[156] = '0';
+  h.replace(257, 8,
+            "ustar\0"
+            "00",
+            8);
+  unsigned sum = 0;
+  for (size_t i = 0; i < 512; i++) sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(h[i]);
+  (void)std::snprintf(num, sizeof num, "%06o", sum);
+  h.replace(148, 7, num, 7);
+  return h;
+}
+
+// The code the tar reader throws for `bytes` (read through a pipe), or "" when it reads every entry.
+static std::string tarOutcome(const std::string& bytes, std::vector<TarEntry>* entries = nullptr) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe";
+  UniqueFd r(fds[0]), w(fds[1]);
+  pid_t pid = fork();
+  if (pid == 0) {
+    r.reset();
+    _exit(writeAll(w.get(), bytes) == 0 ? 0 : 1);
+  }
+  w.reset();
+  std::string code;
+  try {
+    TarReader tar(r.get(), "pipe", nullptr);
+    TarEntry e;
+    while (tar.next(&e))
+      if (entries) entries->push_back(e);
+  } catch (const Error& e) {
+    code = e.code.empty() ? "errno" : e.code;
+  }
+  r.reset();
+  int status;
+  waitpid(pid, &status, 0);
+  return code;
+}
+
+static void tarReaderChecksNumbersAndChecksums() {
+  const std::string end(1024, '\0');
+  std::string base256("\x80\0\0\0\0\0\x03\xe8", 8);  // uid 1000 as GNU base-256
+  std::vector<TarEntry> entries;
+  CHECK(tarOutcome(tarHeader("a", 3, "0000001") + std::string("abc") + std::string(509, '\0') +
+                       tarHeader("b", 0, base256) + end,
+                   &entries) == "");
+  CHECK(entries.size() == 2 && entries[0].name == "a" && entries[0].uid == 1 && entries[0].size == 3);
+  CHECK(entries.size() == 2 && entries[1].uid == 1000);
+  std::string bad = tarHeader("a", 0, "0000001");
+  bad[0] = 'b';  // the checksum no longer matches
+  CHECK(tarOutcome(bad + end) == "ERR_LAYER_INVALID");
+  CHECK(tarOutcome(tarHeader("a", 0, "00000x1") + end) == "ERR_LAYER_INVALID");  // not octal
+  CHECK(tarOutcome(tarHeader("a", 0, std::string("\xff\xff\xff\xff\xff\xff\xff\xff", 8)) + end) ==
+        "ERR_LAYER_INVALID");                                                       // negative
+  CHECK(tarOutcome(tarHeader("a", 10, "0000001") + "abc") == "ERR_LAYER_INVALID");  // truncated
+  CHECK(tarOutcome(tarHeader("a", 0, "0000001") + std::string(512, '\0') + tarHeader("b", 0, "0000001")) ==
+        "ERR_LAYER_INVALID");                                                      // an entry after one end block
+  CHECK(tarOutcome(tarHeader("a", 0, "0000001") + std::string(512, '\0')) == "");  // one end block, then EOF
+}
+
 int main() {
+  tarReaderChecksNumbersAndChecksums();
   removeNeverFollowsSymlinks();
   cloneKeepsHolesAndRefusesExisting();
   poolNamesAreDistinctAndCollisionsRetry();
