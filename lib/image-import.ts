@@ -289,9 +289,12 @@ async function writeExt4(host: ImportHost, topId: string, destDir: string, headr
   try {
     const { dataBytes, inodes } = await treeNeeds(b.treePath)
     const inodeCount = inodes + Math.ceil(headroom / 16384) + 64
-    const journalMiB = dataBytes + headroom > 2 ** 30 ? 64 : 16
     const MiB = 2 ** 20
-    const size = Math.ceil((Math.ceil((dataBytes + inodeCount * 256) * 1.1) + journalMiB * MiB + headroom + 4 * MiB) / MiB) * MiB
+    // Everything but the journal, at least 16 MiB; the journal is a quarter of that up to 64 MiB (mke2fs refuses a
+    // journal of more than half the file system), at least mke2fs's minimum of 1024 blocks.
+    const base = Math.max(16 * MiB, Math.ceil((dataBytes + inodeCount * 256) * 1.1) + headroom + 4 * MiB)
+    const journalMiB = Math.min(64, Math.max(4, Math.floor(base / 4 / MiB)))
+    const size = Math.ceil((base + journalMiB * MiB) / MiB) * MiB
     const fsStat = await fs.promises.statfs(destDir)
     const free = fsStat.bavail * fsStat.bsize
     if (free < size) {

@@ -501,6 +501,15 @@ describe.skipIf(!!missing || !ext4Pool)(`importImage format 'ext4' ${needs('XFS 
     await pool.close()
   })
 
+  test('a small tree with no headroom gets a journal that fits (mke2fs refuses one of more than half)', async () => {
+    const pool = await openPool(freshDir(ext4Pool!, 'import'))
+    const t = await pool.importImage(`oci:${layout}:base`, { format: 'ext4', name: 'tiny', ext4: { headroomBytes: 0 } })
+    const image = path.join(t.path, 'rootfs.ext4')
+    const fsck = spawnSync('e2fsck', ['-fn', image], { encoding: 'utf8' })
+    expect(fsck.status, fsck.stdout).toBe(0)
+    await pool.close()
+  })
+
   test('an image larger than the free space is ENOSPC before anything is written', async () => {
     const pool = await openPool(freshDir(ext4Pool!, 'import'))
     const e = await errorOf(pool.importImage(`oci:${layout}:base`, { format: 'ext4', ext4: { headroomBytes: 2 ** 50 } }))

@@ -24,7 +24,9 @@ function run(cmd: string, args: string[]): string {
 /** Which of umoci, skopeo and root the image fixtures need are missing (for a suite's skip reason), or false. */
 export function ociToolsMissing(): string | false {
   if (process.geteuid?.() !== 0) return 'not root'
-  const missing = ['umoci', 'skopeo'].filter((t) => spawnSync(t, ['--version'], { stdio: 'ignore' }).status !== 0)
+  const missing = ['umoci', 'skopeo', 'zstd'].filter((t) => spawnSync(t, ['--version'], { stdio: 'ignore' }).status !== 0)
+  if (missing.length > 0 && process.env.VMSPACE_REQUIRE_OCI === '1')
+    throw new Error(`${missing.join(', ')} not installed (required by VMSPACE_REQUIRE_OCI=1: .ci/run installs them)`)
   return missing.length > 0 ? `${missing.join(', ')} not installed` : false
 }
 
