@@ -93,9 +93,10 @@ Napi::Value LayerApply(const Napi::CallbackInfo& info) {
   opts.progress = progress.get();
   return Work<vmspace::LayerApplyResult>::Start(
       info.Env(),
-      [state, fd, opts, progress] {
+      [state, fd, opts, progress]() mutable {
         UniqueFd own = std::move(*fd);
         auto lock = lockBuild(*state, "layerApply");
+        opts.minFreeBytes = state->pool->minFreeBytes();
         return vmspace::applyLayer(own.get(), state->build->treeFd(), state->build->treePath(), opts);
       },
       [](Napi::Env env, vmspace::LayerApplyResult& r) -> Napi::Value {

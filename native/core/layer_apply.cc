@@ -25,6 +25,7 @@
 #include "fallback.h"
 #include "fd.h"
 #include "io.h"
+#include "quota.h"
 #include "remove.h"
 #include "tar.h"
 #include "walk.h"
@@ -43,6 +44,7 @@ constexpr uint64_t kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveI
 constexpr int kMaxSymlinks = 40;  // the kernel's MAXSYMLINKS, which the component walk keeps too
 constexpr size_t kDataChunk = 128 << 10;
 constexpr size_t kHoleBlock = 4096;
+constexpr uint64_t kSpaceCheckBytes = 64 << 20;
 const std::string kOpaque = ".wh..wh..opq";
 const std::string kWhiteout = ".wh.";
 
@@ -159,6 +161,7 @@ class LayerApplier {
       : tar_(fd, rootPath, opts.progress), rootFd_(rootFd), rootPath_(rootPath), opts_(opts), data_(kDataChunk) {}
 
   LayerApplyResult run() {
+    checkSpace();
     TarEntry e;
     while (tar_.next(&e)) {
       if (opts_.progress && opts_.progress->cancel.load(std::memory_order_relaxed))
@@ -213,6 +216,13 @@ class LayerApplier {
         break;
     }
     made(comps);
+  }
+
+  // ENOSPC when the file system has less than the pool's floor available (LayerApplyOptions::minFreeBytes).
+  void checkSpace() {
+    sinceSpaceCheck_ = 0;
+    if (opts_.minFreeBytes && fsSpace(rootFd_, rootPath_).available < opts_.minFreeBytes)
+      throwErrno(ENOSPC, "statvfs", rootPath_);
   }
 
   static struct timespec mtimeOf(const TarEntry& e) { return {static_cast<time_t>(e.mtimeSec), e.mtimeNsec}; }
@@ -283,6 +293,7 @@ class LayerApplier {
       if (n == 0) break;
       writeKeepingHoles(f.get(), n, off, e.name);
       off += n;
+      if ((sinceSpaceCheck_ += n) >= kSpaceCheckBytes) checkSpace();
     }
     if (ftruncate(f.get(), static_cast<off_t>(e.size)) != 0) throwErrno(errno, "ftruncate", e.name);
     setMetadata(f.get(), e);
@@ -490,6 +501,7 @@ class LayerApplier {
   std::unordered_set<std::string> created_;  // entries this layer made (the paths as the tar names them)
   std::unordered_set<std::string> touched_;  // those and every directory on their way
   std::vector<DirTime> dirTimes_;
+  uint64_t sinceSpaceCheck_ = 0;
 };
 
 }  // namespace
