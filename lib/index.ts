@@ -38,7 +38,7 @@ export type { LockOptions } from './lock.js'
 export { updateJsonFile } from './json-file.js'
 export type { UpdateJsonOptions } from './json-file.js'
 export type { Template, TemplateUsage, CommitResult, PruneOptions } from './types.js'
-export type { ImageTemplate, ImageRecord, ImageLayer, LayerRecord, ImportImageOptions } from './types.js'
+export type { ImageTemplate, ImageTemplateImage, ImageRecord, ImageRecordLayer, ImageLayer, LayerRecord, ImportImageOptions, RemovedImage } from './types.js'
 export type { CommitOptions, ForkOptions } from './template.js'
 export { startMetrics, poolGauges, metricsText, durationBuckets } from './metrics.js'
 export type {

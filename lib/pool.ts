@@ -47,6 +47,7 @@ import type {
   AllocateOptions,
   CommitResult,
   ImageTemplate,
+  RemovedImage,
   ImportImageOptions,
   ListOptions,
   PoolOptions,
@@ -674,7 +675,7 @@ export class Pool implements AsyncDisposable {
    * lists. Returns the ids removed, the image's first. `ERR_TEMPLATE_NOT_FOUND` when no image template has that
    * name or id.
    */
-  async removeImage(nameOrId: string): Promise<{ removed: string[] }> {
+  async removeImage(nameOrId: string): Promise<RemovedImage> {
     const ref = templateRef('nameOrId', nameOrId)!
     this.#assertOpen()
     return this.#inFlight.track(removeImage(this.#imageHost(), ref, (id) => call(this.#inFlight.track(native.removeTemplate(this.#handle, id)))))

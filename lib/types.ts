@@ -631,7 +631,19 @@ export interface ImageRecord {
   /** The image config's `config` object (Env, Entrypoint, Cmd, User, WorkingDir, Labels, …) as the image gives it. */
   config: JsonObject
   /** The image's layers, lowest first. */
-  layers: { digest: string; diffId: string; chainId: string; size: number }[]
+  layers: ImageRecordLayer[]
+}
+
+/** One layer as an image template's record keeps it. */
+export interface ImageRecordLayer {
+  /** The blob's digest (compressed): `sha256:<hex>`. */
+  digest: string
+  /** The digest of the uncompressed tar: `sha256:<hex>`. */
+  diffId: string
+  /** The layer template's key: the chain of diffIDs up to this layer (image-spec config.md, ChainID). */
+  chainId: string
+  /** The blob's size in bytes. */
+  size: number
 }
 
 /** One layer of an imported image, as {@link Pool.importImage} reports it. */
@@ -652,7 +664,20 @@ export interface ImageLayer {
 
 /** An image template: a {@link Template} (usable by allocate({ from }), fork, removeTemplate) with its image. */
 export interface ImageTemplate extends Template {
-  image: Omit<ImageRecord, 'layers'> & { layers: ImageLayer[] }
+  /** The image: its record, each layer as this call saw it. */
+  image: ImageTemplateImage
+}
+
+/** {@link ImageTemplate.image}: the image's record with each layer's `reused` and `bytes`. */
+export interface ImageTemplateImage extends Omit<ImageRecord, 'layers'> {
+  /** The image's layers, lowest first. */
+  layers: ImageLayer[]
+}
+
+/** What {@link Pool.removeImage} removed. */
+export interface RemovedImage {
+  /** The ids of the templates removed: the image template's first, then the layer templates no other image lists. */
+  removed: string[]
 }
 
 /** Options of {@link Pool.importImage}. */
