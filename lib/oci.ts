@@ -314,7 +314,8 @@ export async function chooseOciImage(src: OciSource, ref: string | undefined, pl
     throw ociError('ERR_OCI_REF', `${src.path} holds several images: give one of the refs ${refs.join(', ')}`, src.path)
   }
   const candidates: Candidate[] = []
-  for (const d of chosen) await expandIndex(src, d, refOf(d), 0, candidates)
+  const seen = new Set<string>()
+  for (const d of chosen) await expandIndex(src, d, refOf(d), 0, candidates, seen)
   const fitting = candidates.filter((c) => c.desc.platform === undefined || platformMatches(platform, c.desc.platform))
   for (const c of fitting) {
     const image = await readOciManifest(src, c)
@@ -335,7 +336,11 @@ function indexEntries(doc: Record<string, unknown>, what: string, where: string)
   return doc.manifests.map((m, i) => descriptor(m, `${what}'s manifests[${i}]`, where))
 }
 
-async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, depth: number, out: Candidate[]): Promise<void> {
+async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, depth: number, out: Candidate[], seen: Set<string>): Promise<void> {
+  // Each document once: indexes listing one index many times over would otherwise be read (and their manifests
+  // tried) as many times as the product of their lengths.
+  if (seen.has(d.digest)) return
+  seen.add(d.digest)
   if (MANIFEST_TYPES.includes(d.mediaType)) {
     out.push({ desc: d, ref })
     return
@@ -344,7 +349,7 @@ async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, de
     throw ociError('ERR_OCI_INVALID', `${src.path}: ${d.digest} has the mediaType ${d.mediaType}, neither a manifest's nor an index's`, src.path)
   if (depth >= INDEX_DEPTH) throw ociError('ERR_OCI_INVALID', `${src.path}: indexes nest deeper than ${INDEX_DEPTH}`, src.path)
   const doc = await src.readJson(src.blob(d.digest), d)
-  for (const inner of indexEntries(doc, `index ${d.digest}`, src.path)) await expandIndex(src, inner, ref, depth + 1, out)
+  for (const inner of indexEntries(doc, `index ${d.digest}`, src.path)) await expandIndex(src, inner, ref, depth + 1, out, seen)
 }
 
 /** A manifest and its config read and checked: the image, and the platform its config declares. */
