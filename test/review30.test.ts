@@ -59,4 +59,17 @@ describe.skipIf(!!missing)(`review: hostile images ${needs('umoci, skopeo, root'
     nothingStaged(pool.root)
     await pool.close()
   }, 60_000)
+
+  test('an oci-archive whose PAX size is negative is ERR_OCI_INVALID naming the PAX size', async () => {
+    const dir = freshDir(mounts.scratch, 'pax')
+    // -1536 takes the reader back to the PAX header itself: a loop until the member count runs out.
+    const tar = Buffer.concat([tarEntry({ name: 'oci-layout', data: '', pax: { size: '-1536' } }), Buffer.alloc(1024)])
+    const file = path.join(dir, 'a.tar')
+    fs.writeFileSync(file, tar)
+    const pool = await openPool(freshDir())
+    const e = await errorOf(pool.importImage(`oci-archive:${file}`, { name: 'x' }))
+    expect(e.code).toBe('ERR_OCI_INVALID')
+    expect(e.message).toMatch(/PAX size/)
+    await pool.close()
+  }, 60_000)
 })
