@@ -22,6 +22,10 @@ const MANIFEST_TYPES = ['application/vnd.oci.image.manifest.v1+json', 'applicati
 const CONFIG_TYPES = ['application/vnd.oci.image.config.v1+json', 'application/vnd.docker.container.image.v1+json']
 // How deep an index may nest others (an image index of indexes is legal; a cycle is not).
 const INDEX_DEPTH = 4
+// The most layers an image may have: Docker's (overlay2's) limit, which every image a registry serves keeps. Each
+// layer is a template, a clone of the tree below it: a few MB of manifest listing one small layer thousands of
+// times would otherwise make as many trees.
+export const LAYERS_MAX = 128
 
 /** How a layer blob is compressed. 'sniff': a docker-archive's layer, whose compression its first bytes tell. */
 export type Compression = 'gzip' | 'zstd' | 'none' | 'sniff'
@@ -364,6 +368,7 @@ async function readOciManifest(src: OciSource, c: Candidate): Promise<{ image: O
   if (!CONFIG_TYPES.includes(configDesc.mediaType))
     throw ociError('ERR_OCI_INVALID', `${where}: ${what}'s config has the mediaType ${configDesc.mediaType}, not an image config's`, where)
   if (!Array.isArray(m.layers)) throw ociError('ERR_OCI_INVALID', `${where}: ${what} has no layers array`, where)
+  if (m.layers.length > LAYERS_MAX) throw ociError('ERR_OCI_INVALID', `${where}: ${what} has ${m.layers.length} layers, more than ${LAYERS_MAX}`, where)
   const layerDescs = m.layers.map((l, i) => descriptor(l, `${what}'s layers[${i}]`, where))
   const config = await src.readJson(src.blob(configDesc.digest), configDesc)
   const { diffIds, platformOf, settings } = imageConfig(config, `config ${configDesc.digest}`, where)
@@ -441,6 +446,7 @@ function dockerEntry(e: unknown, i: number, where: string): { config: string; ta
   if (!isPlainObject(e)) throw bad('is not an object')
   if (typeof e.Config !== 'string') throw bad('has no Config path')
   if (!Array.isArray(e.Layers) || !e.Layers.every((l) => typeof l === 'string')) throw bad('has no Layers array of paths')
+  if (e.Layers.length > LAYERS_MAX) throw bad(`has ${e.Layers.length} layers, more than ${LAYERS_MAX}`)
   const tags = e.RepoTags ?? []
   if (!Array.isArray(tags) || !tags.every((t) => typeof t === 'string')) throw bad('has RepoTags that are not strings')
   for (const p of [e.Config, ...e.Layers]) insideName(p, where)

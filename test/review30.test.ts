@@ -110,3 +110,20 @@ describe.skipIf(!!missing)(`review: hostile zstd layers ${needs('umoci, skopeo, 
     await pool.close()
   }, 60_000)
 })
+
+describe.skipIf(!!missing)(`review: images of many layers ${needs('umoci, skopeo, root', missing)}`, () => {
+  test('an image of more than 128 layers is ERR_OCI_INVALID before a layer is read; 128 import', async () => {
+    const pool = await openPool(freshDir(mounts.xfs ?? mounts.scratch))
+    // One small layer listed many times: each is a template, a clone of the tree below.
+    const tars = (n: number) => Array.from({ length: n }, (_, i) => makeTar([{ name: 'f', data: String(i % 2) }]))
+    const many = rawLayerImage(freshDir(mounts.scratch, 'many'), tars(129))
+    const e = await errorOf(pool.importImage(many.layoutDir, { name: 'many' }))
+    expect(e.code).toBe('ERR_OCI_INVALID')
+    expect(e.message).toMatch(/129 layers, more than 128/)
+    expect(await pool.templates()).toEqual([])
+    nothingStaged(pool.root)
+    const ok = rawLayerImage(freshDir(mounts.scratch, 'many'), tars(128))
+    expect((await pool.importImage(ok.layoutDir, { name: 'ok' })).image.layers).toHaveLength(128)
+    await pool.close()
+  }, 120_000)
+})
