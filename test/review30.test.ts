@@ -3,12 +3,13 @@
  * the behaviour that must hold; a canary outside the pool keeps its hash throughout.
  */
 import { createHash } from 'node:crypto'
+import { spawnSync } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
 import { openPool, type VmspaceError } from '../lib/index.js'
-import { freshDir, mounts, needs, stagingEntries } from './helpers.js'
-import { hostArchitecture, makeTar, MEDIA, ociToolsMissing, rawLayerImage, setIndexRef, tarEntry, writeBlob, type Descriptor } from './oci-helpers.js'
+import { freshDir, mounts, needs, repoRoot, stagingEntries } from './helpers.js'
+import { hostArchitecture, makeTar, MEDIA, ociToolsMissing, rawLayerImage, setIndexRef, tarEntry, toArchive, writeBlob, type Descriptor } from './oci-helpers.js'
 
 const missing = ociToolsMissing()
 
@@ -146,6 +147,20 @@ describe.skipIf(!!missing || !mounts.small || process.env.VMSPACE_REVIEW_OPEN !=
     expect(await pool.templates()).toEqual([])
     nothingStaged(root)
     expect(free()).toBeGreaterThanOrEqual(floor)
+    await pool.close()
+  }, 60_000)
+})
+
+describe.skipIf(!!missing)(`review: the command's SOURCE ${needs('umoci, skopeo, root', missing)}`, () => {
+  test('vmspace image import takes docker-archive:FILE:REF with a colon in the ref (the path ends at the first colon)', async () => {
+    const dir = freshDir(mounts.scratch, 'cli')
+    rawLayerImage(path.join(dir, 'layout'), [makeTar([{ name: 'f', data: 'x' }])], { ref: 'v1' })
+    const archive = toArchive(path.join(dir, 'layout'), 'v1', 'docker-archive') // ref localhost/v1:latest
+    const root = path.join(dir, 'pool')
+    const r = spawnSync(process.execPath, [path.join(repoRoot, 'dist', 'cli', 'vmspace.js'), 'image', 'import', root, `docker-archive:${archive.file}:${archive.ref}`, '--name', 'v1'], { encoding: 'utf8' })
+    expect(r.status, r.stderr).toBe(0)
+    const pool = await openPool(root)
+    expect((await pool.images()).map((t) => [t.name, t.image.ref])).toEqual([['v1', 'localhost/v1:latest']])
     await pool.close()
   }, 60_000)
 })
