@@ -224,12 +224,33 @@ export class OciSource {
       if (actual !== desc.digest)
         throw ociError('ERR_OCI_DIGEST_MISMATCH', `blob ${desc.digest} hashes to ${actual}`, this.path, { blob: desc.digest, expected: desc.digest, actual })
     }
+    let value: unknown
     try {
-      return JSON.parse(buf.toString('utf8')) as unknown
+      value = JSON.parse(buf.toString('utf8')) as unknown
     } catch {
       throw ociError('ERR_OCI_INVALID', `${loc.name} is not JSON`, this.path)
     }
+    if (jsonDepth(value) > JSON_DEPTH_MAX) throw ociError('ERR_OCI_INVALID', `${loc.name} nests deeper than ${JSON_DEPTH_MAX}`, this.path)
+    return value
   }
+}
+
+// How deep a JSON document may nest: the config is stored in template.json and handed back, by code that recurses
+// (a few KB of brackets overflowed the stack: a RangeError, after a layer was built). Real ones nest a few levels.
+const JSON_DEPTH_MAX = 64
+
+/** How deep `value` nests (a scalar 0), walked without recursion. */
+function jsonDepth(value: unknown): number {
+  let max = 0
+  const stack: [unknown, number][] = [[value, 0]]
+  while (stack.length > 0) {
+    const [v, depth] = stack.pop()!
+    if (v === null || typeof v !== 'object') continue
+    max = Math.max(max, depth + 1)
+    if (max > JSON_DEPTH_MAX) return max
+    for (const child of Object.values(v)) stack.push([child, depth + 1])
+  }
+  return max
 }
 
 /** `name` as a path inside the source: relative, no `..`, no empty components past a leading `./`. */

@@ -164,3 +164,29 @@ describe.skipIf(!!missing)(`review: the command's SOURCE ${needs('umoci, skopeo,
     await pool.close()
   }, 60_000)
 })
+
+describe.skipIf(!!missing)(`review: deep JSON ${needs('umoci, skopeo, root', missing)}`, () => {
+  test('a config nesting deeper than 64 is ERR_OCI_INVALID before a layer is read; 64 imports', async () => {
+    const pool = await openPool(freshDir(mounts.xfs ?? mounts.scratch))
+    const image = (depth: number) => {
+      const dir = freshDir(mounts.scratch, 'deep')
+      const tar = makeTar([{ name: 'f', data: 'x' }])
+      const layer = writeBlob(dir, MEDIA.layer, tar)
+      const platform = { os: 'linux', architecture: hostArchitecture() }
+      // The config object is depth 1, Labels 2: the array takes the rest.
+      const nested = '['.repeat(depth - 2) + ']'.repeat(depth - 2)
+      const text = JSON.stringify({ ...platform, config: { Labels: '@' }, rootfs: { type: 'layers', diff_ids: [`sha256:${createHash('sha256').update(tar).digest('hex')}`] } }).replace('"@"', nested)
+      const config = writeBlob(dir, MEDIA.config, text)
+      setIndexRef(dir, 'd', writeBlob(dir, MEDIA.manifest, JSON.stringify({ schemaVersion: 2, mediaType: MEDIA.manifest, config, layers: [layer] })))
+      return dir
+    }
+    const e = await errorOf(pool.importImage(image(10_000), { name: 'deep' }))
+    expect(e.code).toBe('ERR_OCI_INVALID')
+    expect(e.message).toMatch(/nests deeper than 64/)
+    expect(await pool.templates()).toEqual([])
+    nothingStaged(pool.root)
+    expect((await errorOf(pool.importImage(image(65), { name: 'deep' }))).code).toBe('ERR_OCI_INVALID')
+    await pool.importImage(image(64), { name: 'ok' })
+    await pool.close()
+  }, 60_000)
+})
