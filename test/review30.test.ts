@@ -75,7 +75,7 @@ describe.skipIf(!!missing)(`review: hostile images ${needs('umoci, skopeo, root'
 
 /** A zstd frame (RFC 8878) of raw blocks holding `data`, with the window descriptor byte `windowByte`. */
 function zstdRawFrame(data: Buffer, windowByte: number): Buffer {
-  const parts = [Buffer.from([0x28, 0xb5, 0x2f, 0xfd, 0x00, windowByte])]
+  const parts: Buffer[] = [Buffer.from([0x28, 0xb5, 0x2f, 0xfd, 0x00, windowByte])]
   for (let at = 0; ; at += 65536) {
     const chunk = data.subarray(at, at + 65536)
     const last = at + 65536 >= data.length ? 1 : 0
