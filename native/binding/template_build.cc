@@ -91,6 +91,7 @@ Napi::Value LayerApply(const Napi::CallbackInfo& info) {
   opts.durable = o.booleanOr("durable", false);
   ProgressRef progress = progressOf(o);
   opts.progress = progress.get();
+  opts.minFreeBytes = state->pool->minFreeBytes();
   return Work<vmspace::LayerApplyResult>::Start(
       info.Env(),
       [state, fd, opts, progress] {

@@ -25,6 +25,7 @@
 #include "fallback.h"
 #include "fd.h"
 #include "io.h"
+#include "quota.h"
 #include "remove.h"
 #include "tar.h"
 #include "walk.h"
@@ -43,6 +44,7 @@ constexpr uint64_t kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveI
 constexpr int kMaxSymlinks = 40;  // the kernel's MAXSYMLINKS, which the component walk keeps too
 constexpr size_t kDataChunk = 128 << 10;
 constexpr size_t kHoleBlock = 4096;
+constexpr uint64_t kFloorCheckBytes = 4 << 20;
 const std::string kOpaque = ".wh..wh..opq";
 const std::string kWhiteout = ".wh.";
 
@@ -310,8 +312,19 @@ class LayerApplier {
       }
       if (int err = pwriteAll(fd, data_.data() + i, run - i, static_cast<off_t>(off + i)))
         throwErrno(err, "write", name);
+      checkFloor(fd, run - i, name);
       i = run;
     }
+  }
+
+  // The pool's minFreeBytes, checked every kFloorCheckBytes written: a layer that decompresses to more than the
+  // file system can spare (a gzip bomb) stops at the floor instead of filling it under the running VMs.
+  void checkFloor(int fd, size_t n, const std::string& name) {
+    if (opts_.minFreeBytes == 0) return;
+    sinceFloorCheck_ += n;
+    if (sinceFloorCheck_ < kFloorCheckBytes) return;
+    sinceFloorCheck_ = 0;
+    if (fsSpace(fd, name).available < opts_.minFreeBytes) throwErrno(ENOSPC, "statvfs", name);
   }
 
   void makeDir(const TarEntry& e, int parentFd, const std::string& leaf, const std::vector<std::string>& comps) {
@@ -490,6 +503,7 @@ class LayerApplier {
   std::unordered_set<std::string> created_;  // entries this layer made (the paths as the tar names them)
   std::unordered_set<std::string> touched_;  // those and every directory on their way
   std::vector<DirTime> dirTimes_;
+  uint64_t sinceFloorCheck_ = 0;  // bytes written since the free space was last checked against the floor
 };
 
 }  // namespace

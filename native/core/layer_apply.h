@@ -14,6 +14,7 @@ namespace vmspace {
 struct LayerApplyOptions {
   bool durable = false;               // each regular file fsynced, and the tree's directories at the end
   CloneProgress* progress = nullptr;  // bytes: the tar's bytes read; files: entries applied; cancel: ECANCELED
+  uint64_t minFreeBytes = 0;          // the pool's floor: ENOSPC (syscall 'statvfs') once the file system has less free
 };
 
 struct LayerApplyResult {

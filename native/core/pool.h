@@ -196,6 +196,7 @@ class Pool {
     minFreeBytes_ = minFreeBytes;
     projectIds_ = projectIds;
   }
+  uint64_t minFreeBytes() const { return minFreeBytes_; }
   // The template cache (template_cache.h): `enabled` false clones every source as it is (a copy per workspace
   // where it is on another file system); `maxBytes` is what a sweep keeps of it. Set once, right after open.
   void setCacheConfig(bool enabled, uint64_t maxBytes) {
