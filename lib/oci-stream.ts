@@ -52,11 +52,80 @@ function meter(hash: crypto.Hash, count: (n: number) => void, limit: number, too
 // node:zlib's zstd decoder (Node 22.15+, 23.8+), where the running Node has one.
 const nativeZstd = (zlib as unknown as { createZstdDecompress?: () => Transform }).createZstdDecompress
 
+// The largest window a zstd frame may ask for: libzstd's default decoder limit (2^27, ZSTD_WINDOWLOG_LIMIT_DEFAULT),
+// which node:zlib's decoder keeps too.
+const ZSTD_WINDOW_MAX = 2 ** 27
+
+/**
+ * Walks a zstd stream's frames (RFC 8878, section 3.1) by their headers and block sizes, and throws for a frame whose
+ * window is over ZSTD_WINDOW_MAX: fzstd allocates a frame's whole window up front and copies it once per block, so
+ * a few bytes asking for 2 GiB cost that much memory and hours of copying. What it cannot read it leaves to fzstd.
+ */
+function zstdWindowGuard(): (chunk: Buffer) => void {
+  let skip = 0 // bytes to pass over (block contents, a checksum, a skippable frame)
+  let want = 4 // header bytes `head` must hold before `state` reads them
+  let head = Buffer.alloc(0)
+  let state: 'magic' | 'frame' | 'block' | 'skippable' = 'magic'
+  let checksum = false
+  let off = false
+  return (chunk) => {
+    for (let at = 0; at < chunk.length && !off; ) {
+      if (skip > 0) {
+        const k = Math.min(skip, chunk.length - at)
+        skip -= k
+        at += k
+        continue
+      }
+      const k = Math.min(want - head.length, chunk.length - at)
+      head = Buffer.concat([head, chunk.subarray(at, at + k)])
+      at += k
+      if (head.length < want) return
+      if (state === 'magic') {
+        const magic = head.readUInt32LE(0)
+        if ((magic & 0xfffffff0) === 0x184d2a50) [state, want] = ['skippable', 8]
+        else if (magic === 0xfd2fb528) [state, want] = ['frame', 6]
+        else off = true // not zstd: fzstd says so
+        continue
+      }
+      if (state === 'skippable') {
+        ;[skip, state, want, head] = [head.readUInt32LE(4), 'magic', 4, Buffer.alloc(0)]
+        continue
+      }
+      if (state === 'frame') {
+        const fhd = head[4]
+        const single = (fhd >> 5) & 1
+        const fcsBytes = [single, 2, 4, 8][fhd >> 6]
+        const full = 5 + (single ? 0 : 1) + [0, 1, 2, 4][fhd & 3] + fcsBytes
+        if (head.length < full) {
+          want = full
+          continue
+        }
+        let window: number
+        if (!single) window = 2 ** (10 + (head[5] >> 3)) * (1 + (head[5] & 7) / 8)
+        else window = Number(head.readUIntLE(full - fcsBytes, Math.min(fcsBytes, 6))) + (fcsBytes === 2 ? 256 : 0) + (fcsBytes === 8 ? head.readUInt16LE(full - 2) * 2 ** 48 : 0)
+        if (window > ZSTD_WINDOW_MAX) throw new Error(`a zstd frame asks for a window of ${window} bytes, more than the ${ZSTD_WINDOW_MAX} decoders allow`)
+        ;[checksum, state, want, head] = [((fhd >> 2) & 1) === 1, 'block', 3, Buffer.alloc(0)]
+        continue
+      }
+      const h = head.readUIntLE(0, 3)
+      const type = (h >> 1) & 3
+      skip = type === 1 ? 1 : h >>> 3
+      head = Buffer.alloc(0)
+      if (h & 1) {
+        skip += checksum ? 4 : 0
+        ;[state, want] = ['magic', 4]
+      }
+    }
+  }
+}
+
 /** fzstd's streaming decoder as a Transform (Node without a zstd decoder of its own: Node 20). */
 function fzstdTransform(): Transform {
+  const guard = zstdWindowGuard()
   const out: Transform = new Transform({
     transform(chunk: Buffer, _enc, done) {
       try {
+        guard(chunk)
         d.push(chunk)
         done()
       } catch (e) {

@@ -100,8 +100,9 @@ export async function readTar(file: string, size: number): Promise<Map<string, T
         if (type === 'x') {
           const r = paxRecords(meta, file)
           pending = { ...pending, path: r.get('path') ?? pending.path, link: r.get('linkpath') ?? pending.link }
-          if (r.has('size')) pending.size = Number(r.get('size'))
-          if (pending.size !== undefined && !Number.isSafeInteger(pending.size)) throw invalid(file, 'a PAX size that is not an integer')
+          if (r.has('size')) pending.size = /^[0-9]+$/.test(r.get('size')!) ? Number(r.get('size')) : NaN
+          // A negative size would move the reader backwards (back onto this header: a loop).
+          if (pending.size !== undefined && !Number.isSafeInteger(pending.size)) throw invalid(file, 'a PAX size that is not a non-negative integer')
         } else {
           const text = meta.toString('utf8').replace(/\0+$/, '')
           pending = type === 'L' ? { ...pending, path: text } : { ...pending, link: text }

@@ -22,6 +22,10 @@ const MANIFEST_TYPES = ['application/vnd.oci.image.manifest.v1+json', 'applicati
 const CONFIG_TYPES = ['application/vnd.oci.image.config.v1+json', 'application/vnd.docker.container.image.v1+json']
 // How deep an index may nest others (an image index of indexes is legal; a cycle is not).
 const INDEX_DEPTH = 4
+// The most layers an image may have: Docker's (overlay2's) limit, which every image a registry serves keeps. Each
+// layer is a template, a clone of the tree below it: a few MB of manifest listing one small layer thousands of
+// times would otherwise make as many trees.
+export const LAYERS_MAX = 128
 
 /** How a layer blob is compressed. 'sniff': a docker-archive's layer, whose compression its first bytes tell. */
 export type Compression = 'gzip' | 'zstd' | 'none' | 'sniff'
@@ -220,12 +224,33 @@ export class OciSource {
       if (actual !== desc.digest)
         throw ociError('ERR_OCI_DIGEST_MISMATCH', `blob ${desc.digest} hashes to ${actual}`, this.path, { blob: desc.digest, expected: desc.digest, actual })
     }
+    let value: unknown
     try {
-      return JSON.parse(buf.toString('utf8')) as unknown
+      value = JSON.parse(buf.toString('utf8')) as unknown
     } catch {
       throw ociError('ERR_OCI_INVALID', `${loc.name} is not JSON`, this.path)
     }
+    if (jsonDepth(value) > JSON_DEPTH_MAX) throw ociError('ERR_OCI_INVALID', `${loc.name} nests deeper than ${JSON_DEPTH_MAX}`, this.path)
+    return value
   }
+}
+
+// How deep a JSON document may nest: the config is stored in template.json and handed back, by code that recurses
+// (a few KB of brackets overflowed the stack: a RangeError, after a layer was built). Real ones nest a few levels.
+const JSON_DEPTH_MAX = 64
+
+/** How deep `value` nests (a scalar 0), walked without recursion. */
+function jsonDepth(value: unknown): number {
+  let max = 0
+  const stack: [unknown, number][] = [[value, 0]]
+  while (stack.length > 0) {
+    const [v, depth] = stack.pop()!
+    if (v === null || typeof v !== 'object') continue
+    max = Math.max(max, depth + 1)
+    if (max > JSON_DEPTH_MAX) return max
+    for (const child of Object.values(v)) stack.push([child, depth + 1])
+  }
+  return max
 }
 
 /** `name` as a path inside the source: relative, no `..`, no empty components past a leading `./`. */
@@ -314,7 +339,8 @@ export async function chooseOciImage(src: OciSource, ref: string | undefined, pl
     throw ociError('ERR_OCI_REF', `${src.path} holds several images: give one of the refs ${refs.join(', ')}`, src.path)
   }
   const candidates: Candidate[] = []
-  for (const d of chosen) await expandIndex(src, d, refOf(d), 0, candidates)
+  const seen = new Set<string>()
+  for (const d of chosen) await expandIndex(src, d, refOf(d), 0, candidates, seen)
   const fitting = candidates.filter((c) => c.desc.platform === undefined || platformMatches(platform, c.desc.platform))
   for (const c of fitting) {
     const image = await readOciManifest(src, c)
@@ -335,7 +361,11 @@ function indexEntries(doc: Record<string, unknown>, what: string, where: string)
   return doc.manifests.map((m, i) => descriptor(m, `${what}'s manifests[${i}]`, where))
 }
 
-async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, depth: number, out: Candidate[]): Promise<void> {
+async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, depth: number, out: Candidate[], seen: Set<string>): Promise<void> {
+  // Each document once: indexes listing one index many times over would otherwise be read (and their manifests
+  // tried) as many times as the product of their lengths.
+  if (seen.has(d.digest)) return
+  seen.add(d.digest)
   if (MANIFEST_TYPES.includes(d.mediaType)) {
     out.push({ desc: d, ref })
     return
@@ -344,7 +374,7 @@ async function expandIndex(src: OciSource, d: Descriptor, ref: string | null, de
     throw ociError('ERR_OCI_INVALID', `${src.path}: ${d.digest} has the mediaType ${d.mediaType}, neither a manifest's nor an index's`, src.path)
   if (depth >= INDEX_DEPTH) throw ociError('ERR_OCI_INVALID', `${src.path}: indexes nest deeper than ${INDEX_DEPTH}`, src.path)
   const doc = await src.readJson(src.blob(d.digest), d)
-  for (const inner of indexEntries(doc, `index ${d.digest}`, src.path)) await expandIndex(src, inner, ref, depth + 1, out)
+  for (const inner of indexEntries(doc, `index ${d.digest}`, src.path)) await expandIndex(src, inner, ref, depth + 1, out, seen)
 }
 
 /** A manifest and its config read and checked: the image, and the platform its config declares. */
@@ -359,6 +389,7 @@ async function readOciManifest(src: OciSource, c: Candidate): Promise<{ image: O
   if (!CONFIG_TYPES.includes(configDesc.mediaType))
     throw ociError('ERR_OCI_INVALID', `${where}: ${what}'s config has the mediaType ${configDesc.mediaType}, not an image config's`, where)
   if (!Array.isArray(m.layers)) throw ociError('ERR_OCI_INVALID', `${where}: ${what} has no layers array`, where)
+  if (m.layers.length > LAYERS_MAX) throw ociError('ERR_OCI_INVALID', `${where}: ${what} has ${m.layers.length} layers, more than ${LAYERS_MAX}`, where)
   const layerDescs = m.layers.map((l, i) => descriptor(l, `${what}'s layers[${i}]`, where))
   const config = await src.readJson(src.blob(configDesc.digest), configDesc)
   const { diffIds, platformOf, settings } = imageConfig(config, `config ${configDesc.digest}`, where)
@@ -436,6 +467,7 @@ function dockerEntry(e: unknown, i: number, where: string): { config: string; ta
   if (!isPlainObject(e)) throw bad('is not an object')
   if (typeof e.Config !== 'string') throw bad('has no Config path')
   if (!Array.isArray(e.Layers) || !e.Layers.every((l) => typeof l === 'string')) throw bad('has no Layers array of paths')
+  if (e.Layers.length > LAYERS_MAX) throw bad(`has ${e.Layers.length} layers, more than ${LAYERS_MAX}`)
   const tags = e.RepoTags ?? []
   if (!Array.isArray(tags) || !tags.every((t) => typeof t === 'string')) throw bad('has RepoTags that are not strings')
   for (const p of [e.Config, ...e.Layers]) insideName(p, where)

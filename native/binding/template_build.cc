@@ -91,12 +91,12 @@ Napi::Value LayerApply(const Napi::CallbackInfo& info) {
   opts.durable = o.booleanOr("durable", false);
   ProgressRef progress = progressOf(o);
   opts.progress = progress.get();
+  opts.minFreeBytes = state->pool->minFreeBytes();
   return Work<vmspace::LayerApplyResult>::Start(
       info.Env(),
-      [state, fd, opts, progress]() mutable {
+      [state, fd, opts, progress] {
         UniqueFd own = std::move(*fd);
         auto lock = lockBuild(*state, "layerApply");
-        opts.minFreeBytes = state->pool->minFreeBytes();
         return vmspace::applyLayer(own.get(), state->build->treeFd(), state->build->treePath(), opts);
       },
       [](Napi::Env env, vmspace::LayerApplyResult& r) -> Napi::Value {

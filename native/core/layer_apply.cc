@@ -44,7 +44,7 @@ constexpr uint64_t kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveI
 constexpr int kMaxSymlinks = 40;  // the kernel's MAXSYMLINKS, which the component walk keeps too
 constexpr size_t kDataChunk = 128 << 10;
 constexpr size_t kHoleBlock = 4096;
-constexpr uint64_t kSpaceCheckBytes = 64 << 20;
+constexpr uint64_t kFloorCheckBytes = 4 << 20;
 const std::string kOpaque = ".wh..wh..opq";
 const std::string kWhiteout = ".wh.";
 
@@ -161,7 +161,6 @@ class LayerApplier {
       : tar_(fd, rootPath, opts.progress), rootFd_(rootFd), rootPath_(rootPath), opts_(opts), data_(kDataChunk) {}
 
   LayerApplyResult run() {
-    checkSpace();
     TarEntry e;
     while (tar_.next(&e)) {
       if (opts_.progress && opts_.progress->cancel.load(std::memory_order_relaxed))
@@ -216,13 +215,6 @@ class LayerApplier {
         break;
     }
     made(comps);
-  }
-
-  // ENOSPC when the file system has less than the pool's floor available (LayerApplyOptions::minFreeBytes).
-  void checkSpace() {
-    sinceSpaceCheck_ = 0;
-    if (opts_.minFreeBytes && fsSpace(rootFd_, rootPath_).available < opts_.minFreeBytes)
-      throwErrno(ENOSPC, "statvfs", rootPath_);
   }
 
   static struct timespec mtimeOf(const TarEntry& e) { return {static_cast<time_t>(e.mtimeSec), e.mtimeNsec}; }
@@ -293,7 +285,6 @@ class LayerApplier {
       if (n == 0) break;
       writeKeepingHoles(f.get(), n, off, e.name);
       off += n;
-      if ((sinceSpaceCheck_ += n) >= kSpaceCheckBytes) checkSpace();
     }
     if (ftruncate(f.get(), static_cast<off_t>(e.size)) != 0) throwErrno(errno, "ftruncate", e.name);
     setMetadata(f.get(), e);
@@ -321,8 +312,19 @@ class LayerApplier {
       }
       if (int err = pwriteAll(fd, data_.data() + i, run - i, static_cast<off_t>(off + i)))
         throwErrno(err, "write", name);
+      checkFloor(fd, run - i, name);
       i = run;
     }
+  }
+
+  // The pool's minFreeBytes, checked every kFloorCheckBytes written: a layer that decompresses to more than the
+  // file system can spare (a gzip bomb) stops at the floor instead of filling it under the running VMs.
+  void checkFloor(int fd, size_t n, const std::string& name) {
+    if (opts_.minFreeBytes == 0) return;
+    sinceFloorCheck_ += n;
+    if (sinceFloorCheck_ < kFloorCheckBytes) return;
+    sinceFloorCheck_ = 0;
+    if (fsSpace(fd, name).available < opts_.minFreeBytes) throwErrno(ENOSPC, "statvfs", name);
   }
 
   void makeDir(const TarEntry& e, int parentFd, const std::string& leaf, const std::vector<std::string>& comps) {
@@ -501,7 +503,7 @@ class LayerApplier {
   std::unordered_set<std::string> created_;  // entries this layer made (the paths as the tar names them)
   std::unordered_set<std::string> touched_;  // those and every directory on their way
   std::vector<DirTime> dirTimes_;
-  uint64_t sinceSpaceCheck_ = 0;
+  uint64_t sinceFloorCheck_ = 0;  // bytes written since the free space was last checked against the floor
 };
 
 }  // namespace

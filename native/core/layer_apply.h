@@ -14,10 +14,7 @@ namespace vmspace {
 struct LayerApplyOptions {
   bool durable = false;               // each regular file fsynced, and the tree's directories at the end
   CloneProgress* progress = nullptr;  // bytes: the tar's bytes read; files: entries applied; cancel: ECANCELED
-  // The pool's free-space floor: checked before the first entry and after every kSpaceCheckBytes of file data, so a
-  // layer that decompresses to more than the disk holds (a gzip bomb) stops at the floor (ENOSPC, syscall statvfs)
-  // instead of filling the file system that running workspaces write to. 0: none.
-  uint64_t minFreeBytes = 0;
+  uint64_t minFreeBytes = 0;          // the pool's floor: ENOSPC (syscall 'statvfs') once the file system has less free
 };
 
 struct LayerApplyResult {
