@@ -108,12 +108,14 @@ export async function importImage(host: ImportHost, source: unknown, options: Im
   const progress = native.newProgress()
   const onAbort = () => native.cancelProgress(progress)
   o.signal?.addEventListener('abort', onAbort, { once: true })
+  const built: string[] = []
   try {
     return await withRetry(o.signal, async () => {
-      const { topId, layers } = await buildChain(host, src, image, chains, progress, o)
+      const { topId, layers } = await buildChain(host, src, image, chains, progress, o, built)
       return publishImage(host, { ...o, name }, image, topId, layers, progress)
     })
   } catch (e) {
+    await discardLayers(host, built)
     if (o.signal?.aborted) throw new AbortError(o.signal.reason)
     throw e
   } finally {
@@ -155,8 +157,31 @@ async function withRetry<T>(signal: AbortSignal | undefined, build: () => Promis
   }
 }
 
-/** The layer templates of `image`, lowest first: each found by its chainID, or built and published. */
-async function buildChain(host: ImportHost, src: OciSource, image: SourceImage, chains: string[], progress: ProgressHandle, o: CheckedImport) {
+/**
+ * A failed import's layer templates, removed (newest first) so that nothing it published stays: those it built
+ * itself (`built`), unless an image lists one by now or someone reads it (another import building on it keeps it,
+ * removeTemplate's unlessCurrent). Never throws: the import's own error is the one reported.
+ */
+async function discardLayers(host: ImportHost, built: string[]): Promise<void> {
+  if (built.length === 0) return
+  try {
+    const templates = await host.templates()
+    const listed = new Set(templates.flatMap((t) => (t.image && !t.retired ? t.image.layers.map((l) => l.chainId) : [])))
+    const all = new Map(templates.map((t) => [t.id, t]))
+    for (const id of [...built].reverse()) {
+      const chainId = all.get(id)?.layer?.chainId
+      if (chainId !== undefined && listed.has(chainId)) continue
+      await call(host.track(native.removeTemplate(host.handle, id, true))).catch(() => {})
+    }
+  } catch {
+    // The pool closed or its templates are unreadable: what is left is unlisted, and pruneTemplates removes it.
+  }
+}
+
+/** The layer templates of `image`, lowest first: each found by its chainID, or built and published (ids in `built`). */
+async function buildChain(
+  host: ImportHost, src: OciSource, image: SourceImage, chains: string[], progress: ProgressHandle, o: CheckedImport, built: string[],
+) {
   const found = await Promise.all(chains.map((c) => call(host.track(native.findLayer(host.handle, layerKey(c))))))
   const missing = image.layers.filter((_, i) => found[i] === null)
   locateLayers(src, { ...image, layers: missing })
@@ -175,17 +200,22 @@ async function buildChain(host: ImportHost, src: OciSource, image: SourceImage, 
   for (const [i, layer] of image.layers.entries()) {
     const before = bytes
     const reused = found[i] !== null
-    const id = found[i] ?? (await buildLayer(host, parent, layer, chains[i], progress, onBytes, o.signal))
-    layers.push({ digest: layer.digest ?? '', diffId: layer.diffId, chainId: chains[i], size: layer.size, reused, bytes: bytes - before })
+    let id = found[i]
+    if (id === null) {
+      const r = await buildLayer(host, parent, layer, chains[i], progress, onBytes, o.signal)
+      if (!r.existing) built.push(r.id)
+      id = r.id
+    }
     parent = id
+    layers.push({ digest: layer.digest ?? '', diffId: layer.diffId, chainId: chains[i], size: layer.size, reused, bytes: bytes - before })
   }
   return { topId: parent, layers }
 }
 
-/** One layer template built on `parent` ('' for none) from `layer`'s blob; its id (another process's when it published first). */
+/** One layer template built on `parent` ('' for none) from `layer`'s blob: its id (`existing`: another process's, published first). */
 async function buildLayer(
   host: ImportHost, parent: string, layer: LayerSource, chainId: string, progress: ProgressHandle, onBytes: (n: number) => void, signal: AbortSignal | undefined,
-): Promise<string> {
+): Promise<{ id: string; existing: boolean }> {
   const b = await call(host.track(native.templateBuildStart(host.handle, { parent, reflink: host.reflink, durable: host.durable, progress })))
   try {
     const d = await applyLayer(b.build, layer, progress, onBytes, host.durable, signal)
@@ -194,7 +224,7 @@ async function buildLayer(
     const record = { chainId, diffId: d.diffId, digest: d.digest, mediaType: layer.mediaType, size: d.bytes }
     const info = jsonMembers({ format: 1, createdAt: Date.now(), parent: parent || undefined, layer: record })
     const r = await call(host.track(native.templateBuildPublish(b.build, { info, layerKey: layerKey(chainId) })))
-    return r.id
+    return r
   } catch (e) {
     await native.templateBuildAbandon(b.build)
     throw e
