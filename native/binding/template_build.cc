@@ -22,7 +22,7 @@ struct BuildState {
 using BuildRef = std::shared_ptr<BuildState>;
 
 // Off the JS thread (removing a tree can take long); on the finalizer's own thread where none can be made.
-void abandonLater(BuildRef state) {
+void abandonLater(const BuildRef& state) {
   auto abandon = [state] {
     std::lock_guard<std::mutex> lock(state->build->mutex());
     state->build->abandon();

@@ -694,7 +694,7 @@ static std::string tarHeader(const std::string& name, size_t size, const std::st
 // The code the tar reader throws for `bytes` (read through a pipe), or "" when it reads every entry.
 static std::string tarOutcome(const std::string& bytes, std::vector<TarEntry>* entries = nullptr) {
   int fds[2];
-  if (pipe(fds) != 0) return "pipe";
+  if (pipe2(fds, O_CLOEXEC) != 0) return "pipe";
   UniqueFd r(fds[0]), w(fds[1]);
   pid_t pid = fork();
   if (pid == 0) {
