@@ -337,6 +337,32 @@ describe.each(pools)('importImage on $label', ({ label, dir, why }) => {
     await pool.close()
   })
 
+  test.skipIf(skip)("each whiteout case gives umoci unpack's tree: .wh. of a file and of a directory, an opaque directory with the same layer's entries before and after its marker, a file and a directory replacing each other", async () => {
+    const pool = await fresh()
+    const lower = makeTar([
+      { name: 'a', type: 'dir' }, { name: 'a/x', data: 'x' }, { name: 'a/y', data: 'y' },
+      { name: 'b', type: 'dir', mode: 0o750 }, { name: 'b/z', data: 'z' }, { name: 'b/sub', type: 'dir' }, { name: 'b/sub/deep', data: 'deep' },
+      { name: 'c', data: 'c' }, { name: 'd', type: 'dir' }, { name: 'd/w', data: 'w' }, { name: 'e', data: 'e' },
+      { name: 'f', type: 'dir' }, { name: 'f/1', data: '1' }, { name: 'f/2', type: 'dir' },
+    ])
+    const upper = makeTar([
+      { name: 'a/.wh.x' },
+      { name: 'b/early', data: 'same layer, before the marker' },
+      { name: 'b/.wh..wh..opq' },
+      { name: 'b/new', data: 'same layer, after the marker' },
+      { name: 'c', type: 'dir' }, { name: 'c/inner', data: 'inner' },
+      { name: 'd', data: 'file now' },
+      { name: '.wh.e' },
+      { name: '.wh.f' },
+    ])
+    const raw = rawLayerImage(freshDir(mounts.scratch, 'raw'), [lower, upper], { compression: ['gzip', 'none'] })
+    const t = await pool.importImage(raw.layoutDir, { name: 'whiteouts' })
+    expect(await againstUmoci(pool, t.id, raw.ref, raw.layoutDir)).toEqual([])
+    expect(fs.readdirSync(t.path).sort()).toEqual(['a', 'b', 'c', 'd'])
+    expect(fs.readdirSync(path.join(t.path, 'b')).sort()).toEqual(['early', 'new'])
+    await pool.close()
+  })
+
   test.skipIf(skip)('the three source formats give the same tree', async () => {
     const pool = await fresh()
     const oci = await pool.importImage(`oci:${layout}:every`, { name: 'from-oci' })

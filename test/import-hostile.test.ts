@@ -1,6 +1,7 @@
 /**
- * A cold review of importImage: hostile images (layers, indexes, archives) and careless callers. Each test states
- * the behaviour that must hold; a canary outside the pool keeps its hash throughout.
+ * importImage against hostile images (indexes that fan out, archives with bad PAX records, zstd windows, layer counts,
+ * JSON depth, a gzip bomb against the pool's floor) and a source form the CLI must take. Each test states the
+ * behaviour that must hold; a canary outside the pool keeps its hash throughout.
  */
 import { createHash } from 'node:crypto'
 import { spawnSync } from 'node:child_process'
