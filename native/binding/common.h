@@ -22,6 +22,10 @@
 #include "../core/pool.h"
 #include "batch.h"
 
+namespace vmspace {
+struct CommitResult;  // ../core/template.h
+}  // namespace vmspace
+
 namespace vmspace::binding {
 
 // The one error helper: a core Error as a plain object with Node's fs error fields; lib/errors.ts turns it into
@@ -145,6 +149,9 @@ vmspace::CloneOptions cloneOptionsOf(const Options& o);
 ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i);
 ProgressRef progressOf(const Options& o);  // the key "progress"
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
+// A published template as commitTemplate and templateBuildPublish give it: {id, metaText, allocatedBytes} and, when
+// a name was swapped, {replacedId, replacedRemoved}.
+Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r);
 // The same as an array: [kind, method, files, bytes, reflinked, copied] (a file the template cache served: and its
 // cache, "hit" or "miss"), and for a tree dirs, symlinks, hardlinks,
 // fifos, devices, skipped sockets, skipped devices (lib/clone.ts, cloneResultOf).

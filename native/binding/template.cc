@@ -5,6 +5,18 @@
 
 namespace vmspace::binding {
 
+Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("id", r.id);
+  o.Set("metaText", r.metaText);
+  o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
+  if (!r.replacedId.empty()) {
+    o.Set("replacedId", r.replacedId);
+    o.Set("replacedRemoved", r.replacedRemoved);
+  }
+  return o;
+}
+
 namespace {
 
 // commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, keepDevices, keepSetId, progress})
@@ -26,15 +38,8 @@ Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   return Work<vmspace::CommitResult>::Start(
       info.Env(), [pool, req, progress] { return pool->templates(true)->commit(req); },
       [reflink = req.clone.reflink](Napi::Env env, vmspace::CommitResult& r) -> Napi::Value {
-        Napi::Object o = Napi::Object::New(env);
-        o.Set("id", r.id);
-        o.Set("metaText", r.metaText);
+        Napi::Object o = publishedObject(env, r);
         o.Set("clone", summaryObject(env, r.clone, reflink));
-        o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
-        if (!r.replacedId.empty()) {
-          o.Set("replacedId", r.replacedId);
-          o.Set("replacedRemoved", r.replacedRemoved);
-        }
         return o;
       });
 }

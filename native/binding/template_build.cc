@@ -124,15 +124,8 @@ Napi::Value TemplateBuildPublish(const Napi::CallbackInfo& info) {
         return state->build->publish(req);
       },
       [](Napi::Env env, vmspace::CommitResult& r) -> Napi::Value {
-        Napi::Object o = Napi::Object::New(env);
-        o.Set("id", r.id);
+        Napi::Object o = publishedObject(env, r);
         o.Set("existing", r.existing);
-        o.Set("metaText", r.metaText);
-        o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
-        if (!r.replacedId.empty()) {
-          o.Set("replacedId", r.replacedId);
-          o.Set("replacedRemoved", r.replacedRemoved);
-        }
         return o;
       });
 }
