@@ -602,6 +602,16 @@ export interface Template {
   layer?: LayerRecord
   /** An image template (importImage): the image it holds. Absent for other templates. */
   image?: ImageRecord
+  /** Its shared files (commit's `share`), index n being `shared/<n>`; absent when the template shares nothing. */
+  shared?: SharedFile[]
+}
+
+/** A file every workspace made from the template holds as a hard link of one read-only inode. */
+export interface SharedFile {
+  /** Workspace-relative, as given to commit's `share`. */
+  path: string
+  /** Its size in bytes. */
+  bytes: number
 }
 
 /** A layer template's record: the layer applied onto the parent layer template's tree (docs/images.md). */
