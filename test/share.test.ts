@@ -292,6 +292,32 @@ describe.skipIf(mounts.xfs === null)('bad share values (loop XFS)', () => {
     expect(listing(root)).toEqual(before)
   })
 
+  test('fork({ share }) gives every child the one inode; the fork removes its template, the children keep it', async () => {
+    const kids = await pool.fork(ws, 2, { share: ['d/f'] })
+    try {
+      expect(inode(path.join(kids[0].path, 'd', 'f'))).toBe(inode(path.join(kids[1].path, 'd', 'f')))
+      expect(inode(path.join(kids[0].path, 'd', 'f'))).not.toBe(inode(path.join(ws.path, 'd', 'f')))
+      expect(fs.statSync(path.join(kids[0].path, 'd', 'f')).nlink).toBe(2)
+      expect(fs.readFileSync(path.join(kids[1].path, 'd', 'f'), 'utf8')).toBe('x')
+    } finally {
+      await Promise.all(kids.map((k) => k.dispose()))
+    }
+  })
+
+  test('vmspace commit --share PATH (repeated) shares each; a bad one exits with the library error', () => {
+    const bin = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
+    const ok = spawnSync(process.execPath, [bin, 'commit', root, ws.id, '--share', 'd/f', '--share', 'fifo', '--json'], { encoding: 'utf8' })
+    expect(ok.stderr).toContain('ERR_INVALID_ARG_VALUE')
+    expect(ok.status).not.toBe(0)
+    const r = spawnSync(process.execPath, [bin, 'commit', root, ws.id, '--share', 'd/f', '--json'], { encoding: 'utf8' })
+    expect(r.status).toBe(0)
+    const t = JSON.parse(r.stdout) as CommitResult
+    expect(t.shared).toEqual([{ path: 'd/f', bytes: 1 }])
+    expect(fs.statSync(path.join(root, '.vmspace', 'templates', t.id, 'shared', '0')).mode & 0o7777).toBe(0o444)
+    spawnSync(process.execPath, [bin, 'template', 'rm', root, t.id])
+    expect(fs.existsSync(path.join(root, '.vmspace', 'templates', t.id))).toBe(false)
+  })
+
   test('a commit SIGKILLed while it writes its shared file leaves a staging entry that sweep removes', async () => {
     const ws2 = await pool.allocate()
     writeRandomFile(path.join(ws2.path, 'big'), 256 * MiB)
