@@ -13,10 +13,10 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
-#include <vector>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "../core/clone.h"
 #include "../core/error.h"

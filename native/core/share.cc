@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,15 +21,6 @@
 namespace vmspace {
 namespace {
 
-// openat2(2) (Linux 5.6), called raw: a libc or kernel headers may lack it. Values of include/uapi/linux/openat2.h.
-#ifndef SYS_openat2
-#define SYS_openat2 437
-#endif
-struct OpenHow {
-  uint64_t flags, mode, resolve;
-};
-constexpr uint64_t kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveNoSymlinks = 0x04,
-                   kResolveBeneath = 0x08;
 constexpr size_t kMaxSharedPathsBytes = kMaxSharedFiles * 4097;
 
 [[noreturn]] void badShare(const std::string& path, const std::string& why) {
@@ -42,10 +32,10 @@ constexpr size_t kMaxSharedPathsBytes = kMaxSharedFiles * 4097;
 // component walk with O_NOFOLLOW that refuses a symlink (ELOOP) or another device (EXDEV) on the way. -1 and errno.
 int openBeneathNoSymlinks(int wsFd, const std::string& rel) {
   if (!kTestFallback.noOpenat2) {
-    OpenHow how{O_PATH | O_NOFOLLOW | O_CLOEXEC, 0,
-                kResolveBeneath | kResolveNoSymlinks | kResolveNoMagicLinks | kResolveNoXdev};
-    long fd = syscall(SYS_openat2, wsFd, rel.c_str(), &how, sizeof how);
-    if (fd >= 0 || errno != ENOSYS) return static_cast<int>(fd);
+    int fd = openat2Raw(wsFd, rel.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC,
+                        kResolveBeneath | kResolveNoSymlinks | kResolveNoMagicLinks | kResolveNoXdev);
+    // EAGAIN: a rename elsewhere raced the resolution; the walk below has no such check to fail.
+    if (fd >= 0 || (errno != ENOSYS && errno != EAGAIN)) return fd;
   }
   struct stat root;
   if (fstat(wsFd, &root) != 0) return -1;
