@@ -489,7 +489,10 @@ export interface WorkspaceUsage {
   allocatedBytes: number
   /** Data extents no other file references (what removing the workspace frees); not yet written-back data too. */
   exclusiveBytes: number
-  /** Data extents also referenced elsewhere (FIEMAP_EXTENT_SHARED: reflinks of the template, snapshots). */
+  /**
+   * Data extents also referenced elsewhere (FIEMAP_EXTENT_SHARED: reflinks of the template, snapshots), and the
+   * data of files with links outside the workspace (a template's shared files: `st_nlink` above the links found).
+   */
   sharedBytes: number
   /** Sum of the regular files' sizes. */
   logicalBytes: number

@@ -351,3 +351,58 @@ describe.skipIf(mounts.xfs === null)('bad share values (loop XFS)', () => {
     }
   })
 })
+
+const projectQuotaFs = [
+  { label: 'XFS', mkfs: ['mkfs.xfs', '-q', '-f', '-m', 'reflink=1'] },
+  { label: 'ext4', mkfs: ['mkfs.ext4', '-q', '-F', '-O', 'project,quota'] },
+]
+
+describe.skipIf(!mounts.root).each(projectQuotaFs)('$label with project quotas', ({ label, mkfs }) => {
+  let dir = ''
+  let mnt: string | null = null
+  let why = ''
+
+  beforeAll(() => {
+    dir = fs.mkdtempSync(path.join(mounts.scratch, 'vmspace-share-prj-'))
+    const image = path.join(dir, 'fs.img')
+    fs.closeSync(fs.openSync(image, 'wx'))
+    fs.truncateSync(image, 512 * MiB)
+    mnt = path.join(dir, 'mnt')
+    fs.mkdirSync(mnt)
+    for (const [cmd, ...args] of [[...mkfs, image], ['mount', '-o', 'loop,prjquota', image, mnt]]) {
+      const r = spawnSync(cmd, args, { encoding: 'utf8' })
+      if (r.status !== 0) {
+        // This kernel may lack a file system's quota support (XFS: "quota support not available").
+        why = `${label}: ${cmd} failed: ${(r.stderr || r.error?.message || '').trim().split('\n')[0]}`
+        mnt = null
+        return
+      }
+    }
+    fs.chmodSync(mnt, 0o755)
+  })
+
+  afterAll(() => removeScratch(dir))
+
+  test('allocate({ from, quota }) of a template with shared files: linkat answers EXDEV (another project id), ERR_SHARE_UNSUPPORTED, nothing made', async (ctx) => {
+    if (!mnt) return ctx.skip(why)
+    const root = path.join(mnt, 'pool')
+    const pool = await openPool(root)
+    const projects = () => (fs.existsSync(path.join(root, '.vmspace', 'projects')) ? listing(path.join(root, '.vmspace', 'projects')) : [])
+    try {
+      const ws = await pool.allocate()
+      fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
+      await pool.commit(ws, { name: 'snap', share: ['mem'] })
+      const before = poolState(root)
+      const claims = projects()
+      const err = await rejection(pool.allocate({ from: 'snap', quota: { bytes: 64 * MiB } }))
+      expect(err).toMatchObject({ code: 'ERR_SHARE_UNSUPPORTED', path: 'mem', cause: { code: 'EXDEV' } })
+      expect(poolState(root)).toEqual(before)
+      expect(projects()).toEqual(claims)
+      // Without a quota, the same template allocates.
+      const child = await pool.allocate({ from: 'snap' })
+      expect(fs.readFileSync(path.join(child.path, 'mem'), 'utf8')).toBe('memory')
+    } finally {
+      await pool.close()
+    }
+  })
+})

@@ -114,9 +114,9 @@ void throwShareUnsupported(const std::string& path, const std::string& why) {
 }
 
 std::vector<ShareSource> openShareSources(int wsFd, const std::string& wsPath, const std::vector<std::string>& share,
-                                          int parentFd) {
+                                          int parentFd, const std::string& parentPath) {
   std::vector<std::string> inherited;
-  if (parentFd >= 0) inherited = readSharedPaths(parentFd, "shared-paths");
+  if (parentFd >= 0) inherited = readSharedPaths(parentFd, parentPath + "/" + kSharedPathsFile);
   std::vector<ShareSource> out;
   auto parentIndex = [&](const std::string& rel) {
     for (size_t i = 0; i < inherited.size(); i++)

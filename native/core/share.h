@@ -34,7 +34,7 @@ struct ShareSource {
 // the workspace is still the parent's inode. A path of `share` that is missing is ENOENT; not a regular file, a
 // symlink on the way, or on another mount is ERR_INVALID_ARG_VALUE naming it. Nothing is made.
 std::vector<ShareSource> openShareSources(int wsFd, const std::string& wsPath, const std::vector<std::string>& share,
-                                          int parentFd);
+                                          int parentFd, const std::string& parentPath);
 
 // Makes shared/ below the staging entry `leaseFd` (shown as `stagingPath`) with shared/<n> for each source: the
 // same inode where it is inherited, else its data cloned once (reflink where the pool reflinks, else copied) into a

@@ -149,7 +149,7 @@ void TemplateCommit::openShares() {
     parent.reset(openat(store_.fd_.get(), req_.parentId.c_str(), kDirFlags));
     if (!parent && errno != ENOENT) throwErrno(errno, "open", store_.path(req_.parentId));
   }
-  shares_ = openShareSources(ws.get(), req_.sourcePath, req_.share, parent.get());
+  shares_ = openShareSources(ws.get(), req_.sourcePath, req_.share, parent.get(), store_.path(req_.parentId));
   for (const ShareSource& s : shares_) sharePaths_.push_back(s.path);
   if (!sharePaths_.empty()) opts_.skipFiles = &sharePaths_;
 }
