@@ -61,7 +61,9 @@ ShareSource openSource(int wsFd, const std::string& wsPath, const std::string& r
   s.path = rel;
   s.fd.reset(openBeneathNoSymlinks(wsFd, rel));
   if (!s.fd) {
-    if (!strict) return s;
+    // An inherited path the guest removed, or turned into (or put under) a symlink or a mount: not shared any more.
+    bool changed = errno == ENOENT || errno == ENOTDIR || errno == ELOOP || errno == EXDEV;
+    if (!strict && changed) return s;
     if (errno == ELOOP) badShare(rel, "has a symlink on the way (never followed)");
     if (errno == EXDEV) badShare(rel, "is on another mount than the workspace");
     throwErrno(errno, "open", wsPath + "/" + rel);
