@@ -16,6 +16,7 @@
         "native/binding/template.cc",
         "native/binding/template_build.cc",
         "native/binding/quota.cc",
+        "native/binding/rollback.cc",
         "native/core/clone.cc",
         "native/core/names.cc",
         "native/core/pool.cc",
@@ -41,6 +42,7 @@
         "native/core/metadata.cc",
         "native/core/pool_publish.cc",
         "native/core/pool_sweep.cc",
+        "native/core/rollback.cc",
         "native/core/trusted.cc",
         "native/core/usage.cc",
         "native/core/walk.cc"
