@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
 import { openPool, type Pool, type Workspace } from '../lib/index.js'
-import { Child, fixtures, freshDir, MiB, mounts, needs, poolState, requireMount, workspaceChild, writeRandomFile } from './helpers.js'
+import { bindInto, Child, fixtures, freshDir, MiB, mounts, needs, poolState, requireMount, runCommand, snapshotTree, workspaceChild, writeRandomFile } from './helpers.js'
 import { exactSnapshot, rejection, treeListing } from './layout-helpers.js'
 
 const fileSystems = [
@@ -104,6 +104,31 @@ for (const { label, base, missing } of fileSystems) {
       await ws.rollback(cp)
       expect(fs.statSync(ws.path).mode & 0o7777).toBe(0o711)
       expect(treeState(ws.path)).toEqual(['f f 0644 ' + createHash('sha256').update('x').digest('hex')])
+      await ws.dispose()
+    })
+
+    test.skipIf(!mounts.root)('a mount inside the replaced tree: the swap happens, the old tree stays in trash (removed: false) with the mount untouched, and a sweep reports it until it is unmounted', async () => {
+      await using pool = await openPool(path.join(freshDir(base!), 'pool'))
+      const ws = await filled(pool)
+      const before = treeState(ws.path)
+      const cp = await ws.checkpoint()
+      const { outside, before: outsideBefore } = bindInto(freshDir(base!), ws.path)
+      expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: false })
+      expect(treeState(ws.path)).toEqual(before)
+      const state = poolState(pool.root)
+      expect(state.trash).toHaveLength(1)
+      const left = state.trash[0]
+      expect(state).toEqual({ visible: [ws.name], staging: [], trash: [left], leases: [`${ws.id[0]}/${ws.name}`, `${left.charAt(left.length - 32)}/${left}`].sort() })
+      expect(snapshotTree(outside)).toEqual(outsideBefore)
+      const r = await pool.sweep({ graceMs: 0 })
+      expect(r.failed.map((e) => [e.name, e.from, e.code])).toEqual([[left, 'trash', 'EBUSY']])
+      expect(snapshotTree(outside)).toEqual(outsideBefore)
+      const umount = runCommand('umount', [path.join(pool.root, '.vmspace', 'trash', left, 'mnt')])
+      expect(umount.status, umount.stderr).toBe(0)
+      const again = await pool.sweep({ graceMs: 0 })
+      expect(again.reclaimed.map((e) => [e.name, e.from])).toEqual([[left, 'trash']])
+      expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [], trash: [], leases: [`${ws.id[0]}/${ws.name}`] })
+      expect(snapshotTree(outside)).toEqual(outsideBefore)
       await ws.dispose()
     })
 
