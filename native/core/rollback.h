@@ -17,10 +17,10 @@ namespace vmspace {
 class Pool;
 
 struct RollbackRequest {
-  std::string name;        // the published workspace, "<prefix>-<32 hex>"
-  int leaseFd = -1;        // the caller's hold of its lease (byte 0), kept open
-  std::string checkpoint;  // the template's id (checked by the caller to be this workspace's checkpoint)
-  bool durable = false;    // fsync the exchanged directories before returning
+  std::string name;                   // the published workspace, "<prefix>-<32 hex>"
+  int leaseFd = -1;                   // the caller's hold of its lease (byte 0), kept open
+  std::string checkpoint;             // the template's id (checked by the caller to be this workspace's checkpoint)
+  bool durable = false;               // fsync the exchanged directories before returning
   CloneProgress* progress = nullptr;  // the build's counters and cancel (ECANCELED before the exchange)
 };
 
