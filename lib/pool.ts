@@ -712,6 +712,7 @@ export class Pool implements AsyncDisposable {
     const signal = rollbackSignal(options)
     this.#assertOpen()
     const target = await this._rollbackTarget(id, checkpoint)
+    if (signal?.aborted) throw new AbortError(signal.reason) // before the lease is taken
     const { leaseFd } = await call(this.#inFlight.track(native.adopt(this.#handle, `${this.prefix}-${id}`)))
     try {
       return await this._rollback(`${this.prefix}-${id}`, leaseFd, target, signal)

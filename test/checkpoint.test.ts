@@ -251,6 +251,18 @@ for (const { label, base, missing } of fileSystems) {
       await other.dispose()
     })
 
+    test('an aborted signal rejects with an AbortError before anything is built; the tree is unchanged', async () => {
+      await using pool = await openPool(path.join(freshDir(base!), 'pool'))
+      const ws = await filled(pool)
+      const cp = await ws.checkpoint()
+      change(ws)
+      const before = exactSnapshot(pool.root)
+      await expect(ws.rollback(cp, { signal: AbortSignal.abort() })).rejects.toMatchObject({ name: 'AbortError' })
+      await expect(pool.rollback(ws.id, cp, { signal: AbortSignal.abort() })).rejects.toMatchObject({ name: 'AbortError' })
+      expect(exactSnapshot(pool.root)).toEqual(before)
+      await ws.dispose()
+    })
+
     test('a checkpoint is a template: allocate({ from }) clones it, removeTemplate removes it', async () => {
       await using pool = await openPool(path.join(freshDir(base!), 'pool'))
       const ws = await filled(pool)
