@@ -26,6 +26,16 @@ export function checkpointOptions(options: CheckpointOptions | undefined): { kee
   return { keepNewest, maxAgeMs, commit: commit as CommitOptions }
 }
 
+let lastCreatedAt = 0
+/**
+ * A new checkpoint's `createdAt` (ms since the epoch): Date.now(), but later than every one this process gave
+ * before, so that two checkpoints made within one millisecond still have an order (newest first, retention).
+ */
+export function checkpointCreatedAt(): number {
+  lastCreatedAt = Math.max(Date.now(), lastCreatedAt + 1)
+  return lastCreatedAt
+}
+
 /** template.json's `checkpoint` member of a new checkpoint of workspace `workspace`. */
 export function checkpointRecord(workspace: string, keepNewest: number | undefined, maxAgeMs: number | undefined): CheckpointRecord {
   const r: CheckpointRecord = { workspace }

@@ -12,7 +12,7 @@ import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObje
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
-import { parseCheckpointRecord } from './checkpoint.js'
+import { checkpointCreatedAt, parseCheckpointRecord } from './checkpoint.js'
 import { Workspace, workspaceMode } from './workspace.js'
 import type { AllocateOptions, CheckpointRecord, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, Template, TemplateUsage } from './types.js'
 
@@ -161,7 +161,8 @@ export function readySource(ws: Workspace): { path: string; templateId?: string 
  * core adds id, name, method, usage.
  */
 export function templateRecordMembers(parent: string | undefined, meta: string, checkpoint?: CheckpointRecord): JsonMembers {
-  return jsonMembers({ format: 1, createdAt: Date.now(), parent: parent ?? null, checkpoint }, ['meta', meta])
+  const createdAt = checkpoint ? checkpointCreatedAt() : Date.now()
+  return jsonMembers({ format: 1, createdAt, parent: parent ?? null, checkpoint }, ['meta', meta])
 }
 
 /** What commit() returns, from the native commit's result. */

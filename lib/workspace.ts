@@ -59,6 +59,7 @@ export class Workspace implements AsyncDisposable {
   readonly #pool: WorkspaceHost
   readonly #inFlight = new InFlight()
   readonly #hints: DisposeHints
+  #turn: Promise<void> = Promise.resolve() // the last checkpoint or rollback called (#inTurn)
 
   // Private in the published types (workspaces come from Pool.allocate()); lib/ makes them through newWorkspace.
   private constructor(...[token, pool, id, name, wsPath, leaseFd, hints]: WorkspaceArgs) {
@@ -279,7 +280,20 @@ export class Workspace implements AsyncDisposable {
    */
   checkpoint(options?: CheckpointOptions): Promise<Checkpoint> {
     if (this.#status !== 'ready' || this.#disposing) return Promise.reject(this.#gone())
-    return this.#inFlight.track(this.#pool._checkpoint(this, options))
+    return this.#inFlight.track(this.#inTurn(() => this.#pool._checkpoint(this, options)))
+  }
+
+  /**
+   * Runs `fn` after this workspace's checkpoints and rollbacks called before it: a commit walking the tree while a
+   * rollback swaps it out and removes it would take part of the old tree; two rollbacks would race for the name.
+   */
+  #inTurn<T>(fn: () => Promise<T>): Promise<T> {
+    const run = this.#turn.then(fn)
+    this.#turn = run.then(
+      () => {},
+      () => {},
+    )
+    return run
   }
 
   /** This workspace's checkpoints, newest first, each with its `exclusiveBytes` now. `ERR_DISPOSED` after dispose(). */
@@ -299,7 +313,7 @@ export class Workspace implements AsyncDisposable {
   async rollback(checkpoint: Checkpoint | string, options?: { signal?: AbortSignal }): Promise<RollbackResult> {
     const signal = rollbackSignal(options)
     if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
-    return this.#inFlight.track(this.#rollback(checkpoint, signal))
+    return this.#inFlight.track(this.#inTurn(() => this.#rollback(checkpoint, signal)))
   }
 
   async #rollback(checkpoint: Checkpoint | string, signal: AbortSignal | undefined): Promise<RollbackResult> {

@@ -53,6 +53,20 @@ function templateIds(root: string): string[] {
   return fs.existsSync(dir) ? fs.readdirSync(dir).filter((n) => /^[0-9a-f]{32}$/.test(n)).sort() : []
 }
 
+/** A reader of template `id` as allocate({ from }) is one (flock LOCK_SH on its directory) until the returned call. */
+async function holdTemplate(root: string, id: string): Promise<() => Promise<void>> {
+  const dir = path.join(root, '.vmspace', 'templates', id)
+  const hold = 'import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_SH)\nsys.stdin.read()'
+  const reader = spawn('python3', ['-c', hold, dir], { stdio: ['pipe', 'ignore', 'inherit'] })
+  const exited = new Promise<void>((resolve) => reader.once('exit', () => resolve()))
+  onTestFinished(() => void reader.kill('SIGKILL'))
+  await eventually(() => runCommand('flock', ['-n', '-x', dir, 'true']).status !== 0)
+  return async () => {
+    reader.kill('SIGKILL')
+    await exited
+  }
+}
+
 /** `sleep` holding the workspace's lease through fd 3, as a VMM given ws.leaseFd does. */
 function leaseChild(ws: Workspace) {
   const child = spawn('sleep', ['600'], { stdio: ['ignore', 'ignore', 'ignore', ws.leaseFd] })
@@ -92,6 +106,25 @@ for (const { label, base, missing } of fileSystems) {
       expect(await ws.rollback(cp.id)).toEqual({ checkpoint: cp.id, removed: true })
       expect(treeState(ws.path)).toEqual(before)
       expect((await ws.checkpoints()).map((c) => c.id)).toEqual([cp.id])
+      await ws.dispose()
+    })
+
+    test('checkpoints and rollbacks called at once on one workspace run in turn: each sees a whole tree, nothing is left', async () => {
+      await using pool = await openPool(path.join(freshDir(base!), 'pool'))
+      const ws = await filled(pool)
+      const first = treeState(ws.path)
+      const c1 = await ws.checkpoint()
+      change(ws)
+      const second = treeState(ws.path)
+      const c2 = await ws.checkpoint()
+      const [r1, c3, r2, c4] = await Promise.all([ws.rollback(c1), ws.checkpoint(), ws.rollback(c2), ws.checkpoint()])
+      expect([r1.removed, r2.removed]).toEqual([true, true])
+      expect(treeState(ws.path)).toEqual(second)
+      await ws.rollback(c3) // taken after the first rollback: the first tree
+      expect(treeState(ws.path)).toEqual(first)
+      await ws.rollback(c4)
+      expect(treeState(ws.path)).toEqual(second)
+      expect(poolState(pool.root)).toEqual({ visible: [ws.name], staging: [], trash: [], leases: [`${ws.id[0]}/${ws.name}`] })
       await ws.dispose()
     })
 
@@ -157,40 +190,36 @@ for (const { label, base, missing } of fileSystems) {
       await using pool = await openPool(path.join(freshDir(base!), 'pool'))
       const ws = await filled(pool)
       const c1 = await ws.checkpoint()
-      const dir = path.join(pool.root, '.vmspace', 'templates', c1.id)
-      // A reader as allocate({ from }) is one: flock(LOCK_SH) on the template's directory.
-      const hold = 'import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_SH)\nsys.stdin.read()'
-      const reader = spawn('python3', ['-c', hold, dir], { stdio: ['pipe', 'ignore', 'inherit'] })
-      const exited = new Promise<void>((resolve) => reader.once('exit', () => resolve()))
-      onTestFinished(() => void reader.kill('SIGKILL'))
-      await eventually(() => runCommand('flock', ['-n', '-x', dir, 'true']).status !== 0)
+      const release = await holdTemplate(pool.root, c1.id)
       const c2 = await ws.checkpoint({ keepNewest: 1 })
       expect(templateIds(pool.root)).toEqual([c1.id, c2.id].sort())
-      reader.kill('SIGKILL')
-      await exited
+      await release()
       const r = await pool.sweep()
       expect(r.reclaimed.map((e) => [e.name, e.from])).toEqual([[`template-${c1.id}`, 'template']])
       expect((await ws.checkpoints()).map((c) => c.id)).toEqual([c2.id])
       await ws.dispose()
     })
 
-    test("sweep applies the newest checkpoint's retention, and removes every checkpoint of a disposed workspace", async () => {
+    test("sweep applies the newest checkpoint's retention (maxAgeMs), and removes every checkpoint of a disposed workspace", async () => {
       await using pool = await openPool(path.join(freshDir(base!), 'pool'))
       const ws = await filled(pool)
       const gone = await filled(pool)
       const c1 = await ws.checkpoint()
-      const c2 = await ws.checkpoint({ maxAgeMs: 20 })
+      // Read while the new checkpoint's retention runs, so that it is left to the sweep.
+      const release = await holdTemplate(pool.root, c1.id)
+      const c2 = await ws.checkpoint({ maxAgeMs: 1 })
+      await release()
       expect((await ws.checkpoints()).map((c) => c.id)).toEqual([c2.id, c1.id])
       const g1 = await gone.checkpoint()
       const g2 = await gone.checkpoint()
       await gone.dispose()
-      await new Promise((r) => setTimeout(r, 40))
       const dry = await pool.sweep({ dryRun: true })
       expect(dry.reclaimed.map((e) => e.name).sort()).toEqual([c1.id, g1.id, g2.id].map((id) => `template-${id}`).sort())
       expect(templateIds(pool.root)).toEqual([c1.id, c2.id, g1.id, g2.id].sort())
       const r = await pool.sweep()
       expect(r.failed).toEqual([])
       expect(r.reclaimed.map((e) => [e.name, e.from]).sort()).toEqual([c1.id, g1.id, g2.id].map((id) => [`template-${id}`, 'template']).sort())
+      expect(r.reclaimed.every((e) => e.bytes > 0)).toBe(true)
       expect(templateIds(pool.root)).toEqual([c2.id])
       expect((await ws.checkpoints()).map((c) => c.id)).toEqual([c2.id])
       await ws.dispose()

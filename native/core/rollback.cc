@@ -56,6 +56,8 @@ class PoolRollback {
       exchange(staged);
     } catch (...) {
       try {
+        // The claim back to the build's name first: its removal releases it.
+        if (staged.quota.projectId) renameProjectClaim(pool_.projectsFd(false), staged.quota.projectId, staged.name);
         pool_.discard(std::move(staged));
       } catch (...) {
         // Left under its lease file, free once its fd closed: a sweep's. The first error is the one to report.
