@@ -677,6 +677,12 @@ export class Pool implements AsyncDisposable {
    * options here: `ERR_INVALID_ARG_VALUE`).
    */
   async checkpoint(ws: Workspace | string, options?: CheckpointOptions): Promise<Checkpoint> {
+    // A Workspace's own call runs in turn with its rollbacks (Workspace.checkpoint), and comes back to #checkpoint.
+    if (ws instanceof Workspace) return ws.checkpoint(options)
+    return this.#checkpoint(ws, options)
+  }
+
+  async #checkpoint(ws: Workspace | string, options: CheckpointOptions | undefined): Promise<Checkpoint> {
     const { keepNewest, maxAgeMs, commit } = checkpointOptions(options)
     const id = workspaceIdArg(ws)
     const record = checkpointRecord(id, keepNewest, maxAgeMs)
@@ -737,7 +743,7 @@ export class Pool implements AsyncDisposable {
 
   /** @internal Workspace.checkpoint and Workspace.checkpoints. */
   _checkpoint(ws: Workspace, options: CheckpointOptions | undefined): Promise<Checkpoint> {
-    return this.checkpoint(ws, options)
+    return this.#checkpoint(ws, options)
   }
 
   /** @internal */

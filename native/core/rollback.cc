@@ -125,6 +125,8 @@ class PoolRollback {
     struct stat moved;
     if (fstatat(shardFd, staged.name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0 || moved.st_dev != ws_.st_dev ||
         moved.st_ino != ws_.st_ino) {
+      // Swapped back: the name gets what was there. Its own errno would hide why (ESTALE); the two entries were
+      // exchanged a moment ago, so the swap back has no reason to fail.
       renameat2(shardFd, staged.name.c_str(), pool_.rootFd_.get(), req_.name.c_str(), RENAME_EXCHANGE);
       throwErrno(ESTALE, "renameat2", from, to);
     }
