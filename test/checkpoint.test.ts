@@ -10,7 +10,7 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { openPool, type Pool, type Workspace } from '../lib/index.js'
-import { bindInto, Child, eventually, fixtures, freshDir, MiB, mounts, needs, poolState, requireMount, runCommand, snapshotTree, workspaceChild, writeRandomFile } from './helpers.js'
+import { bindInto, Child, emptyPoolState, eventually, fixtures, freshDir, MiB, mounts, needs, poolState, requireMount, runCommand, snapshotTree, workspaceChild, writeRandomFile } from './helpers.js'
 import { exactSnapshot, rejection, treeListing } from './layout-helpers.js'
 
 const fileSystems = [
@@ -107,6 +107,22 @@ for (const { label, base, missing } of fileSystems) {
       expect(treeState(ws.path)).toEqual(before)
       expect((await ws.checkpoints()).map((c) => c.id)).toEqual([cp.id])
       await ws.dispose()
+      expect(poolState(pool.root)).toEqual(emptyPoolState)
+    })
+
+    test('after release() a Workspace neither checkpoints nor rolls back (ERR_DISPOSED); by id the pool still can', async () => {
+      await using pool = await openPool(path.join(freshDir(base!), 'pool'))
+      const ws = await filled(pool)
+      const before = treeState(ws.path)
+      const cp = await ws.checkpoint()
+      change(ws)
+      await ws.release({ force: true })
+      await expect(ws.rollback(cp)).rejects.toMatchObject({ code: 'ERR_DISPOSED' })
+      await expect(ws.checkpoint()).rejects.toMatchObject({ code: 'ERR_DISPOSED' })
+      await expect(ws.checkpoints()).rejects.toMatchObject({ code: 'ERR_DISPOSED' })
+      expect(await pool.rollback(ws.id, cp)).toEqual({ checkpoint: cp.id, removed: true })
+      expect(treeState(ws.path)).toEqual(before)
+      await (await pool.adopt(ws.id)).dispose()
     })
 
     test('checkpoints and rollbacks called at once on one workspace run in turn: each sees a whole tree, nothing is left', async () => {
