@@ -199,6 +199,27 @@ describe.each(cases)('$label', (c) => {
     }
   })
 
+  test.skipIf(skip)("a child's checkpoint keeps the file shared, and a rollback to it links the same inode back", async () => {
+    const shared0 = path.join(templatesDir(root), t.id, 'shared', '0')
+    const ws = await pool.allocate({ from: 'base', mode: 0o755 })
+    try {
+      fs.writeFileSync(path.join(ws.path, 'vm', 'disk.img'), 'at the checkpoint')
+      const cp = await ws.checkpoint()
+      expect(cp.shared).toEqual([{ path: SHARED, bytes: SIZE }])
+      expect(inode(path.join(templatesDir(root), cp.id, 'shared', '0'))).toBe(inode(shared0))
+      fs.rmSync(path.join(ws.path, SHARED))
+      fs.writeFileSync(path.join(ws.path, 'vm', 'disk.img'), 'after it')
+      expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: true })
+      expect(inode(path.join(ws.path, SHARED))).toBe(inode(shared0))
+      expect(fs.readFileSync(path.join(ws.path, 'vm', 'disk.img'), 'utf8')).toBe('at the checkpoint')
+      expect(fs.statSync(shared0).nlink).toBe(1 + N + 2) // the children, the checkpoint's shared/0, this workspace
+      await pool.removeTemplate(cp.id)
+    } finally {
+      await ws.dispose()
+    }
+    expect(fs.statSync(shared0).nlink).toBe(1 + N)
+  })
+
   test.skipIf(skip || !c.btrfs)("btrfs: children are plain directories holding the links; with a quota, ERR_SHARE_UNSUPPORTED and nothing made", async () => {
     for (const ws of children) expect(fs.statSync(ws.path).ino).not.toBe(256) // a subvolume's root is inode 256
     if (!c.image) return // the plain loop btrfs has no quotas: its refusal is ERR_QUOTA_UNSUPPORTED, before this
