@@ -58,7 +58,7 @@ class PoolRollback {
       try {
         // The claim back to the build's name first: its removal releases it.
         if (staged.quota.projectId) renameProjectClaim(pool_.projectsFd(false), staged.quota.projectId, staged.name);
-        pool_.discard(std::move(staged));
+        if (!disowned_) pool_.discard(std::move(staged));
       } catch (...) {
         // Left under its lease file, free once its fd closed: a sweep's. The first error is the one to report.
       }
@@ -125,9 +125,15 @@ class PoolRollback {
     struct stat moved;
     if (fstatat(shardFd, staged.name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0 || moved.st_dev != ws_.st_dev ||
         moved.st_ino != ws_.st_ino) {
-      // Swapped back: the name gets what was there. Its own errno would hide why (ESTALE); the two entries were
-      // exchanged a moment ago, so the swap back has no reason to fail.
-      renameat2(shardFd, staged.name.c_str(), pool_.rootFd_.get(), req_.name.c_str(), RENAME_EXCHANGE);
+      // Swapped back: the name gets what was there, and the build is removed as any failed one (ESTALE says why).
+      if (renameat2(shardFd, staged.name.c_str(), pool_.rootFd_.get(), req_.name.c_str(), RENAME_EXCHANGE) != 0) {
+        // What moved into staging is not ours: its lease file goes, so neither this call's cleanup nor a sweep
+        // removes it (an entry without a lease file is reported as foreign and left).
+        const int err = errno;
+        unlinkat(pool_.leasesFd_.get(), pool_.leaseRel(staged.name).c_str(), 0);
+        disowned_ = true;
+        throwErrno(err, "renameat2", from, to);
+      }
       throwErrno(ESTALE, "renameat2", from, to);
     }
     if (req_.durable) {
@@ -157,7 +163,8 @@ class PoolRollback {
 
   Pool& pool_;
   const RollbackRequest& req_;
-  struct stat ws_ {};  // the workspace directory as the build found it
+  struct stat ws_ {};      // the workspace directory as the build found it
+  bool disowned_ = false;  // the swap back failed: the staging entry holds what is not ours, left alone
 };
 
 RollbackOutcome rollbackWorkspace(Pool& pool, const RollbackRequest& req) { return PoolRollback(pool, req).run(); }
