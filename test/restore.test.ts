@@ -1,0 +1,116 @@
+/**
+ * The restore contract of docs/restore.md, run with QEMU: a template guest is saved (its migration stream written
+ * into its workspace), committed, and restored twice, each child by its own QEMU started in its own workspace with
+ * the template's command line and relative file names. Each child types its own marker into its disk; the markers
+ * and the template's disk are then checked byte for byte.
+ *
+ * Needs qemu-system-x86, linux-image-amd64, busybox-static and e2fsprogs (as test/boot.test.ts; CI sets
+ * VMSPACE_REQUIRE_BOOT=1, which turns their absence into a failure). KVM when a probe guest boots under it, else TCG.
+ */
+import { randomBytes } from 'node:crypto'
+import * as fs from 'node:fs'
+import * as path from 'node:path'
+import { describe, expect, test } from 'vitest'
+import { guestImages } from '../demo/boot/image.js'
+import { chooseAccel } from '../demo/boot/qemu.js'
+import { findBootTools, runOk, type BootTools } from '../demo/boot/tools.js'
+import { openPool, type Workspace } from '../lib/index.js'
+import { emptyPoolState, freshDir, ls, mounts, needs, poolState, sha256File } from './helpers.js'
+import { guestArgs, Machine, makeGuestDisk } from './qemu-helpers.js'
+
+let tools: BootTools | undefined
+let missing: string | undefined
+try {
+  tools = findBootTools()
+} catch (e) {
+  missing = (e as Error).message
+}
+if (missing) console.log(`restore.test.ts: skipped: ${missing}`)
+
+/** What /data.txt holds in the ext4 image `disk`, read by debugfs from outside. */
+async function dataFile(disk: string): Promise<string> {
+  return runOk(tools!.debugfs, ['-R', 'cat /data.txt', disk])
+}
+
+/** Whether the raw bytes of `file` contain `text` anywhere (data blocks, journal, free space alike). */
+function holds(file: string, text: string): boolean {
+  return fs.readFileSync(file).includes(Buffer.from(text))
+}
+
+describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children of its workspace ${needs('QEMU, a guest kernel and busybox-static', missing)}`, () => {
+  test(
+    'two children restored from one migration stream each write their own disk; the template`s disk is unchanged',
+    async () => {
+      const dir = freshDir(mounts.xfs ?? mounts.scratch, 'restore')
+      const images = await guestImages(tools!)
+      const accel = (await chooseAccel(tools!, images, dir)).accel
+      const root = path.join(dir, 'pool')
+      const pool = await openPool(root)
+      const start = (ws: Workspace, name: string, extra: string[] = []) =>
+        Machine.start({ qemu: tools!.qemu, args: [...guestArgs(accel), ...extra], cwd: ws.path, socket: path.join(dir, `${name}.sock`), leaseFd: ws.leaseFd, nice: 10 })
+      try {
+        // The template guest: kernel, initramfs and disk in its workspace, booted to its console loop, then saved.
+        const parent = await pool.allocate()
+        await parent.clone(images.kernel, 'vmlinuz')
+        await parent.clone(images.initramfs, 'initrd')
+        fs.mkdirSync(path.join(dir, 'stage'))
+        await makeGuestDisk(tools!, path.join(dir, 'stage'), path.join(parent.path, 'rootfs.ext4'))
+        const saved = await start(parent, 'parent')
+        try {
+          await saved.answer('ready')
+          await saved.qmp('stop')
+          await saved.qmp('migrate', { uri: 'exec:cat > state' })
+          expect(await saved.until('query-migrate', 'status', ['setup', 'active'])).toBe('completed')
+        } finally {
+          await saved.quit()
+        }
+        const t = await pool.commit(parent)
+        await parent.dispose()
+        const templateDisk = path.join(t.path, 'rootfs.ext4')
+        const templateHash = await sha256File(templateDisk)
+
+        // Two children, each restored by its own QEMU in its own workspace: the same command line, -incoming.
+        const markers = [`marker-${randomBytes(8).toString('hex')}`, `marker-${randomBytes(8).toString('hex')}`]
+        const children = await Promise.all(markers.map(() => pool.allocate({ from: t.id })))
+        await Promise.all(
+          children.map(async (child, i) => {
+            const m = await start(child, `child-${i}`, ['-incoming', 'exec:cat state'])
+            try {
+              // A stream saved from a stopped guest restores stopped: QEMU leaves `inmigrate` for `paused`.
+              expect(await m.until('query-status', 'status', ['inmigrate'])).toBe('paused')
+              await m.qmp('cont')
+              m.type(`write ${markers[i]}`)
+              await m.answer(`write ${markers[i]}`)
+              m.type('ro')
+              await m.answer('ro done')
+            } finally {
+              await m.quit()
+            }
+          }),
+        )
+
+        for (const [i, child] of children.entries()) {
+          const disk = path.join(child.path, 'rootfs.ext4')
+          expect(await dataFile(disk)).toBe(`${markers[i]}\n`)
+          expect(holds(disk, markers[i]!)).toBe(true)
+          expect(holds(disk, markers[1 - i]!)).toBe(false)
+        }
+        expect(markers.some((m) => holds(templateDisk, m))).toBe(false)
+        expect(await sha256File(templateDisk)).toBe(templateHash)
+
+        for (const child of children) await child.dispose()
+        await pool.removeTemplate(t.id)
+        expect(poolState(root)).toEqual(emptyPoolState)
+        expect(ls(path.join(root, '.vmspace', 'templates')).filter((n) => /^[0-9a-f]{32}$/.test(n))).toEqual([])
+      } finally {
+        await pool.close()
+      }
+    },
+    300_000,
+  )
+})
+
+if (missing !== undefined && process.env.VMSPACE_REQUIRE_BOOT === '1')
+  test('QEMU, a guest kernel and busybox-static are installed (required by VMSPACE_REQUIRE_BOOT=1)', () => {
+    expect.fail(missing)
+  })
