@@ -9,11 +9,24 @@
  * `vmspace-guest: <command> <result>`.
  */
 import { spawn, type ChildProcess } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
 import * as fsp from 'node:fs/promises'
 import * as net from 'node:net'
 import * as path from 'node:path'
 import * as readline from 'node:readline'
-import { runOk, type BootTools } from '../demo/boot/tools.js'
+import { guestImages, type GuestImages } from '../demo/boot/image.js'
+import { chooseAccel, type Accel } from '../demo/boot/qemu.js'
+import { findBootTools, runOk, type BootTools } from '../demo/boot/tools.js'
+import type { Pool, Workspace } from '../lib/index.js'
+
+/** The tools booting a guest needs, or why they are missing (findBootTools' message: the packages to install). */
+export function bootTools(): { tools?: BootTools; missing?: string } {
+  try {
+    return { tools: findBootTools() }
+  } catch (e) {
+    return { missing: (e as Error).message }
+  }
+}
 
 const GUEST_INIT = `#!/bin/busybox sh
 B=/bin/busybox
@@ -34,7 +47,7 @@ done
 const DISK_BYTES = 32 * 1024 * 1024
 
 /** Makes `disk`, a raw ext4 image holding busybox and the console-driven /init; `stage` is an empty scratch directory. */
-export async function makeGuestDisk(tools: BootTools, stage: string, disk: string): Promise<void> {
+async function makeGuestDisk(tools: BootTools, stage: string, disk: string): Promise<void> {
   for (const d of ['bin', 'proc', 'sys', 'dev', 'tmp']) await fsp.mkdir(path.join(stage, d))
   await fsp.copyFile(tools.busybox, path.join(stage, 'bin', 'busybox'))
   await fsp.chmod(path.join(stage, 'bin', 'busybox'), 0o755)
@@ -47,7 +60,7 @@ export async function makeGuestDisk(tools: BootTools, stage: string, disk: strin
  * workspace): the kernel `vmlinuz`, the initramfs `initrd` and the disk `rootfs.ext4`. The same list starts the
  * guest and every restore of it (a migration stream fits only the machine it came from).
  */
-export function guestArgs(accel: 'kvm' | 'tcg'): string[] {
+export function guestArgs(accel: Accel): string[] {
   return [
     '-nodefaults', '-no-user-config', '-display', 'none', '-accel', accel, '-m', '128', '-smp', '1',
     '-kernel', 'vmlinuz', '-initrd', 'initrd',
@@ -56,6 +69,38 @@ export function guestArgs(accel: 'kvm' | 'tcg'): string[] {
     '-drive', 'file=rootfs.ext4,if=virtio,format=raw',
     '-no-reboot', '-no-shutdown',
   ]
+}
+
+/** A test's guests: the cached kernel and initramfs, the accelerator, and a directory for console sockets. */
+export class Guests {
+  private constructor(
+    readonly tools: BootTools,
+    readonly images: GuestImages,
+    readonly accel: Accel,
+    readonly dir: string,
+  ) {}
+
+  /** Builds (or finds cached) the guest images and chooses KVM or TCG; `dir` is the test's own scratch directory. */
+  static async open(tools: BootTools, dir: string): Promise<Guests> {
+    const images = await guestImages(tools)
+    return new Guests(tools, images, (await chooseAccel(tools, images, dir)).accel, dir)
+  }
+
+  /** A new workspace of `pool` holding the guest: `vmlinuz`, `initrd` and a fresh `rootfs.ext4`. */
+  async workspace(pool: Pool): Promise<Workspace> {
+    const ws = await pool.allocate()
+    await ws.clone(this.images.kernel, 'vmlinuz')
+    await ws.clone(this.images.initramfs, 'initrd')
+    const stage = await fsp.mkdtemp(path.join(this.dir, 'stage-'))
+    await makeGuestDisk(this.tools, stage, path.join(ws.path, 'rootfs.ext4'))
+    return ws
+  }
+
+  /** Starts QEMU in `ws` (its working directory) with guestArgs and `extra`, handing it `ws.leaseFd`. */
+  start(ws: Workspace, extra: string[] = []): Promise<Machine> {
+    const socket = path.join(this.dir, `console-${randomBytes(4).toString('hex')}.sock`)
+    return Machine.start({ qemu: this.tools.qemu, args: [...guestArgs(this.accel), ...extra], cwd: ws.path, socket, leaseFd: ws.leaseFd, nice: 10 })
+  }
 }
 
 export interface MachineOptions {

@@ -11,20 +11,13 @@ import { randomBytes } from 'node:crypto'
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, test } from 'vitest'
-import { guestImages } from '../demo/boot/image.js'
-import { chooseAccel } from '../demo/boot/qemu.js'
-import { findBootTools, runOk, type BootTools } from '../demo/boot/tools.js'
-import { openPool, type Workspace } from '../lib/index.js'
+import { fsckClean } from '../demo/boot/checks.js'
+import { runOk } from '../demo/boot/tools.js'
+import { openPool } from '../lib/index.js'
 import { emptyPoolState, freshDir, ls, mounts, needs, poolState, sha256File } from './helpers.js'
-import { guestArgs, Machine, makeGuestDisk } from './qemu-helpers.js'
+import { bootTools, Guests } from './qemu-helpers.js'
 
-let tools: BootTools | undefined
-let missing: string | undefined
-try {
-  tools = findBootTools()
-} catch (e) {
-  missing = (e as Error).message
-}
+const { tools, missing } = bootTools()
 if (missing) console.log(`restore.test.ts: skipped: ${missing}`)
 
 /** What /data.txt holds in the ext4 image `disk`, read by debugfs from outside. */
@@ -42,20 +35,13 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
     'two children restored from one migration stream each write their own disk; the template`s disk is unchanged',
     async () => {
       const dir = freshDir(mounts.xfs ?? mounts.scratch, 'restore')
-      const images = await guestImages(tools!)
-      const accel = (await chooseAccel(tools!, images, dir)).accel
+      const guests = await Guests.open(tools!, dir)
       const root = path.join(dir, 'pool')
       const pool = await openPool(root)
-      const start = (ws: Workspace, name: string, extra: string[] = []) =>
-        Machine.start({ qemu: tools!.qemu, args: [...guestArgs(accel), ...extra], cwd: ws.path, socket: path.join(dir, `${name}.sock`), leaseFd: ws.leaseFd, nice: 10 })
       try {
         // The template guest: kernel, initramfs and disk in its workspace, booted to its console loop, then saved.
-        const parent = await pool.allocate()
-        await parent.clone(images.kernel, 'vmlinuz')
-        await parent.clone(images.initramfs, 'initrd')
-        fs.mkdirSync(path.join(dir, 'stage'))
-        await makeGuestDisk(tools!, path.join(dir, 'stage'), path.join(parent.path, 'rootfs.ext4'))
-        const saved = await start(parent, 'parent')
+        const parent = await guests.workspace(pool)
+        const saved = await guests.start(parent)
         try {
           await saved.answer('ready')
           await saved.qmp('stop')
@@ -64,17 +50,18 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
         } finally {
           await saved.quit()
         }
+        const parentHash = await sha256File(path.join(parent.path, 'rootfs.ext4'))
         const t = await pool.commit(parent)
         await parent.dispose()
         const templateDisk = path.join(t.path, 'rootfs.ext4')
-        const templateHash = await sha256File(templateDisk)
+        expect(await sha256File(templateDisk)).toBe(parentHash)
 
         // Two children, each restored by its own QEMU in its own workspace: the same command line, -incoming.
         const markers = [`marker-${randomBytes(8).toString('hex')}`, `marker-${randomBytes(8).toString('hex')}`]
         const children = await Promise.all(markers.map(() => pool.allocate({ from: t.id })))
         await Promise.all(
           children.map(async (child, i) => {
-            const m = await start(child, `child-${i}`, ['-incoming', 'exec:cat state'])
+            const m = await guests.start(child, ['-incoming', 'exec:cat state'])
             try {
               // A stream saved from a stopped guest restores stopped: QEMU leaves `inmigrate` for `paused`.
               expect(await m.until('query-status', 'status', ['inmigrate'])).toBe('paused')
@@ -91,12 +78,13 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
 
         for (const [i, child] of children.entries()) {
           const disk = path.join(child.path, 'rootfs.ext4')
+          expect(await fsckClean(tools!, disk)).toEqual({ clean: true, detail: 'exit 0' })
           expect(await dataFile(disk)).toBe(`${markers[i]}\n`)
           expect(holds(disk, markers[i]!)).toBe(true)
           expect(holds(disk, markers[1 - i]!)).toBe(false)
         }
         expect(markers.some((m) => holds(templateDisk, m))).toBe(false)
-        expect(await sha256File(templateDisk)).toBe(templateHash)
+        expect(await sha256File(templateDisk)).toBe(parentHash)
 
         for (const child of children) await child.dispose()
         await pool.removeTemplate(t.id)
