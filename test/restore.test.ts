@@ -14,7 +14,7 @@ import { describe, expect, test } from 'vitest'
 import { fsckClean } from '../demo/boot/checks.js'
 import { runOk } from '../demo/boot/tools.js'
 import { openPool } from '../lib/index.js'
-import { emptyPoolState, freshDir, ls, mounts, needs, poolState, sha256File } from './helpers.js'
+import { emptyPoolState, eventually, freshDir, ls, mounts, needs, poolState, sha256File } from './helpers.js'
 import { bootTools, Guests } from './qemu-helpers.js'
 
 const { tools, missing } = bootTools()
@@ -45,11 +45,13 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
         try {
           await saved.answer('ready')
           await saved.qmp('stop')
-          await saved.qmp('migrate', { uri: 'exec:cat > state' })
+          // `completed` can come before QEMU has closed the stream: the name appears only once cat has all of it.
+          await saved.qmp('migrate', { uri: 'exec:cat > state.part && mv state.part state' })
           expect(await saved.until('query-migrate', 'status', ['setup', 'active'])).toBe('completed')
         } finally {
           await saved.quit()
         }
+        await eventually(() => fs.existsSync(path.join(parent.path, 'state')))
         const parentHash = await sha256File(path.join(parent.path, 'rootfs.ext4'))
         const t = await pool.commit(parent)
         await parent.dispose()
