@@ -35,6 +35,7 @@
         "native/core/layer_apply.cc",
         "native/core/tar.cc",
         "native/core/template_modes.cc",
+        "native/core/share.cc",
         "native/core/template_cache.cc",
         "native/core/quota.cc",
         "native/core/pool_quota.cc",

@@ -7,6 +7,7 @@
 //   built (`npm ci` in it); its pools are format 3 where it has formats (bench/baseline.mjs)
 //   npm run bench -- --only metrics [--dir DIR]   metrics disabled vs enabled, and a gauge scrape of 10,000 workspaces
 //   npm run bench -- --only tree [--load 0,2]   the tree section once per count of busy-loop processes (default: 0 and the CPUs)
+//   npm run bench -- --only share   16 children reading a shared 1 GiB file against reflinked ones (page cache, allocate p50)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
 import * as os from 'node:os'
@@ -29,7 +30,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import | share
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -534,6 +535,10 @@ if (want('templates-btrfs'))
 // The template cache (bench/template-cache.mjs): a dense 2 GiB image on the host file system into a loop XFS pool.
 if (want('template-cache'))
   await onLoopMount('template cache', 'xfs-cache', 6144, async (mnt) => (await import('./template-cache.mjs')).benchTemplateCache({ vmspace, dir: mnt, src: work }))
+
+// Shared files (bench/share.mjs): 16 children reading a shared 1 GiB memory file against reflinked ones (page cache,
+// allocate p50) on a loop XFS.
+if (want('share')) await onLoopMount('shared files', 'xfs-share', 6144, async (mnt) => (await import('./share.mjs')).benchShare({ vmspace, dir: mnt }))
 
 // Image import (bench/import.mjs): a 5-layer image of /usr against umoci unpack on a loop XFS; re-import; allocate
 // from the image as a tree and as rootfs.ext4 on the loop XFS and on an image-backed pool.

@@ -32,7 +32,14 @@ export interface ForkFlags {
   meta?: string
   keepDevices?: boolean
   keepSetId?: boolean
+  /** --share PATH, once per file (commit's `share`). */
+  share?: string[]
   json?: boolean
+}
+
+/** Collects a repeated --share PATH into a list (checked by the library: ERR_INVALID_ARG_VALUE naming it). */
+export function collectShare(value: string, previous: string[] | undefined): string[] {
+  return [...(previous ?? []), value]
 }
 
 /** The flags `vmspace commit` takes. */
@@ -47,12 +54,15 @@ export async function commit(rootArg: string, idArg: string, o: CommitFlags): Pr
   const meta = metaArg(o.meta)
   const pool = await openPool(root, { create: false })
   try {
-    const t = await pool.commit(id, { name: o.name, replace: o.replace, meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true })
+    const t = await pool.commit(id, {
+      name: o.name, replace: o.replace, meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true, share: o.share,
+    })
     if (o.json) printJson(t)
     else {
       process.stdout.write(`${t.id}\n`)
       process.stderr.write(
         `vmspace commit: template ${t.id}${t.name ? ` (${t.name})` : ''}: ${t.clone.files} files, ${t.clone.method}` +
+          (t.shared ? `; ${t.shared.length} shared` : '') +
           (t.clone.skipped?.devices ? `; ${t.clone.skipped.devices} device nodes not carried` : '') +
           (t.replaced ? `; replaced ${t.replaced.id}${t.replaced.removed ? '' : ' (removed once its readers finish)'}` : '') +
           '\n',
@@ -71,7 +81,7 @@ export async function fork(rootArg: string, idArg: string, count: number, o: For
   const pool = await openPool(root, { create: false })
   try {
     const started = process.hrtime.bigint()
-    const kids = await pool.fork(id, count, { meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true })
+    const kids = await pool.fork(id, count, { meta, keepDevices: o.keepDevices === true, keepSetId: o.keepSetId === true, share: o.share })
     const ms = Number(process.hrtime.bigint() - started) / 1e6
     // Released, not disposed: the children outlive this command until someone adopts them (or a sweep runs).
     for (const k of kids) await k.release({ force: true })

@@ -8,7 +8,7 @@
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
 import { EXIT_FAILED, EXIT_RUN_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseDuration, parseSize, UsageError } from './common.js'
 import type { ImportFlags } from './image.js'
-import { templateArg, type CommitFlags, type ForkFlags } from './template.js'
+import { collectShare, templateArg, type CommitFlags, type ForkFlags } from './template.js'
 
 const program = new Command('vmspace')
 
@@ -113,6 +113,7 @@ program
   .option('--meta <json>', 'a JSON object kept in the template metadata')
   .option('--keep-devices', "carry the workspace's device nodes (a guest's are left out by default)")
   .option('--keep-set-id', 'carry set-id bits and file capabilities (dropped by default)')
+  .option('--share <path>', 'a read-only file every child holds as one inode (repeat per file; docs/templates.md)', collectShare)
   .option('--json', 'JSON output (the template)')
   .action(action(async (root: string, id: string, o: CommitFlags) => (await import('./template.js')).commit(root, id, o)))
 
@@ -125,6 +126,7 @@ program
   .option('--meta <json>', 'a JSON object kept in every child\'s metadata')
   .option('--keep-devices', "carry the workspace's device nodes (a guest's are left out by default)")
   .option('--keep-set-id', 'carry set-id bits and file capabilities (dropped by default)')
+  .option('--share <path>', 'a read-only file every child holds as one inode (repeat per file)', collectShare)
   .option('--json', 'JSON output')
   .action(action(async (root: string, id: string, n: number, o: ForkFlags) => (await import('./template.js')).fork(root, id, n, o)))
 

@@ -64,6 +64,25 @@ export function relativePath(name: string, value: unknown): string {
   return normal
 }
 
+/**
+ * The workspace-relative paths of a commit's shared files (`share`): 1–64 distinct strings, each without NUL, at
+ * most 4096 bytes, not absolute, with no empty, "." or ".." component (kept as given: never normalised).
+ */
+export function sharePaths(name: string, value: unknown): string[] | undefined {
+  if (value === undefined) return undefined
+  if (!Array.isArray(value)) throw invalidType(name, 'an array of workspace-relative paths', value)
+  if (value.length < 1 || value.length > 64) throw invalidValue(name, '1 to 64 paths', value, true)
+  const seen = new Set<string>()
+  value.forEach((p: unknown, i) => {
+    if (typeof p !== 'string') throw invalidType(`${name}[${i}]`, 'a relative path string', p)
+    if (p.length === 0 || p.includes('\0') || Buffer.byteLength(p) > 4096 || notNormalRelative.test(p))
+      throw invalidValue(`${name}[${i}]`, 'a relative path of at most 4096 bytes with no empty, "." or ".." component', p)
+    if (seen.has(p)) throw invalidValue(`${name}[${i}]`, 'a path not named before', p)
+    seen.add(p)
+  })
+  return value as string[]
+}
+
 /** An object that is not null and not an array (what JSON calls an object). */
 export function isPlainObject(value: unknown): value is Record<string, unknown> {
   return typeof value === 'object' && value !== null && !Array.isArray(value)

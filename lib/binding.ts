@@ -162,6 +162,10 @@ export interface CommitTemplateOptions extends Pick<NativeCloneOptions, 'reflink
   /** The caller's members of template.json; the core adds id, name, method and usage. */
   info: JsonMembers
   replace: boolean
+  /** The paths of the shared files (native/core/share.h), checked by lib/; none when absent. */
+  share?: string[]
+  /** The workspace's template id, or '': the shared files it still holds of it stay shared. */
+  parent?: string
 }
 
 /** An opaque handle of a template being built in .vmspace/templates/staging/<id>/ (its staging entry leased). */

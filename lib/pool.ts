@@ -545,6 +545,10 @@ export class Pool implements AsyncDisposable {
    * A guest's tree is hostile: its device nodes are not made (counted in `clone.skipped.devices`) and set-id bits
    * (of anything but directories) and security.capability are dropped, unless `keepDevices`/`keepSetId`
    * (docs/templates.md, "What a guest's tree may carry").
+   * `share`: files every workspace made from the template holds as a hard link of one read-only inode (0444, owned
+   * by the pool's owner, or by uid 4294967294 when root commits), kept outside the template's tree as
+   * `shared/<n>`; a path missing is `ENOENT`, not a regular file or reached through a symlink
+   * `ERR_INVALID_ARG_VALUE` naming it (docs/templates.md, "Shared files").
    * `signal`/`onProgress` as in clone(). Throws the errno of the failing call, `ERR_SOURCE_CHANGED`, `ERR_DISPOSED`,
    * `ERR_POOL_CLOSED`, `ERR_REFLINK_UNSUPPORTED` (reflink 'always' pools), or an AbortError; nothing is left on
    * failure.
@@ -561,6 +565,7 @@ export class Pool implements AsyncDisposable {
         native.commitTemplate(this.#handle, {
           sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta), replace: o.replace,
           reflink: this.#reflink, durable: this.#durable, keepDevices: o.keepDevices, keepSetId: o.keepSetId, progress: p,
+          share: o.share, parent: source.templateId ?? '',
         }),
       ),
     )

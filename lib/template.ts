@@ -8,12 +8,12 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { jsonMembers, native, type JsonMembers, type NativeCloneResult, type NativeTemplateListing, type PoolHandle } from './binding.js'
-import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObject, optionsObject } from './args.js'
+import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObject, optionsObject, sharePaths } from './args.js'
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
 import { Workspace, workspaceMode } from './workspace.js'
-import type { AllocateOptions, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, Template, TemplateUsage } from './types.js'
+import type { AllocateOptions, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, SharedFile, Template, TemplateUsage } from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -63,6 +63,7 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
   if (isPlainObject(p.usage)) info.usage = p.usage as unknown as TemplateUsage
   if (isPlainObject(p.layer) && typeof p.layer.chainId === 'string') info.layer = p.layer as unknown as LayerRecord
   if (isPlainObject(p.image) && Array.isArray(p.image.layers)) info.image = p.image as unknown as ImageRecord
+  if (Array.isArray(p.shared)) info.shared = p.shared as SharedFile[]
   return info
 }
 
@@ -129,6 +130,12 @@ export interface CommitOptions {
   keepDevices?: boolean
   /** Carry set-user-ID/set-group-ID bits (of anything but directories) and security.capability. Default false. */
   keepSetId?: boolean
+  /**
+   * Files every workspace made from the template holds as a hard link of one read-only inode (`Template.shared`):
+   * 1–64 workspace-relative paths of regular files, as given (no empty, `.` or `..` component; docs/templates.md,
+   * "Shared files"). A file the workspace's template shared that is still that inode stays shared unnamed.
+   */
+  share?: string[]
 }
 
 /** commit()'s arguments, checked (nothing is touched yet): the name ('' for none), and `meta` as JSON text. */
@@ -136,15 +143,16 @@ export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
   if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
   const o = optionsObject<CommitOptions>('options', options, {
-    name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
+    name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true, share: true,
   })
   const name = templateName('options.name', o.name) ?? ''
+  const share = sharePaths('options.share', o.share) ?? []
   const replace = boolean('options.replace', o.replace, false)
   const signal = abortSignal('options.signal', o.signal)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
   const keepDevices = boolean('options.keepDevices', o.keepDevices, false)
   const keepSetId = boolean('options.keepSetId', o.keepSetId, false)
-  return { name, replace, signal, onProgress: o.onProgress, meta: metaText(o.meta), keepDevices, keepSetId }
+  return { name, replace, signal, onProgress: o.onProgress, meta: metaText(o.meta), keepDevices, keepSetId, share }
 }
 
 /** A Workspace object as the source of a commit: `ERR_DISPOSED` unless it is ready. */
@@ -186,11 +194,16 @@ export interface ForkOptions {
   keepDevices?: boolean
   /** As commit()'s: set-id bits and security.capability are carried only when true. Default false. */
   keepSetId?: boolean
+  /** As commit()'s: files every child holds as a hard link of one read-only inode. */
+  share?: string[]
 }
 
 /** The Pool's calls fork uses (the Pool itself). */
 interface ForkHost {
-  commit(ws: Workspace | string, options: { signal?: AbortSignal; meta: JsonObject; keepDevices: boolean; keepSetId: boolean }): Promise<CommitResult>
+  commit(
+    ws: Workspace | string,
+    options: { signal?: AbortSignal; meta: JsonObject; keepDevices: boolean; keepSetId: boolean; share?: string[] },
+  ): Promise<CommitResult>
   allocate(options: AllocateOptions): Promise<Workspace>
   removeTemplate(id: string): Promise<unknown>
 }
@@ -199,15 +212,16 @@ interface ForkHost {
 export async function forkFrom(pool: ForkHost, ws: Workspace | string, count: number, options: ForkOptions | undefined): Promise<Workspace[]> {
   const n = integerIn('count', count, 1, 4096, 1)
   const o = optionsObject<ForkOptions>('options', options, {
-    meta: true, mode: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true,
+    meta: true, mode: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true, share: true,
   })
   const signal = abortSignal('options.signal', o.signal)
+  const share = sharePaths('options.share', o.share)
   if (o.onProgress !== undefined && typeof o.onProgress !== 'function') throw invalidType('options.onProgress', 'a function', o.onProgress)
   metaText(o.meta)
   workspaceMode('options.mode', o.mode)
   const keepDevices = boolean('options.keepDevices', o.keepDevices, false)
   const keepSetId = boolean('options.keepSetId', o.keepSetId, false)
-  const t = await pool.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id }, keepDevices, keepSetId })
+  const t = await pool.commit(ws, { signal, meta: { forkOf: typeof ws === 'string' ? ws : ws.id }, keepDevices, keepSetId, share })
   const made: Workspace[] = []
   let done = 0
   try {

@@ -489,7 +489,10 @@ export interface WorkspaceUsage {
   allocatedBytes: number
   /** Data extents no other file references (what removing the workspace frees); not yet written-back data too. */
   exclusiveBytes: number
-  /** Data extents also referenced elsewhere (FIEMAP_EXTENT_SHARED: reflinks of the template, snapshots). */
+  /**
+   * Data extents also referenced elsewhere (FIEMAP_EXTENT_SHARED: reflinks of the template, snapshots), and the
+   * data of files with links outside the workspace (a template's shared files: `st_nlink` above the links found).
+   */
   sharedBytes: number
   /** Sum of the regular files' sizes. */
   logicalBytes: number
@@ -602,6 +605,16 @@ export interface Template {
   layer?: LayerRecord
   /** An image template (importImage): the image it holds. Absent for other templates. */
   image?: ImageRecord
+  /** Its shared files (commit's `share`), index n being `shared/<n>`; absent when the template shares nothing. */
+  shared?: SharedFile[]
+}
+
+/** A file every workspace made from the template holds as a hard link of one read-only inode. */
+export interface SharedFile {
+  /** Workspace-relative, as given to commit's `share`. */
+  path: string
+  /** Its size in bytes. */
+  bytes: number
 }
 
 /** A layer template's record: the layer applied onto the parent layer template's tree (docs/images.md). */

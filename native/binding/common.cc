@@ -137,6 +137,18 @@ Napi::Array Options::array(const char* key) const {
   return v.As<Napi::Array>();
 }
 
+std::vector<std::string> Options::stringsOr(const char* key) const {
+  std::vector<std::string> out;
+  if (get(key).IsUndefined()) return out;
+  Napi::Array a = array(key);
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value v = a.Get(i);
+    if (!v.IsString()) throw wrongType(key, "an array of strings");
+    out.push_back(v.As<Napi::String>().Utf8Value());
+  }
+  return out;
+}
+
 vmspace::JsonMembers jsonMembersOf(Napi::Env env, Napi::Value v, const std::string& what) {
   // One string (lib/binding.ts, jsonMembers): a pair per member would cost five N-API calls each on every
   // allocate.

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "../core/clone.h"
 #include "../core/error.h"
@@ -105,6 +106,8 @@ class Options {
   // A string naming one of `names` (in order); its index. Enums travel as their names, parsed here once.
   size_t oneOf(const char* key, std::initializer_list<const char*> names, size_t fallback) const;
   Napi::Array array(const char* key) const;
+  // An array of strings; empty for undefined.
+  std::vector<std::string> stringsOr(const char* key) const;
   // A string of JSON object members, `"k":v,...`: the caller's members of a metadata record (core/json_members.h).
   vmspace::JsonMembers members(const char* key) const;
   Napi::Env env() const { return env_; }

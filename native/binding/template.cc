@@ -19,7 +19,8 @@ Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r) {
 
 namespace {
 
-// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, keepDevices, keepSetId, progress})
+// commitTemplate(pool, {sourcePath, name, info, replace, reflink, durable, keepDevices, keepSetId, progress, share?,
+// parent?}): share, the paths of the shared files (lib/ checked them); parent, the workspace's template id or ''.
 Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   auto pool = poolArg(info, 0);
   Options o(info, 1, "commitTemplate");
@@ -28,6 +29,8 @@ Napi::Value CommitTemplate(const Napi::CallbackInfo& info) {
   req.name = o.string("name");
   req.info = o.members("info");
   req.replace = o.boolean("replace");
+  req.share = o.stringsOr("share");
+  req.parentId = o.stringOr("parent", "");
   vmspace::CloneOptions clone = cloneOptionsOf(o);
   req.clone.reflink = clone.reflink;
   req.clone.durable = clone.durable;

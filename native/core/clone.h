@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fd.h"
 
@@ -38,6 +39,9 @@ struct CloneOptions {
   // set-user-ID/set-group-ID bit on anything but a directory, and no security.capability xattr.
   bool keepDevices = true;
   bool keepSetId = true;
+  // Tree clones: regular files left out, by their path relative to the source root (a commit's shared files, which
+  // the template holds once, outside its tree: share.h).
+  const std::vector<std::string>* skipFiles = nullptr;
 };
 
 // Applies `writeback` to the copied file `fd` (a no-op for None). Errors: the errno of sync_file_range (EIO,

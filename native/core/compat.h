@@ -37,3 +37,18 @@ inline int vmspace_statx(int dirFd, const char* path, int flags, unsigned mask, 
 }
 #define statx(...) vmspace_statx(__VA_ARGS__)
 #endif
+
+// openat2(2) (Linux 5.6), called raw: a libc or kernel headers may lack it. Values of include/uapi/linux/openat2.h.
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+struct VmspaceOpenHow {
+  unsigned long long flags, mode, resolve;
+};
+constexpr unsigned long long kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveNoSymlinks = 0x04,
+                             kResolveBeneath = 0x08, kResolveInRoot = 0x10;
+// An fd, or -1 with errno (ENOSYS: no openat2 in this kernel).
+inline int openat2Raw(int dirFd, const char* path, unsigned long long flags, unsigned long long resolve) {
+  VmspaceOpenHow how{flags, 0, resolve};
+  return static_cast<int>(syscall(SYS_openat2, dirFd, path, &how, sizeof how));
+}

@@ -33,14 +33,6 @@
 namespace vmspace {
 namespace {
 
-// openat2(2) (Linux 5.6), called raw: a libc or kernel headers may lack it. Values of include/uapi/linux/openat2.h.
-#ifndef SYS_openat2
-#define SYS_openat2 437
-#endif
-struct OpenHow {
-  uint64_t flags, mode, resolve;
-};
-constexpr uint64_t kResolveNoXdev = 0x01, kResolveNoMagicLinks = 0x02, kResolveInRoot = 0x10;
 constexpr int kMaxSymlinks = 40;  // the kernel's MAXSYMLINKS, which the component walk keeps too
 constexpr size_t kDataChunk = 128 << 10;
 constexpr size_t kHoleBlock = 4096;
@@ -140,11 +132,11 @@ int walkInRoot(int rootFd, const std::vector<std::string>& rel) {
 int openInRoot(int rootFd, const std::vector<std::string>& comps, size_t n) {
   if (n == 0) return openat(rootFd, ".", kDirFlags);
   if (!noOpenat2.load(std::memory_order_relaxed) && !kTestFallback.noOpenat2) {
-    OpenHow how{O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, kResolveInRoot | kResolveNoMagicLinks | kResolveNoXdev};
     std::string rel = joined(comps, n);
     for (int tries = 0;; tries++) {
-      long fd = syscall(SYS_openat2, rootFd, rel.c_str(), &how, sizeof how);
-      if (fd >= 0) return static_cast<int>(fd);
+      int fd = openat2Raw(rootFd, rel.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC,
+                          kResolveInRoot | kResolveNoMagicLinks | kResolveNoXdev);
+      if (fd >= 0) return fd;
       // EAGAIN: a rename anywhere on the system raced the resolution (RESOLVE_IN_ROOT checks for one).
       if ((errno == EINTR || errno == EAGAIN) && tries < kMaxSymlinks) continue;
       if (errno != ENOSYS) return -1;

@@ -23,6 +23,7 @@
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
+#include "share.h"
 
 #include "pool_internal.h"
 
@@ -69,7 +70,11 @@ class PoolStage {
     acquireTemplate();
     // From a template whose tree is a btrfs subvolume, the workspace is a writable snapshot of it (no walk); where
     // the kernel refuses one (EPERM: a template owned by another user; EXDEV), the walk below.
-    snapshot_ = reader_.subvolume && req_.clone.reflink != Reflink::Never;
+    // A template with shared files: a directory the walk fills, since a snapshot is a subvolume of its own and a
+    // hard link cannot cross subvolumes (EXDEV).
+    snapshot_ = reader_.subvolume && req_.clone.reflink != Reflink::Never && reader_.shared.empty();
+    if (subvolume_ && !reader_.shared.empty())
+      throwShareUnsupported(reader_.shared[0], "into a workspace that is a btrfs subvolume (a quota)");
     UniqueFd lease = claimName();
     std::string stagingPath = pool_.stagingPath(shard_, res_.name);
     try {
@@ -223,6 +228,8 @@ class PoolStage {
         c.result = cloneTreeInto(reader_.treePath, wsFd, stagingPath, opts, req_.progress, &c.identity);
       }
       store_->restoreModes(reader_, wsFd, stagingPath);
+      // After the modes: the walk that restores them never meets (and never chmods) a shared inode.
+      linkSharedFiles(reader_.fd.get(), store_->path(reader_.id), reader_.shared, wsFd, stagingPath);
       res_.clones.push_back(std::move(c));
     }
     if (!req_.templateDir.empty()) {

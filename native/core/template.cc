@@ -22,6 +22,7 @@
 #include "pool.h"
 #include "remove.h"
 #include "rename.h"
+#include "share.h"
 #include "trusted.h"
 
 namespace vmspace {
@@ -127,6 +128,7 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
     r.metaErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.metaText);
     // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
     if (r.metaErrno) throwErrno(r.metaErrno, "open", path(id) + "/template.json");
+    r.shared = readSharedPaths(r.fd.get(), path(id) + "/" + kSharedPathsFile);
     return r;
   }
   notFound(idOrName, dir_ + "/names/" + idOrName);

@@ -3,7 +3,9 @@
 //     staging/<id>/                       a commit being built; its directory fd holds flock(LOCK_EX)
 //     <id>/                               a published template, mode 0555: tree/ (write bits removed; on
 //                                         btrfs a read-only subvolume instead, modes kept, see DESIGN.md),
-//                                         template.json (0444), modes (0444), used (mtime: last allocate)
+//                                         template.json (0444), modes (0444), used (mtime: last allocate);
+//                                         with shared files (share.h): shared/<n> (0444 inodes, dir 0555) and
+//                                         shared-paths (0444: each path, NUL-terminated, in index order)
 //     names/<name> -> <id>                a symlink: the name's current template
 //     layers/<algo>-<hex> -> <id>         a symlink: the layer template of that chain id (an image's layer, see
 //                                         docs/images.md); one whose template is gone or retired counts as absent
@@ -35,6 +37,8 @@ struct CommitRequest {
   JsonMembers info;        // the caller's members of template.json (createdAt, parent, meta); id and usage are added
   bool replace = false;    // an existing name is swapped to the new template (RENAME_EXCHANGE) instead of EEXIST
   std::string layerKey;    // "" or a layer's chain key (isLayerKey): layers/<layerKey> is claimed (never with a name)
+  std::vector<std::string> share;  // workspace-relative paths of regular files to share (share.h), checked by lib/
+  std::string parentId;            // the workspace's template ("" none): its shared inodes stay shared (share.h)
   CloneOptions clone;
   CloneProgress* progress = nullptr;
 };
@@ -65,6 +69,7 @@ struct TemplateReader {
   std::string id, treePath, metaText;
   int metaErrno = 0;
   UniqueFd subvolume;  // btrfs: tree/ opened when it is a subvolume root (allocate snapshots it), else empty
+  std::vector<std::string> shared;  // the paths of its shared files (share.h), in index order
 };
 
 class TemplateStore {

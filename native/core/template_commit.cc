@@ -71,9 +71,11 @@ TemplateCommit::TemplateCommit(TemplateStore& store, CommitRequest req)
 
 CommitResult TemplateCommit::run() {
   checkName();
+  openShares();
   UniqueFd lease = claimLease();
   try {
     makeTree(lease.get());
+    if (!shares_.empty()) shareBytes_ = writeSharedFiles(lease.get(), stagingPath_, shares_, opts_);
   } catch (...) {
     cleanUp();
     throw;
@@ -138,6 +140,20 @@ bool TemplateCommit::claimLayerLink(int leaseFd) {
   }
 }
 
+void TemplateCommit::openShares() {
+  if (req_.share.empty() && req_.parentId.empty()) return;
+  UniqueFd ws(open(req_.sourcePath.c_str(), kDirPathFlags));
+  if (!ws) throwErrno(errno, "open", req_.sourcePath);
+  UniqueFd parent;
+  if (isHexId(req_.parentId)) {
+    parent.reset(openat(store_.fd_.get(), req_.parentId.c_str(), kDirFlags));
+    if (!parent && errno != ENOENT) throwErrno(errno, "open", store_.path(req_.parentId));
+  }
+  shares_ = openShareSources(ws.get(), req_.sourcePath, req_.share, parent.get(), store_.path(req_.parentId));
+  for (const ShareSource& s : shares_) sharePaths_.push_back(s.path);
+  if (!sharePaths_.empty()) opts_.skipFiles = &sharePaths_;
+}
+
 // A fresh id in staging, leased: flock(LOCK_EX) on its directory, which a sweep honours. A sweep with graceMs 0
 // may take the lease between our mkdir and flock and remove the entry: then the entry is no longer the one we
 // locked (checked by device and inode) and a new id is claimed, so a build never works in a swept entry.
@@ -173,7 +189,8 @@ void TemplateCommit::claimId() {
 // snapshot of a workspace that is a subvolume, else a subvolume the walk fills and that is then made read-only.
 void TemplateCommit::makeTree(int leaseFd) {
   const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
-  if (subvolume) snapshotTree(leaseFd);
+  // A snapshot would carry the shared files in the tree: with them, the walk that leaves them out.
+  if (subvolume && shares_.empty()) snapshotTree(leaseFd);
   if (!res_.clone.snapshot) {
     // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
     // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
@@ -236,6 +253,8 @@ void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
     members.emplace_back("usage", "{\"allocatedBytes\":" + std::to_string(res_.allocatedBytes) +
                                       ",\"files\":" + std::to_string(res_.clone.files) +
                                       ",\"bytes\":" + std::to_string(res_.clone.bytes) + "}");
+  std::string shared = writeSharedPaths(leaseFd);
+  if (!shared.empty()) members.emplace_back("shared", std::move(shared));
   std::string json = jsonObject(members) + "\n";
   writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
   res_.metaText = json;
@@ -246,6 +265,21 @@ void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
     if (int err = setSubvolumeReadOnly(treeFd, true))
       throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", stagingPath_ + "/tree");
   }
+}
+
+std::string TemplateCommit::writeSharedPaths(int leaseFd) {
+  if (shares_.empty()) return "";
+  std::string json = "[", list;
+  for (size_t i = 0; i < shares_.size(); i++) {
+    if (i) json += ",";
+    json += "{\"path\":";
+    appendJsonString(&json, shares_[i].path);
+    json += ",\"bytes\":" + std::to_string(shareBytes_[i]) + "}";
+    list += shares_[i].path;
+    list.push_back('\0');
+  }
+  writeNewFile(leaseFd, kSharedPathsFile, list, 0444, opts_.durable, stagingPath_ + "/" + kSharedPathsFile);
+  return json + "]";
 }
 
 // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),

@@ -6,6 +6,7 @@
 
 #include "clone.h"
 #include "fd.h"
+#include "share.h"
 #include "template.h"
 
 namespace vmspace {
@@ -26,6 +27,8 @@ class TemplateCommit {
  protected:
   // A name taken already is refused before anything is built; the symlinkat in publish decides for real.
   void checkName();
+  // The shared files opened in the workspace (share.h), before anything is made: a bad one leaves nothing.
+  void openShares();
   UniqueFd claimLease();
   void claimId();
   void makeTree(int leaseFd);
@@ -35,6 +38,8 @@ class TemplateCommit {
   void finish(UniqueFd lease);
   void writeModes(int leaseFd, int treeFd);
   void writeMeta(int leaseFd, int treeFd);
+  // The "shared" member of template.json and the shared-paths file ("" and none without shared files).
+  std::string writeSharedPaths(int leaseFd);
   void publish(int leaseFd);
   // Claims layers/<layerKey> for the published template. False when another build's live template holds it: this
   // one is then removed and res_ describes that one (existing).
@@ -51,6 +56,9 @@ class TemplateCommit {
   std::string stagingPath_;
   bool named_ = false, published_ = false;  // what a failure undoes: the name claimed, the template published
   bool changedAfterSnapshot_ = false;       // a build's snapshot that the build then changed: walked and made read-only
+  std::vector<ShareSource> shares_;         // the commit's shared files, in index order
+  std::vector<std::string> sharePaths_;     // their paths: what the tree clone leaves out
+  std::vector<uint64_t> shareBytes_;        // their sizes, as written
 };
 
 }  // namespace vmspace

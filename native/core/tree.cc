@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "error.h"
@@ -236,7 +237,13 @@ class TreeCloner {
              std::string dstRoot)
       : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd),
         meta_(std::move(srcRoot), std::move(dstRoot), opts.keepSetId), euid_(geteuid()), egid_(getegid()),
-        umask_(currentUmask()), threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {}
+        umask_(currentUmask()), threads_([this](Task& t, CloneSummary& local) { walk(t, local); }) {
+    if (!opts.skipFiles) return;
+    for (const std::string& p : *opts.skipFiles) {
+      skipPaths_.insert(p);
+      skipLeaves_.insert(p.substr(p.rfind('/') + 1));
+    }
+  }
 
   // Fills the (empty) destination root with the contents of the source root. Throws the first error.
   void cloneContents() {
@@ -424,6 +431,8 @@ class TreeCloner {
         return;
       }
       case S_IFREG:
+        // A path is built only for a name that ends a skipped one.
+        if (!skipLeaves_.empty() && skipLeaves_.count(name) && skipPaths_.count(joinPath(std::string(), rel))) return;
         regular(stack, sdir, ddir, name, top.dir.name, rel, st, created, local);
         return;
       default:
@@ -607,6 +616,7 @@ class TreeCloner {
   gid_t egid_;
   mode_t umask_;
   InodeKey skip_{0, 0};
+  std::unordered_set<std::string> skipPaths_, skipLeaves_;  // CloneOptions::skipFiles, and their last components
   uint64_t srcMount_ = 0;  // the mount of the source root: the walk never enters another
 
   std::mutex linkMu_;

@@ -11,7 +11,7 @@
 
 #include <cstring>
 #include <memory>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "error.h"
@@ -69,6 +69,7 @@ class Walker {
   void run(int fd, dev_t dev, ino_t ino) {
     if (int err = walk_.push(fd, "", dev, ino)) throwErrno(err, "fdopendir", walk_.path(0));
     while (!walk_.empty()) step();
+    settleLinks();
   }
 
  private:
@@ -127,12 +128,27 @@ class Walker {
       throwErrno(err, "fdopendir", walk_.path(walk_.depth(), name));
   }
 
+  // A file with links outside the workspace (a template's shared file, share.h, in every workspace made from it):
+  // what counted as its exclusive extents is shared with those, so it moves to sharedBytes.
+  void settleLinks() {
+    for (const auto& [key, l] : links_) {
+      if (l.found >= l.nlink) continue;
+      r_->exclusiveBytes -= l.exclusive;
+      r_->sharedBytes += l.exclusive;
+    }
+  }
+
   // An entry that is no directory (statx `stx`): its blocks, and for a regular file its size and extents; a hard
   // link of a file counted already is passed over.
   void count(int dfd, const char* name, const struct statx& stx) {
-    if (S_ISREG(stx.stx_mode) && stx.stx_nlink > 1 &&
-        !links_.insert(InodeKey{makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)}).second)
-      return;  // a hard link of a file counted already
+    Links* link = nullptr;
+    if (S_ISREG(stx.stx_mode) && stx.stx_nlink > 1) {
+      auto [it, added] = links_.try_emplace(
+          InodeKey{makedev(stx.stx_dev_major, stx.stx_dev_minor), static_cast<ino_t>(stx.stx_ino)}, Links{});
+      it->second.nlink = stx.stx_nlink;
+      if (++it->second.found > 1) return;  // a hard link of a file counted already
+      link = &it->second;
+    }
     r_->allocatedBytes += stx.stx_blocks * 512;
     if (!S_ISREG(stx.stx_mode)) {
       r_->others++;
@@ -151,7 +167,9 @@ class Walker {
       throwErrno(errno, "open", walk_.path(walk_.depth(), name));
     }
     try {
+      const uint64_t before = r_->exclusiveBytes;
       addExtents(fd.get(), stx.stx_blocks * 512, r_, std::string());  // the path is built only on failure
+      if (link) link->exclusive = r_->exclusiveBytes - before;
     } catch (Error& e) {
       e.path = walk_.path(walk_.depth(), name);
       throw;
@@ -162,7 +180,11 @@ class Walker {
   uint64_t mount_;
   UsageReport* r_;
   const std::atomic<bool>* cancel_;
-  std::unordered_set<InodeKey, InodeHash> links_;
+  struct Links {
+    uint32_t nlink = 0, found = 0;  // st_nlink, and the links this walk met
+    uint64_t exclusive = 0;         // what the file added to exclusiveBytes
+  };
+  std::unordered_map<InodeKey, Links, InodeHash> links_;
 };
 
 }  // namespace

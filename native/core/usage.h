@@ -15,7 +15,7 @@ namespace vmspace {
 struct UsageReport {
   uint64_t allocatedBytes = 0;               // st_blocks * 512 of every entry (hard links once)
   uint64_t exclusiveBytes = 0;               // data extents only this workspace's files reference (delalloc included)
-  uint64_t sharedBytes = 0;                  // data extents flagged FIEMAP_EXTENT_SHARED (reflinks, snapshots)
+  uint64_t sharedBytes = 0;                  // FIEMAP_EXTENT_SHARED extents, and files linked outside the walk
   uint64_t logicalBytes = 0;                 // st_size of regular files
   uint64_t files = 0, dirs = 0, others = 0;  // regular files, directories below the root, everything else
   QuotaUsage quota;
