@@ -16,6 +16,7 @@
         "native/binding/template.cc",
         "native/binding/template_build.cc",
         "native/binding/quota.cc",
+        "native/binding/rollback.cc",
         "native/core/clone.cc",
         "native/core/names.cc",
         "native/core/pool.cc",
@@ -42,6 +43,7 @@
         "native/core/metadata.cc",
         "native/core/pool_publish.cc",
         "native/core/pool_sweep.cc",
+        "native/core/rollback.cc",
         "native/core/trusted.cc",
         "native/core/usage.cc",
         "native/core/walk.cc"

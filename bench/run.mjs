@@ -30,7 +30,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import | share
+    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import | share | checkpoint
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -543,6 +543,25 @@ if (want('share')) await onLoopMount('shared files', 'xfs-share', 6144, async (m
 // Image import (bench/import.mjs): a 5-layer image of /usr against umoci unpack on a loop XFS; re-import; allocate
 // from the image as a tree and as rootfs.ext4 on the loop XFS and on an image-backed pool.
 if (want('import')) await onLoopMount('image import', 'xfs-import', 8192, async (mnt) => (await import('./import.mjs')).benchImport({ vmspace, dir: mnt, src: work }))
+
+// Checkpoint and rollback of a workspace holding a 2 GiB rootfs image (bench/checkpoint.mjs): on a loop XFS and on an
+// image-backed (btrfs) pool.
+if (want('checkpoint')) {
+  const { benchCheckpoint, makeRootfsTree } = await import('./checkpoint.mjs')
+  const tree = path.join(work, 'rootfs-tree')
+  makeRootfsTree(tree, 384)
+  const rows = []
+  await onLoopMount('checkpoint on XFS', 'xfs-checkpoint', 8192, async (mnt) => {
+    rows.push(await benchCheckpoint({ vmspace, label: 'loop XFS', root: path.join(mnt, 'pool'), tree }))
+  })
+  if (process.getuid?.() === 0)
+    rows.push(await benchCheckpoint({
+      vmspace, label: 'image-backed (btrfs)', root: path.join(work, 'image-pool'),
+      poolOptions: { image: { path: path.join(work, 'pool.img'), size: 8 * 2 ** 30 } }, tree,
+    }))
+  console.log('\ncheckpoint and rollback of a workspace holding a 2 GiB rootfs image (20 rounds; 4 MiB written before each)')
+  console.table(rows)
+}
 
 // 4. The locked JSON index against proper-lockfile + write-file-atomic (bench/json-file.mjs).
 if (want('json-file')) {

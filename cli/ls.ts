@@ -4,6 +4,7 @@ import * as path from 'node:path'
 import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
+import { checkpointJson } from './checkpoint.js'
 
 /**
  * The members of a workspace's record about the process that allocated it, shown as they are (null where absent).
@@ -280,6 +281,8 @@ interface Inspected extends WorkspaceJson {
   allocatorRunning: boolean | null
   directory: { mode: string; uid: number; gid: number; dev: string; ino: string } | null
   usage: TreeUsage | null
+  /** Its checkpoints, newest first (cli/checkpoint.ts, checkpointJson). */
+  checkpoints: ReturnType<typeof checkpointJson>[]
 }
 
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
@@ -310,10 +313,21 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
     allocatorRunning: allocatorRunning(info, bootId),
     directory,
     usage: usage ?? null,
+    checkpoints: await checkpointsOf(root, info.id),
   }
   if (opts.json) printJson(full)
   else process.stdout.write(inspectText(full))
   return full.error ? EXIT_FAILED : EXIT_OK
+}
+
+/** The checkpoints of workspace `id` of the pool at `root`, newest first. */
+async function checkpointsOf(root: string, id: string): Promise<ReturnType<typeof checkpointJson>[]> {
+  const pool = await openPool(root, { create: false })
+  try {
+    return (await pool.checkpoints(id)).map(checkpointJson)
+  } finally {
+    await pool.close()
+  }
 }
 
 /** Who holds a live lease, in words. */
@@ -349,6 +363,9 @@ function inspectText(w: Inspected): string {
   // A tree's recorded size is its directory's st_size, not what it holds: its usage is the usage line's.
   for (const t of w.template)
     lines.push(['template', `${t.dest || '.'} <- ${t.source} (${t.kind}, ${t.method}${t.kind === 'file' ? `, ${humanBytes(t.size)}` : ''})`])
+  if (w.checkpoints.length === 0) lines.push(['checkpoints', '-'])
+  for (const c of w.checkpoints)
+    lines.push(['checkpoint', `${c.id} ${c.createdAt === null ? '-' : new Date(c.createdAt).toISOString()} ${humanBytes(c.exclusiveBytes)} exclusive`])
   if (w.error) lines.push(['error', w.error.message])
   const width = Math.max(...lines.map((l) => l[0].length))
   return lines.map(([k, v]) => `${k.padEnd(width)}  ${v}`).join('\n') + '\n'

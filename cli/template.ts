@@ -9,13 +9,13 @@ import { EXIT_OK, printJson, poolRoot, UsageError } from './common.js'
 
 const ID = /^[0-9a-f]{32}$/
 
-function workspaceId(arg: string): string {
+export function workspaceId(arg: string): string {
   const id = /-([0-9a-f]{32})$/.exec(arg)?.[1] ?? arg
   if (!ID.test(id)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(arg)}`)
   return id
 }
 
-function metaArg(text: string | undefined): JsonObject | undefined {
+export function metaArg(text: string | undefined): JsonObject | undefined {
   if (text === undefined) return undefined
   let meta: unknown
   try {

@@ -7,6 +7,7 @@
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from 'commander'
 import { EXIT_FAILED, EXIT_RUN_FAILED, EXIT_USAGE, errorText, nonNegativeInt, parseDuration, parseSize, UsageError } from './common.js'
+import type { CheckpointFlags } from './checkpoint.js'
 import type { ImportFlags } from './image.js'
 import { collectShare, templateArg, type CommitFlags, type ForkFlags } from './template.js'
 
@@ -59,7 +60,7 @@ function action<A extends unknown[]>(fn: (...args: A) => Promise<number>) {
 
 configure(program)
   .description(
-    'Private per-VM workspace directories: ls, inspect, sweep, metrics; run, commit, fork, template (rm, prune); ' +
+    'Private per-VM workspace directories: ls, inspect, sweep, metrics; run, commit, fork, checkpoint, rollback, template (rm, prune); ' +
       'image (import, ls, inspect, rm); clone, probe; mount, unmount (image-backed pools); demo.',
   )
   .enablePositionalOptions()
@@ -129,6 +130,27 @@ program
   .option('--share <path>', 'a read-only file every child holds as one inode (repeat per file)', collectShare)
   .option('--json', 'JSON output')
   .action(action(async (root: string, id: string, n: number, o: ForkFlags) => (await import('./template.js')).fork(root, id, n, o)))
+
+program
+  .command('checkpoint')
+  .description("checkpoint a workspace: its current tree as an unnamed template that rollback puts back (pause writers first)")
+  .argument('<root>', 'pool directory')
+  .argument('<id>', 'workspace id (32 hex characters) or name')
+  .option('--keep-newest <n>', "keep the workspace's newest N checkpoints (this one counts), remove the rest", parser(nonNegativeInt('--keep-newest', 2 ** 31 - 1, 1)))
+  .option('--max-age <duration>', "remove the workspace's checkpoints older than this (ms, or 30s, 90m, 12h, 7d); never the new one", parser(parseDuration('--max-age')))
+  .option('--share <path>', 'a workspace-relative regular file the checkpoint shares read-only (repeatable)', (v: string, all: string[] = []) => [...all, v])
+  .option('--meta <json>', 'a JSON object kept in the checkpoint metadata')
+  .option('--json', 'JSON output (the checkpoint)')
+  .action(action(async (root: string, id: string, o: CheckpointFlags) => (await import('./checkpoint.js')).checkpoint(root, id, o)))
+
+program
+  .command('rollback')
+  .description("put a workspace's tree back to one of its checkpoints, atomically, under the same id, path and lease (stop its VM or container first)")
+  .argument('<root>', 'pool directory')
+  .argument('<id>', 'workspace id (32 hex characters) or name')
+  .argument('<checkpoint>', 'checkpoint id (32 hex characters)')
+  .option('--json', 'JSON output')
+  .action(action(async (root: string, id: string, cp: string, o: { json?: boolean }) => (await import('./checkpoint.js')).rollback(root, id, cp, o)))
 
 const template = program.command('template').description('remove templates of a pool: one (rm), or stale versions (prune)')
 

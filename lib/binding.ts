@@ -250,7 +250,7 @@ export interface Native {
   /** pipe2(O_CLOEXEC): [readFd, writeFd] (synchronous; throws the errno). */
   pipe(): [readFd: number, writeFd: number]
   listTemplates(handle: PoolHandle): Promise<NativeTemplateListing[]>
-  removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean }>
+  removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean; bytes: number }>
   /**
    * Closes `handoverFd` (-1: none), then removes the workspace unless another description holds its lease
    * (ERR_LEASE_HELD, nothing removed); closes `leaseFd` either way. `claim` (DisposeHints in native/core/pool.h; true
@@ -295,6 +295,15 @@ export interface Native {
   renameNoReplace(from: string, to: string): Promise<void>
   exchange(a: string, b: string): Promise<void>
   releaseLease(fd: number): Promise<void>
+  // Checkpoints (native/core/rollback.h)
+  /**
+   * Puts workspace `name`'s tree back to template `checkpoint`'s (built as allocate({ from }), swapped in by
+   * RENAME_EXCHANGE); `leaseFd` is the caller's hold of its lease, kept. ERR_LEASE_HELD (nothing changed) while
+   * another description holds the lease. `removed` false: the old tree was left in trash for a sweep.
+   */
+  rollback(handle: PoolHandle, options: { name: string; leaseFd: number; checkpoint: string; durable: boolean; progress?: ProgressHandle }): Promise<{ removed: boolean; bytes: number }>
+  /** The bytes of each template's tree no other file shares (FIEMAP); -1 for one that no longer exists. */
+  templateExclusiveBytes(handle: PoolHandle, ids: string[], progress?: ProgressHandle): Promise<number[]>
   /** Drops the batched allocate/dispose calls not run yet; the pool threads stop after their current call. */
   stopBatch(): void
   /** `create`: make a missing file (else ENOENT); `owner`: the requesting thread, threadId + 1 (native/core/lock.h, lockClaim). */

@@ -6,7 +6,8 @@
  */
 import { fromNative } from './errors.js'
 import type { NativeCloneResult, PoolHandle } from './binding.js'
-import type { WorkspaceUsage } from './types.js'
+import type { Checkpoint, CheckpointOptions, RollbackResult, WorkspaceUsage } from './types.js'
+import type { Workspace } from './workspace.js'
 
 /** Passed to the Pool and Workspace constructors by lib/ only: a constructor called without it throws. */
 export const constructing = Symbol('vmspace.internal')
@@ -37,6 +38,13 @@ export interface WorkspaceHost {
   _usage(name: string, signal: AbortSignal | undefined): Promise<WorkspaceUsage>
   /** A workspace of this pool is gone from it. */
   _forget(): Promise<void> | undefined
+  /** Pool.checkpoint and Pool.checkpoints of this workspace. */
+  _checkpoint(ws: Workspace, options: CheckpointOptions | undefined): Promise<Checkpoint>
+  _checkpoints(ws: Workspace): Promise<Checkpoint[]>
+  /** The id of rollback()'s `checkpoint`, checked to be one of workspace `id`'s. */
+  _rollbackTarget(id: string, checkpoint: unknown): Promise<string>
+  /** The native rollback of workspace `name`, whose lease `leaseFd` holds (kept open). */
+  _rollback(name: string, leaseFd: number, checkpoint: string, signal: AbortSignal | undefined): Promise<RollbackResult>
 }
 
 /**

@@ -24,8 +24,18 @@ import { reflinkValues, toResult, withProgress, writebackValues } from './clone.
 import type { NativeAllocateResult, NativeCloneResult } from './binding.js'
 import { projectIdRange, quotaLimits, toQuotaSupport, toUsage } from './quota.js'
 import { WarmReserve } from './warm.js'
+import {
+  checkpointOptions,
+  checkpointRecord,
+  checkpointsOf,
+  retentionVictims,
+  rollbackTarget,
+  sweptCheckpoints,
+  withExclusiveBytes,
+  workspaceIdArg,
+} from './checkpoint.js'
 import { constructing, InFlight, unknownHints, type DisposeHints } from './internal.js'
-import { newWorkspace, workspaceMode, type Workspace } from './workspace.js'
+import { newWorkspace, rollbackSignal, workspaceMode, Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
 import { imageOptions, markedImage, withImage } from './image.js'
 import { importImage, importOptions, listImages, removeImage, type ImportHost } from './image-import.js'
@@ -45,7 +55,11 @@ import {
 } from './template.js'
 import type {
   AllocateOptions,
+  Checkpoint,
+  CheckpointOptions,
+  CheckpointRecord,
   CommitResult,
+  RollbackResult,
   ImageTemplate,
   RemovedImage,
   ImportImageOptions,
@@ -56,6 +70,7 @@ import type {
   PruneOptions,
   Reflink,
   SweepEntry,
+  SweepFailure,
   SweepOptions,
   SweepReport,
   Template,
@@ -515,13 +530,18 @@ export class Pool implements AsyncDisposable {
       from: e.from,
       bytes: e.bytes,
     })
+    // Checkpoints after the workspaces: a workspace the pass above reclaimed has no lease file any more.
+    const checkpoints = await this.#sweepCheckpoints(dryRun)
     return {
-      reclaimed: r.reclaimed.map(entry),
+      reclaimed: [...r.reclaimed.map(entry), ...checkpoints.reclaimed],
       live: r.live,
-      failed: r.failed.map((e) => {
-        const error = fromNative(e.error) as VmspaceError
-        return { ...entry(e), code: error.code, error }
-      }),
+      failed: [
+        ...r.failed.map((e) => {
+          const error = fromNative(e.error) as VmspaceError
+          return { ...entry(e), code: error.code, error }
+        }),
+        ...checkpoints.failed,
+      ],
       leasesRemoved: r.leasesRemoved,
       foreign: r.foreign,
     }
@@ -557,13 +577,17 @@ export class Pool implements AsyncDisposable {
     ws: Workspace | string,
     options?: CommitOptions,
   ): Promise<CommitResult> {
-    const o = commitOptions(ws, options)
+    return this.#commit(ws, commitOptions(ws, options))
+  }
+
+  /** commit() of checked options; `checkpoint`: the record that makes the template a checkpoint. */
+  async #commit(ws: Workspace | string, o: ReturnType<typeof commitOptions>, checkpoint?: CheckpointRecord): Promise<CommitResult> {
     this.#assertOpen()
     const source = typeof ws === 'string' ? await this.#publishedSource(ws) : readySource(ws)
     const r = await this.#inFlight.track(
       withProgress({ signal: o.signal, onProgress: o.onProgress }, (p) =>
         native.commitTemplate(this.#handle, {
-          sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta), replace: o.replace,
+          sourcePath: source.path, name: o.name, info: templateRecordMembers(source.templateId, o.meta, checkpoint), replace: o.replace,
           reflink: this.#reflink, durable: this.#durable, keepDevices: o.keepDevices, keepSetId: o.keepSetId, progress: p,
           share: o.share, parent: source.templateId ?? '',
         }),
@@ -644,6 +668,126 @@ export class Pool implements AsyncDisposable {
       this.#assertOpen()
       return call(this.#inFlight.track(native.removeTemplate(this.#handle, id, unlessCurrent)))
     })
+  }
+
+  // ---- checkpoints (lib/checkpoint.ts; native/core/rollback.h; docs/checkpoints.md) ----
+
+  /**
+   * A checkpoint of `ws` (a Workspace, or a published workspace's id): commit() of its current tree as an unnamed
+   * template whose record names the workspace (`checkpoint`), which keeps running. Then its retention: with
+   * `keepNewest` its checkpoints outside the newest N (this one counts) are removed, with `maxAgeMs` those older
+   * than that (never this one); one an allocate or rollback is reading is left for later (a sweep applies the
+   * newest checkpoint's retention again). Pause what writes in the workspace first, as for commit(). Returns the
+   * checkpoint with its `exclusiveBytes` (FIEMAP, now). Throws as commit() does (`name` and `replace` are not
+   * options here: `ERR_INVALID_ARG_VALUE`).
+   */
+  async checkpoint(ws: Workspace | string, options?: CheckpointOptions): Promise<Checkpoint> {
+    const { keepNewest, maxAgeMs, commit } = checkpointOptions(options)
+    const id = workspaceIdArg(ws)
+    const record = checkpointRecord(id, keepNewest, maxAgeMs)
+    const r = await this.#commit(ws, commitOptions(ws, commit), record)
+    await this.#retain(id, record, r.id)
+    const { clone: _clone, replaced: _replaced, ...made } = r
+    const [cp] = await this.#inFlight.track(withExclusiveBytes(this.#handle, [{ ...made, checkpoint: record }]))
+    if (!cp) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `checkpoint ${r.id} was removed meanwhile`, { path: r.path })
+    return cp
+  }
+
+  /** The checkpoints of `ws` (a Workspace or a workspace id), newest first, each with its `exclusiveBytes` now. */
+  async checkpoints(ws: Workspace | string): Promise<Checkpoint[]> {
+    const id = workspaceIdArg(ws)
+    const all = await this.templates()
+    return this.#inFlight.track(withExclusiveBytes(this.#handle, checkpointsOf(all, id)))
+  }
+
+  /**
+   * Puts the tree of `ws` back to `checkpoint` (a Checkpoint or its id), under the same id, path and lease: the
+   * checkpoint's tree is built beside it and swapped in atomically (renameat2 RENAME_EXCHANGE); the old tree goes
+   * to trash and is removed as dispose removes (`removed` false: left there, a mount inside say, for a sweep).
+   * The lease rule: nobody but the caller may hold the workspace's lease. A Workspace of this process closes its
+   * own handover fd first (a later `ws.leaseFd` opens a new one); an id takes the free lease (as adopt) for the
+   * call. Stop the VMM or container first: a process keeps the files and directories it has open (the old ones;
+   * docs/checkpoints.md). Throws `ERR_LEASE_HELD` (nothing changed), `ERR_TEMPLATE_NOT_FOUND` (no template has
+   * that id), `ERR_INVALID_ARG_VALUE` (another workspace's checkpoint, or not a checkpoint), `ENOENT` (no such
+   * workspace), the errno of the build (nothing changed), `ERR_POOL_CLOSED`, or an AbortError (before the swap).
+   */
+  async rollback(ws: Workspace | string, checkpoint: Checkpoint | string, options?: { signal?: AbortSignal }): Promise<RollbackResult> {
+    if (ws instanceof Workspace) return ws.rollback(checkpoint, options)
+    const id = workspaceIdArg(ws)
+    const signal = rollbackSignal(options)
+    this.#assertOpen()
+    const target = await this._rollbackTarget(id, checkpoint)
+    if (signal?.aborted) throw new AbortError(signal.reason) // before the lease is taken
+    const { leaseFd } = await call(this.#inFlight.track(native.adopt(this.#handle, `${this.prefix}-${id}`)))
+    try {
+      return await this._rollback(`${this.prefix}-${id}`, leaseFd, target, signal)
+    } finally {
+      await call(native.releaseLease(leaseFd))
+    }
+  }
+
+  /** @internal The id of rollback()'s `checkpoint` once checked to be one of workspace `id`'s (nothing touched). */
+  async _rollbackTarget(id: string, checkpoint: unknown): Promise<string> {
+    return rollbackTarget(await this.templates(), id, checkpoint, this.root)
+  }
+
+  /** @internal The native rollback of workspace `name`, whose lease `leaseFd` holds (kept open). */
+  async _rollback(name: string, leaseFd: number, checkpoint: string, signal: AbortSignal | undefined): Promise<RollbackResult> {
+    this.#assertOpen()
+    const r = await this.#inFlight.track(
+      withProgress({ signal }, (p) => native.rollback(this.#handle, { name, leaseFd, checkpoint, durable: this.#durable, progress: p })),
+    )
+    return { checkpoint, removed: r.removed }
+  }
+
+  /** @internal Workspace.checkpoint and Workspace.checkpoints. */
+  _checkpoint(ws: Workspace, options: CheckpointOptions | undefined): Promise<Checkpoint> {
+    return this.checkpoint(ws, options)
+  }
+
+  /** @internal */
+  _checkpoints(ws: Workspace): Promise<Checkpoint[]> {
+    return this.checkpoints(ws)
+  }
+
+  /** A checkpoint's retention (`policy`) over workspace `id`'s checkpoints, `made` (the new one) kept. */
+  async #retain(id: string, policy: CheckpointRecord, made: string): Promise<void> {
+    if (policy.keepNewest === undefined && policy.maxAgeMs === undefined) return
+    const list = checkpointsOf(await this.templates(), id)
+    const newest = [...list.filter((t) => t.id === made), ...list.filter((t) => t.id !== made)]
+    for (const t of retentionVictims(newest, policy, Date.now())) await this.#removeCheckpoint(t.id)
+  }
+
+  /** Removes checkpoint `id` unless something reads it (left for later); false when not removed now. */
+  async #removeCheckpoint(id: string): Promise<{ removed: boolean; bytes: number }> {
+    try {
+      const r = await call(this.#inFlight.track(native.removeTemplate(this.#handle, id, true)))
+      return { removed: r.removed && !r.kept, bytes: r.bytes }
+    } catch (e) {
+      if ((e as VmspaceError).code === 'ERR_TEMPLATE_NOT_FOUND') return { removed: false, bytes: 0 } // removed meanwhile
+      throw e
+    }
+  }
+
+  /** sweep()'s checkpoint pass (lib/checkpoint.ts, sweptCheckpoints): reclaimed and failed entries, `from: 'template'`. */
+  async #sweepCheckpoints(dryRun: boolean): Promise<{ reclaimed: SweepEntry[]; failed: SweepFailure[] }> {
+    const out: { reclaimed: SweepEntry[]; failed: SweepFailure[] } = { reclaimed: [], failed: [] }
+    const all = await this.#inFlight.track(listTemplates(this.#handle, this.root))
+    for (const t of await sweptCheckpoints(this.root, all, Date.now())) {
+      const entry: SweepEntry = { id: t.id, name: `template-${t.id}`, from: 'template', bytes: 0 }
+      if (dryRun) {
+        out.reclaimed.push(entry)
+        continue
+      }
+      try {
+        const r = await this.#removeCheckpoint(t.id)
+        if (r.removed) out.reclaimed.push({ ...entry, bytes: r.bytes })
+      } catch (e) {
+        const error = fromNative(e) as VmspaceError
+        out.failed.push({ ...entry, code: error.code, error })
+      }
+    }
+    return out
   }
 
   // ---- images (lib/image-import.ts; docs/images.md) ----

@@ -12,8 +12,9 @@ import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObje
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
+import { parseCheckpointRecord } from './checkpoint.js'
 import { Workspace, workspaceMode } from './workspace.js'
-import type { AllocateOptions, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, SharedFile, Template, TemplateUsage } from './types.js'
+import type { AllocateOptions, CheckpointRecord, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, SharedFile, Template, TemplateUsage } from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -64,6 +65,8 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
   if (isPlainObject(p.layer) && typeof p.layer.chainId === 'string') info.layer = p.layer as unknown as LayerRecord
   if (isPlainObject(p.image) && Array.isArray(p.image.layers)) info.image = p.image as unknown as ImageRecord
   if (Array.isArray(p.shared)) info.shared = p.shared as SharedFile[]
+  const checkpoint = parseCheckpointRecord(p.checkpoint)
+  if (checkpoint) info.checkpoint = checkpoint
   return info
 }
 
@@ -161,9 +164,12 @@ export function readySource(ws: Workspace): { path: string; templateId?: string 
   return ws
 }
 
-/** template.json's members lib/ writes (format, createdAt, parent, meta: JSON text); the core adds id, name, method, usage. */
-export function templateRecordMembers(parent: string | undefined, meta: string): JsonMembers {
-  return jsonMembers({ format: 1, createdAt: Date.now(), parent: parent ?? null }, ['meta', meta])
+/**
+ * template.json's members lib/ writes (format, createdAt, parent, meta: JSON text, and a checkpoint's record); the
+ * core adds id, name, method, usage.
+ */
+export function templateRecordMembers(parent: string | undefined, meta: string, checkpoint?: CheckpointRecord): JsonMembers {
+  return jsonMembers({ format: 1, createdAt: Date.now(), parent: parent ?? null, checkpoint }, ['meta', meta])
 }
 
 /** What commit() returns, from the native commit's result. */

@@ -605,6 +605,8 @@ export interface Template {
   layer?: LayerRecord
   /** An image template (importImage): the image it holds. Absent for other templates. */
   image?: ImageRecord
+  /** A checkpoint (Workspace.checkpoint): the workspace it was made of and its retention. Absent for other templates. */
+  checkpoint?: CheckpointRecord
   /** Its shared files (commit's `share`), index n being `shared/<n>`; absent when the template shares nothing. */
   shared?: SharedFile[]
 }
@@ -741,4 +743,51 @@ export interface PruneOptions {
   name?: string
   /** Report, remove nothing. */
   dryRun?: boolean
+}
+
+// ---- checkpoints (lib/checkpoint.ts; docs/checkpoints.md) ----
+
+/** Options of {@link Workspace.checkpoint} and {@link Pool.checkpoint}. */
+export interface CheckpointOptions {
+  /** A JSON object kept in the checkpoint's record (`Template.meta`). */
+  meta?: JsonObject
+  /** Workspace-relative regular files the checkpoint shares read-only (as commit()'s `share`). */
+  share?: string[]
+  /** As commit()'s: the guest's device nodes are carried only when true. Default false. */
+  keepDevices?: boolean
+  /** As commit()'s: set-id bits and security.capability are carried only when true. Default false. */
+  keepSetId?: boolean
+  /** Integer ≥ 1: keep this workspace's newest N checkpoints (this one counts), remove the rest. */
+  keepNewest?: number
+  /** Integer ≥ 1, in ms: remove this workspace's checkpoints older than this (never the new one). */
+  maxAgeMs?: number
+  /** Abort the checkpoint: rejects with an AbortError, nothing is left. */
+  signal?: AbortSignal
+  /** Called as the tree is cloned, with the files and bytes done so far. */
+  onProgress?: (p: CloneProgressEvent) => void
+}
+
+/** template.json's `checkpoint`: whose checkpoint it is, and the retention it was made with. */
+export interface CheckpointRecord {
+  /** The workspace's id. */
+  workspace: string
+  /** The `keepNewest` it was made with (a sweep applies the newest checkpoint's). */
+  keepNewest?: number
+  /** The `maxAgeMs` it was made with (a sweep applies the newest checkpoint's). */
+  maxAgeMs?: number
+}
+
+/** A workspace's checkpoint: an unnamed template (allocate({ from: id }) and removeTemplate(id) take it). */
+export interface Checkpoint extends Template {
+  checkpoint: CheckpointRecord
+  /** Bytes of its tree that no other file shares now (FIEMAP): what removing it would give back. */
+  exclusiveBytes: number
+}
+
+/** What a rollback did. */
+export interface RollbackResult {
+  /** The checkpoint's id. */
+  checkpoint: string
+  /** The old tree was removed now; false: it is left in the pool's trash (a mount inside, say) for a sweep. */
+  removed: boolean
 }

@@ -10,7 +10,7 @@ import { call, vmspaceError } from './errors.js'
 import { cloneOptions, cloneResultOf, reflinkValues, toResult, withProgress, writebackValues } from './clone.js'
 import { cloneChannel, cloneResult, disposeChannel, traced } from './trace.js'
 import { constructing, InFlight, type DisposeHints, type WorkspaceHost } from './internal.js'
-import type { CloneOptions, CloneResult, WorkspaceInfo, WorkspaceUsage } from './types.js'
+import type { Checkpoint, CheckpointOptions, CloneOptions, CloneResult, RollbackResult, WorkspaceInfo, WorkspaceUsage } from './types.js'
 
 // hints: what this process knows of the workspace for its dispose (binding.ts, dispose).
 type WorkspaceArgs = [token: symbol, pool: WorkspaceHost, id: string, name: string, wsPath: string, leaseFd: number, hints: DisposeHints]
@@ -272,6 +272,46 @@ export class Workspace implements AsyncDisposable {
     return this.#inFlight.track(this.#pool._usage(this.name, signal))
   }
 
+  /**
+   * A checkpoint of this workspace's current tree ({@link Pool.checkpoint}; docs/checkpoints.md): an unnamed template
+   * that `rollback()` puts back, with retention (`keepNewest`, `maxAgeMs`). Throws as Pool.checkpoint does, and
+   * `ERR_DISPOSED` after dispose() or release().
+   */
+  checkpoint(options?: CheckpointOptions): Promise<Checkpoint> {
+    if (this.#status !== 'ready' || this.#disposing) return Promise.reject(this.#gone())
+    return this.#inFlight.track(this.#pool._checkpoint(this, options))
+  }
+
+  /** This workspace's checkpoints, newest first, each with its `exclusiveBytes` now. `ERR_DISPOSED` after dispose(). */
+  checkpoints(): Promise<Checkpoint[]> {
+    if (this.#status !== 'ready' || this.#disposing) return Promise.reject(this.#gone())
+    return this.#inFlight.track(this.#pool._checkpoints(this))
+  }
+
+  /**
+   * Puts this workspace's tree back to `checkpoint` (a Checkpoint or its id) under the same id, path and lease
+   * ({@link Pool.rollback}; docs/checkpoints.md): atomic at the workspace's name, the old tree removed through
+   * trash. This process's handover fd is closed first (a later {@link Workspace.leaseFd} opens a new one); the
+   * owner's hold of the lease is kept throughout. While another process holds the lease (a VMM or container given
+   * leaseFd that still runs) it rejects with `ERR_LEASE_HELD` and changes nothing: stop it first. Throws as
+   * Pool.rollback does, and `ERR_DISPOSED` after dispose() or release().
+   */
+  async rollback(checkpoint: Checkpoint | string, options?: { signal?: AbortSignal }): Promise<RollbackResult> {
+    const signal = rollbackSignal(options)
+    if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
+    return this.#inFlight.track(this.#rollback(checkpoint, signal))
+  }
+
+  async #rollback(checkpoint: Checkpoint | string, signal: AbortSignal | undefined): Promise<RollbackResult> {
+    const target = await this.#pool._rollbackTarget(this.id, checkpoint)
+    if (this.#status !== 'ready' || this.#disposing) throw this.#gone()
+    // This process's handover description goes first: what still holds the lease then is another process's.
+    const handover = this.#handoverFd
+    this.#handoverFd = -1 // close(2) frees the number even when it reports an error
+    if (handover >= 0) await call(native.releaseLease(handover))
+    return this.#pool._rollback(this.name, this.#leaseFd, target, signal)
+  }
+
   // ERR_DISPOSED, naming what ended this workspace's hold (release() in progress: 'released').
   #gone(how: 'released' | 'disposed' = this.#status === 'released' ? 'released' : 'disposed') {
     return vmspaceError('ERR_DISPOSED', `workspace ${this.name} was ${how}`, { path: this.path })
@@ -281,6 +321,12 @@ export class Workspace implements AsyncDisposable {
   [Symbol.asyncDispose](): Promise<void> {
     return this.dispose()
   }
+}
+
+/** rollback()'s options, checked: its signal. */
+export function rollbackSignal(options: unknown): AbortSignal | undefined {
+  const o = optionsObject<{ signal?: AbortSignal }>('options', options, { signal: true })
+  return abortSignal('options.signal', o.signal)
 }
 
 /**

@@ -211,6 +211,27 @@ describe.skipIf(!btrfsQ.dir)(`btrfs: a subvolume per workspace with a qgroup lim
     await pool.close()
   })
 
+  test('rollback of a quota workspace: the checkpoint\'s tree in a new subvolume with the same qgroup limit; the old subvolume and its qgroup go', async () => {
+    const root = freshDir(mnt)
+    const pool = await openPool(root)
+    const ws = await pool.allocate({ quota: { bytes: QUOTA } })
+    fs.writeFileSync(path.join(ws.path, 'a.txt'), 'first')
+    const cp = await ws.checkpoint()
+    fs.writeFileSync(path.join(ws.path, 'a.txt'), 'second')
+    expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: true })
+    expect(fs.readFileSync(path.join(ws.path, 'a.txt'), 'utf8')).toBe('first')
+    expect(fs.statSync(ws.path).ino).toBe(256)
+    expect((await ws.usage()).quota).toMatchObject({ limitBytes: QUOTA })
+    expect(subvolumes(mnt).filter((p) => p.includes(path.basename(root)) && !p.includes('/.vmspace/templates/'))).toEqual([
+      expect.stringMatching(new RegExp(`/${ws.name}$`)),
+    ])
+    expect(writer('file', path.join(ws.path, 'fill')).code).toBe('EDQUOT')
+    await ws.dispose()
+    await pool.removeTemplate(cp.id)
+    expect(poolState(root)).toEqual(emptyPoolState)
+    await pool.close()
+  })
+
   test('allocate({ from, quota }) from a template: a writable snapshot of its read-only subvolume, with the qgroup limit; a guest past it gets EDQUOT; nothing left after', async () => {
     const root = freshDir(mnt)
     const pool = await openPool(root)
@@ -543,6 +564,28 @@ for (const [label, m] of [['XFS prjquota', xfsPrj], ['ext4 project quota', ext4P
       await b.dispose()
       expect(poolState(root)).toEqual(emptyPoolState)
       expect(fs.readdirSync(path.join(root, '.vmspace', 'projects'))).toEqual([])
+      await pool.close()
+    })
+
+    test('rollback of a quota workspace: the new tree gets its own project id with the same limits, claimed under the workspace\'s name; the old id is released', async () => {
+      const { root, pool } = await open()
+      const ws = await pool.allocate({ quota: { bytes: 32 * MiB, inodes: 50 } })
+      fs.writeFileSync(path.join(ws.path, 'a.txt'), 'first')
+      const cp = await ws.checkpoint()
+      fs.writeFileSync(path.join(ws.path, 'a.txt'), 'second')
+      const claimsBefore = fs.readdirSync(path.join(root, '.vmspace', 'projects'))
+      expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: true })
+      expect(fs.readFileSync(path.join(ws.path, 'a.txt'), 'utf8')).toBe('first')
+      expect((await ws.usage()).quota).toMatchObject({ limitBytes: 32 * MiB, limitInodes: 50 })
+      const claims = fs.readdirSync(path.join(root, '.vmspace', 'projects'))
+      expect(claims).toHaveLength(1)
+      expect(claims).not.toEqual(claimsBefore)
+      expect(fs.readFileSync(path.join(root, '.vmspace', 'projects', claims[0]), 'utf8')).toBe(`${ws.name}\n`)
+      expect(writer('file', path.join(ws.path, 'fill')).code).toBe('EDQUOT')
+      await ws.dispose()
+      expect(fs.readdirSync(path.join(root, '.vmspace', 'projects'))).toEqual([])
+      await pool.removeTemplate(cp.id)
+      expect(poolState(root)).toEqual(emptyPoolState)
       await pool.close()
     })
 

@@ -17,6 +17,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   initTemplate(env, exports);
   initTemplateBuild(env, exports);
   initQuota(env, exports);
+  initRollback(env, exports);
 #ifdef VMSPACE_TEST_HOOKS
   initTestHooks(env, exports);  // test builds only
 #endif

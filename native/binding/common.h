@@ -179,6 +179,7 @@ void initJsonFile(Napi::Env env, Napi::Object exports);
 void initTemplate(Napi::Env env, Napi::Object exports);
 void initTemplateBuild(Napi::Env env, Napi::Object exports);
 void initQuota(Napi::Env env, Napi::Object exports);
+void initRollback(Napi::Env env, Napi::Object exports);
 #ifdef VMSPACE_TEST_HOOKS
 void initTestHooks(Napi::Env env, Napi::Object exports);  // test_hooks.cc
 #endif

@@ -87,6 +87,7 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
   struct Removed {
     std::string id;
     bool removed = false, kept = false;
+    uint64_t bytes = 0;
   };
   return Work<Removed>::Start(
       info.Env(),
@@ -96,7 +97,7 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
         if (!store)
           vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
                              "open", pool->root() + "/.vmspace/templates");
-        r.removed = store->remove(idOrName, &r.id, unlessCurrent, &r.kept);
+        r.removed = store->remove(idOrName, &r.id, unlessCurrent, &r.kept, &r.bytes);
         return r;
       },
       [](Napi::Env env, Removed& r) -> Napi::Value {
@@ -104,6 +105,7 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
         o.Set("id", r.id);
         o.Set("removed", r.removed);
         o.Set("kept", r.kept);
+        o.Set("bytes", static_cast<double>(r.bytes));
         return o;
       });
 }

@@ -221,9 +221,10 @@ class Pool {
   }
 
  private:
-  friend class PoolSweep;    // pool_sweep.cc: Pool::sweep's passes
-  friend class PoolStage;    // pool_publish.cc: Pool::stage's phases
-  friend class PoolPublish;  // pool_publish.cc: Pool::publish's phases
+  friend class PoolSweep;     // pool_sweep.cc: Pool::sweep's passes
+  friend class PoolStage;     // pool_publish.cc: Pool::stage's phases
+  friend class PoolPublish;   // pool_publish.cc: Pool::publish's phases
+  friend class PoolRollback;  // rollback.cc: rollbackWorkspace's phases
   Pool() = default;
   std::string path(const std::string& name) const { return root_ + "/" + name; }
   // Moves the published `name` into trash; false when it is no longer in the root. Verifies that what moved is

@@ -15,6 +15,7 @@
 #include "io.h"
 #include "rename.h"
 #include "statx.h"
+#include "test_pause.h"
 #include "trusted.h"
 #include "walk.h"
 
@@ -174,7 +175,10 @@ class Remover {
       struct stat st;
       if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) *bytes_ += static_cast<uint64_t>(st.st_blocks) * 512;
     }
-    if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return;
+    if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) {
+      testPausePoint("remove:after-unlink");
+      return;
+    }
     // The unlinkat's errno is the one reported: a failed fchmod fallback (EPERM: the directory is another
     // user's) must not hide the EACCES that said why the entry could not be removed.
     int err = errno;

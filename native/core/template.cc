@@ -213,7 +213,8 @@ bool TemplateStore::named(const std::string& id) {
   return false;
 }
 
-bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool unlessCurrent, bool* kept) {
+bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool unlessCurrent, bool* kept,
+                           uint64_t* bytes) {
   bool byName;
   std::string id = resolve(idOrName, &byName);
   if (!entryExists(fd_.get(), id) || entryExists(retiredFd_.get(), id)) notFound(idOrName, path(id));
@@ -241,7 +242,7 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
       UniqueFd namesLock = lockNames();
       dropLayerLinks(id);
     }
-    return removeIfFree(id, fd.get());
+    return removeIfFree(id, fd.get(), bytes);
   }
   // Retired first, so that a reader resolving the name meanwhile skips it; then every name pointing here goes.
   UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
@@ -255,7 +256,7 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
       throwErrno(errno, "unlink", dir_ + "/names/" + entry.first);
   }
   dropLayerLinks(id);
-  return removeIfFree(id, -1);
+  return removeIfFree(id, -1, bytes);
 }
 
 std::string TemplateStore::findLayer(const std::string& layerKey) {

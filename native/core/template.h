@@ -94,8 +94,9 @@ class TemplateStore {
   std::vector<TemplateListing> list();
   // Unnames the template and removes it, or marks it retired while readers hold it (false). ERR_TEMPLATE_NOT_FOUND.
   // With `unlessCurrent` (prune): a template a name points to, or that a commit or reader holds, is left as it is
-  // (*kept true, false returned).
-  bool remove(const std::string& idOrName, std::string* id, bool unlessCurrent = false, bool* kept = nullptr);
+  // (*kept true, false returned). `bytes` (optional): what the removal gave back, as a sweep counts it.
+  bool remove(const std::string& idOrName, std::string* id, bool unlessCurrent = false, bool* kept = nullptr,
+              uint64_t* bytes = nullptr);
   // Reclaims half-built commits older than `graceMs` whose builder is gone, retired templates no one reads, and
   // names whose template was never published. Never touches a published template that is not retired.
   void sweep(bool dryRun, int64_t graceMs, SweepReport& report);

@@ -25,6 +25,7 @@
 #include "rename.h"
 #include "template_commit.h"
 #include "template_modes.h"
+#include "test_pause.h"
 #include "tree.h"
 
 namespace vmspace {
@@ -285,6 +286,7 @@ std::string TemplateCommit::writeSharedPaths(int leaseFd) {
 // Publish. Without replace the name is claimed first (symlinkat never replaces: EEXIST, nothing changed),
 // so a name never points at a template another commit of the same name published.
 void TemplateCommit::publish(int leaseFd) {
+  testPausePoint("commit:before-publish");
   if (!req_.name.empty() && !req_.replace) {
     if (symlinkat(res_.id.c_str(), store_.namesFd_.get(), req_.name.c_str()) != 0)
       throwErrno(errno, "symlink", nameShown_);
