@@ -32,7 +32,7 @@ function holds(file: string, text: string): boolean {
 
 describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children of its workspace ${needs('QEMU, a guest kernel and busybox-static', missing)}`, () => {
   test(
-    'two children restored from one migration stream each write their own disk; the template`s disk is unchanged',
+    'two children restored from one shared migration stream each write their own disk; the template`s disk is unchanged',
     async () => {
       const dir = freshDir(mounts.xfs ?? mounts.scratch, 'restore')
       const guests = await Guests.open(tools!, dir)
@@ -53,7 +53,10 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
         }
         await eventually(() => fs.existsSync(path.join(parent.path, 'state')))
         const parentHash = await sha256File(path.join(parent.path, 'rootfs.ext4'))
-        const t = await pool.commit(parent)
+        const share = ['state', 'vmlinuz', 'initrd']
+        const sizes = share.map((f) => fs.statSync(path.join(parent.path, f)).size)
+        const t = await pool.commit(parent, { share })
+        expect(t.shared).toEqual(share.map((p, i) => ({ path: p, bytes: sizes[i] })))
         await parent.dispose()
         const templateDisk = path.join(t.path, 'rootfs.ext4')
         expect(await sha256File(templateDisk)).toBe(parentHash)
@@ -78,6 +81,11 @@ describe.skipIf(missing !== undefined)(`restoring a saved QEMU guest in children
           }),
         )
 
+        // The read-only artifacts are one inode in every child (and the template's shared/), never a copy.
+        for (const f of share) {
+          const [a, b] = children.map((c) => fs.statSync(path.join(c.path, f)))
+          expect([a!.ino, a!.mode & 0o7777, a!.nlink]).toEqual([b!.ino, 0o444, 3])
+        }
         for (const [i, child] of children.entries()) {
           const disk = path.join(child.path, 'rootfs.ext4')
           expect(await fsckClean(tools!, disk)).toEqual({ clean: true, detail: 'exit 0' })
