@@ -5,7 +5,7 @@
  *
  * The guest boots with the boot demo's kernel and initramfs (demo/boot/image.ts), which mount /dev/vda and run its
  * /init. Console commands, one a line: `write TEXT` (TEXT into /data.txt, synced), `read` (prints /data.txt),
- * `ro` (remounts / read-only, so the host reads a clean file system), `poweroff`. Each answers one line
+ * `ro` (remounts / read-only, so the host reads a clean file system). Each answers one line
  * `vmspace-guest: <command> <result>`.
  */
 import { spawn, type ChildProcess } from 'node:child_process'
@@ -38,7 +38,6 @@ while read -r cmd arg; do
     write) echo "$arg" > /data.txt && $B sync && echo "vmspace-guest: write $arg" ;;
     read) echo "vmspace-guest: read $($B cat /data.txt 2>&1)" ;;
     ro) $B sync && $B mount -o remount,ro / && echo "vmspace-guest: ro done" ;;
-    poweroff) $B poweroff -f ;;
   esac
 done
 `
@@ -109,7 +108,7 @@ export interface MachineOptions {
   args: string[]
   /** QEMU's working directory: the workspace its relative file names resolve in. */
   cwd: string
-  /** The console's Unix socket: outside the workspace (a commit takes no socket), at most 107 bytes. */
+  /** The console's Unix socket (at most 107 bytes): outside the workspace, which holds only the guest's files. */
   socket: string
   /** Inherited as QEMU's fd 3 (a workspace's leaseFd). */
   leaseFd?: number
