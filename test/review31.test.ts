@@ -1,0 +1,57 @@
+/**
+ * Review of shared files, checkpoints and rollback (docs/checkpoints.md, docs/templates.md "Shared files"): what a
+ * hostile guest's tree and a careless caller's calls found, each pinned as the behaviour the docs now promise.
+ */
+import './native-hooks.js'
+import { spawnSync } from 'node:child_process'
+import * as fs from 'node:fs'
+import * as os from 'node:os'
+import * as path from 'node:path'
+import { afterAll, describe, expect, test } from 'vitest'
+import { openPool } from '../lib/index.js'
+import { MiB, mounts, needs, poolState } from './helpers.js'
+import { rejection } from './layout-helpers.js'
+import { removeScratch } from './setup/mounts.js'
+
+const base = mounts.root ? fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-review31-')) : null
+afterAll(() => {
+  if (base) removeScratch(base)
+})
+
+/** A loop-mounted btrfs with quotas enabled, or why there is none. */
+function btrfsWithQuotas(): { dir: string | null; why?: string } {
+  if (!base) return { dir: null, why: 'not root' }
+  const image = path.join(base, 'btrfs.img')
+  const dir = path.join(base, 'btrfs')
+  fs.closeSync(fs.openSync(image, 'wx'))
+  fs.truncateSync(image, 1536 * MiB)
+  fs.mkdirSync(dir)
+  for (const [cmd, ...args] of [['mkfs.btrfs', '-q', '-f', image], ['mount', '-o', 'loop', image, dir], ['btrfs', 'quota', 'enable', dir]]) {
+    const r = spawnSync(cmd, args, { encoding: 'utf8' })
+    if (r.status !== 0) return { dir: null, why: `${cmd} failed: ${(r.stderr || r.error?.message || '').trim().split('\n')[0]}` }
+  }
+  return { dir }
+}
+const btrfsQ = btrfsWithQuotas()
+
+describe.skipIf(!btrfsQ.dir)(`a quota workspace on btrfs ${needs('root, mkfs.btrfs, btrfs qgroups', btrfsQ.why)}`, () => {
+  test('checkpoint({ share }) of a quota workspace is ERR_SHARE_UNSUPPORTED, nothing made: no rollback could ever link the file', async () => {
+    await using pool = await openPool(path.join(btrfsQ.dir!, 'pool-share'))
+    const ws = await pool.allocate({ quota: { bytes: 64 * MiB } })
+    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
+    const before = poolState(pool.root)
+    for (const made of [() => ws.checkpoint({ share: ['mem'] }), () => pool.checkpoint(ws.id, { share: ['mem'] })]) {
+      const e = await rejection(made())
+      expect(e).toMatchObject({ code: 'ERR_SHARE_UNSUPPORTED', path: 'mem', cause: { code: 'EXDEV' } })
+      expect(poolState(pool.root)).toEqual(before)
+      expect(await ws.checkpoints()).toEqual([])
+    }
+    // Without share it works, and the rollback keeps the quota.
+    const cp = await ws.checkpoint()
+    fs.writeFileSync(path.join(ws.path, 'mem'), 'changed')
+    expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: true })
+    expect(fs.readFileSync(path.join(ws.path, 'mem'), 'utf8')).toBe('memory')
+    expect((await ws.usage()).quota?.limitBytes).toBe(64 * MiB)
+    await ws.dispose()
+  })
+})
