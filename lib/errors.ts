@@ -47,7 +47,7 @@ export type VmspaceErrorCode =
   | 'ERR_LAYER_UNSAFE' // an image layer's entry reaches outside the layer's root or the OCI spec does not allow it (.., absolute names, a hard link out or to a missing entry, a malformed whiteout); path: the entry; nothing published
   | 'ERR_LAYER_INVALID' // an image layer is not a tar the applier reads (bad checksum, truncated, GNU sparse, an unknown entry type, a number out of range); path: the entry; nothing published
   | 'ERR_OCI_NOT_PERMITTED' // an image import needs root: refused up front when not root, or chown, mknod or a security.* xattr was refused (cause: EPERM); nothing published
-  | 'ERR_SHARE_UNSUPPORTED' // allocate of a template with shared files where a hard link cannot reach the workspace: a btrfs quota (a subvolume), another project id (cause: EXDEV; path: the shared path); nothing made
+  | 'ERR_SHARE_UNSUPPORTED' // allocate of a template with shared files where a hard link cannot reach the workspace: a btrfs quota (a subvolume), another project id; a checkpoint with share of a quota workspace (cause: EXDEV; path: the shared path); nothing made
 
 /**
  * Codes of system errors: the errno names Node knows on Linux (`os.constants.errno`), the Linux errnos a file system

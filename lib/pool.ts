@@ -679,7 +679,7 @@ export class Pool implements AsyncDisposable {
    * than that (never this one); one an allocate or rollback is reading is left for later (a sweep applies the
    * newest checkpoint's retention again). Pause what writes in the workspace first, as for commit(). Returns the
    * checkpoint with its `exclusiveBytes` (FIEMAP, now). Throws as commit() does (`name` and `replace` are not
-   * options here: `ERR_INVALID_ARG_VALUE`).
+   * options here: `ERR_INVALID_ARG_VALUE`), and `ERR_SHARE_UNSUPPORTED` for `share` on a workspace with a quota.
    */
   async checkpoint(ws: Workspace | string, options?: CheckpointOptions): Promise<Checkpoint> {
     // A Workspace's own call runs in turn with its rollbacks (Workspace.checkpoint), and comes back to #checkpoint.
@@ -691,7 +691,14 @@ export class Pool implements AsyncDisposable {
     const { keepNewest, maxAgeMs, commit } = checkpointOptions(options)
     const id = workspaceIdArg(ws)
     const record = checkpointRecord(id, keepNewest, maxAgeMs)
-    const r = await this.#commit(ws, commitOptions(ws, commit), record)
+    const o = commitOptions(ws, commit)
+    // A rollback rebuilds the workspace with its quota (a subvolume, or a project id of its own), where no hard
+    // link of a shared file can reach: such a checkpoint could never be rolled back to.
+    if (o.share.length > 0 && (await this.list()).find((w) => w.id === id)?.quota)
+      throw vmspaceError('ERR_SHARE_UNSUPPORTED', `workspace ${id} has a quota: a rollback could not link the shared file '${o.share[0]}'`, {
+        path: o.share[0], syscall: 'linkat', cause: errnoError(18, 'linkat', o.share[0]),
+      })
+    const r = await this.#commit(ws, o, record)
     await this.#retain(id, record, r.id)
     const { clone: _clone, replaced: _replaced, ...made } = r
     const [cp] = await this.#inFlight.track(withExclusiveBytes(this.#handle, [{ ...made, checkpoint: record }]))
