@@ -55,3 +55,48 @@ describe.skipIf(!btrfsQ.dir)(`a quota workspace on btrfs ${needs('root, mkfs.btr
     await ws.dispose()
   })
 })
+
+const uidNobody = 65534
+/** `script` run by sh as uid 65534 with no capabilities, in `cwd` (entered as root first). */
+const asNobody = (cwd: string, script: string) =>
+  spawnSync('setpriv', [`--reuid=${uidNobody}`, `--regid=${uidNobody}`, '--clear-groups', '--inh-caps=-all', 'sh', '-c', script], { cwd, encoding: 'utf8' })
+
+describe.skipIf(!mounts.root || mounts.xfs === null)(`what root does to a shared file reaches every holder ${needs('root and loop XFS', !mounts.root && 'not root')}`, () => {
+  test("a chown -R of one child's tree hands the one shared inode to that uid, which can then write every child's and the template's file", async () => {
+    await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.xfs!, 'review-')), 'pool'))
+    const ws = await pool.allocate()
+    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
+    const t = await pool.commit(ws, { share: ['mem'] })
+    const a = await pool.allocate({ from: t.id })
+    const b = await pool.allocate({ from: t.id })
+    const shared = path.join(t.path, '..', 'shared', '0')
+    expect(fs.statSync(shared)).toMatchObject({ uid: 4294967294, mode: 0o100444, nlink: 3 })
+    // Without the chown the guest can neither write, chmod nor chown it.
+    fs.chownSync(a.path, uidNobody, uidNobody)
+    for (const op of ['echo x >> mem', 'chmod 666 mem', `chown ${uidNobody} mem`]) expect(asNobody(a.path, op).status).not.toBe(0)
+    // The host's usual step to give a sandbox its tree (docs/templates.md, "Writes"): it changes the inode itself.
+    expect(spawnSync('chown', ['-R', `${uidNobody}:${uidNobody}`, a.path]).status).toBe(0)
+    expect(fs.statSync(shared).uid).toBe(uidNobody)
+    expect(asNobody(a.path, 'chmod 644 mem && echo hostile > mem').status).toBe(0)
+    for (const file of [path.join(b.path, 'mem'), shared]) expect(fs.readFileSync(file, 'utf8')).toBe('hostile\n')
+    for (const w of [a, b, ws]) await w.dispose()
+  })
+
+  test("root's chattr +i on one child's shared file makes every other holder's removal fail (EPERM) until it is cleared; a sweep then removes them", async () => {
+    await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.xfs!, 'review-')), 'pool'))
+    const ws = await pool.allocate()
+    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
+    const t = await pool.commit(ws, { share: ['mem'] })
+    const a = await pool.allocate({ from: t.id })
+    const b = await pool.allocate({ from: t.id })
+    expect(spawnSync('chattr', ['+i', path.join(a.path, 'mem')]).status).toBe(0)
+    expect(await rejection(b.dispose())).toMatchObject({ code: 'EPERM', syscall: 'unlinkat' })
+    expect(await rejection(pool.removeTemplate(t.id))).toMatchObject({ code: 'EPERM', syscall: 'unlinkat' })
+    expect(spawnSync('chattr', ['-i', path.join(a.path, 'mem')]).status).toBe(0)
+    await a.dispose()
+    await ws.dispose()
+    const s = await pool.sweep({ graceMs: 0 })
+    expect(s.failed).toEqual([])
+    expect(poolState(pool.root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
+  })
+})
