@@ -119,3 +119,23 @@ describe.skipIf(mounts.xfs === null)(`inherited sharing after a rollback ${needs
     await ws.dispose()
   })
 })
+
+describe.skipIf(!mounts.root || mounts.btrfs === null)(`a guest's read-only subvolume ${needs('root and loop btrfs', mounts.btrfs === null && mounts.missing.btrfs)}`, () => {
+  test("a read-only subvolume a guest made (no privilege) in its tree does not keep a rollback's old tree, a dispose or a sweep from removing it", async () => {
+    await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.btrfs!, 'review-')), 'pool'))
+    const ws = await pool.allocate()
+    const cp = await ws.checkpoint()
+    fs.chownSync(ws.path, uidNobody, uidNobody)
+    const plant = 'btrfs -q subvolume create sv && echo x > sv/f && btrfs property set -t subvol sv ro true && ! touch sv/g 2>/dev/null'
+    const r = asNobody(ws.path, plant)
+    expect(r.stderr).toBe('')
+    expect(r.status).toBe(0)
+    expect(await ws.rollback(cp)).toEqual({ checkpoint: cp.id, removed: true })
+    expect(fs.readdirSync(ws.path)).toEqual([])
+    fs.chownSync(ws.path, uidNobody, uidNobody)
+    expect(asNobody(ws.path, plant).status).toBe(0)
+    await ws.dispose()
+    expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
+    expect(poolState(pool.root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
+  })
+})
