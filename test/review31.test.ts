@@ -9,7 +9,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { MiB, mounts, needs, poolState } from './helpers.js'
+import { freshDir, MiB, mounts, needs, poolState, repoRoot, unprivilegedChildren } from './helpers.js'
 import { rejection } from './layout-helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
@@ -137,5 +137,50 @@ describe.skipIf(!mounts.root || mounts.btrfs === null)(`a guest's read-only subv
     await ws.dispose()
     expect((await pool.sweep({ graceMs: 0 })).failed).toEqual([])
     expect(poolState(pool.root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
+  })
+})
+
+/** What `script` (CommonJS, `vmspace` and `root` in scope) printed as JSON, run by node as uid 65534. */
+function nodeAsNobody(root: string, script: string): unknown {
+  const prelude = `const vmspace = require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))}); const root = ${JSON.stringify(root)}; const fs = require('fs'), path = require('path');`
+  const r = spawnSync('setpriv', [`--reuid=${uidNobody}`, `--regid=${uidNobody}`, '--clear-groups', process.execPath, '-e', `${prelude}(async () => { ${script} })().then((o) => console.log(JSON.stringify(o)), (e) => { console.error(e); process.exit(1) })`], { encoding: 'utf8' })
+  expect(r.status, r.stderr).toBe(0)
+  return JSON.parse(r.stdout)
+}
+
+describe.skipIf(!unprivilegedChildren)(`shared files in a pool of an unprivileged user ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
+  test("a shared file in a directory without its owner's write bit (0555, as a rootfs has them) is linked into every child and back by a rollback, the mode kept", async () => {
+    const dir = freshDir()
+    fs.chmodSync(dir, 0o755)
+    const root = path.join(dir, 'pool')
+    fs.mkdirSync(root)
+    fs.chownSync(root, uidNobody, uidNobody)
+    const out = nodeAsNobody(
+      root,
+      `const pool = await vmspace.openPool(root)
+      const ws = await pool.allocate()
+      fs.mkdirSync(path.join(ws.path, 'boot'))
+      fs.writeFileSync(path.join(ws.path, 'boot', 'vmlinux'), 'kernel')
+      fs.chmodSync(path.join(ws.path, 'boot'), 0o555)
+      const t = await pool.commit(ws, { share: ['boot/vmlinux'] })
+      const child = await pool.allocate({ from: t.id }).catch((e) => e)
+      const cp = await ws.checkpoint({ share: ['boot/vmlinux'] })
+      fs.writeFileSync(path.join(ws.path, 'later'), 'x')
+      const rolled = await ws.rollback(cp).catch((e) => e)
+      const out = {
+        child: child.code ?? fs.readFileSync(path.join(child.path, 'boot', 'vmlinux'), 'utf8'),
+        childMode: !child.code ? (fs.statSync(path.join(child.path, 'boot')).mode & 0o7777).toString(8) : null,
+        rollback: rolled.code ?? rolled.removed,
+        tree: fs.readdirSync(ws.path),
+        mode: (fs.statSync(path.join(ws.path, 'boot')).mode & 0o7777).toString(8),
+      }
+      if (!child.code) await child.dispose()
+      await ws.dispose()
+      await pool.removeTemplate(t.id)
+      await pool.close()
+      return out`,
+    )
+    expect(out).toEqual({ child: 'kernel', childMode: '555', rollback: true, tree: ['boot'], mode: '555' })
+    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
   })
 })
