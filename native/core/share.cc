@@ -108,6 +108,23 @@ uint64_t cloneSharedData(const ShareSource& s, int sharedFd, const std::string& 
   return r.bytes;
 }
 
+// linkat(2) into `parentFd`, a directory of the new tree without its owner's write bit (its mode as committed, 0555
+// say, which root's linkat ignores): given that bit for the call, then its mode back. False (errno: the linkat's
+// EACCES) where that cannot help: the bit is there, or the directory is not ours.
+bool linkIntoReadOnlyDir(int sharedFd, const std::string& name, int parentFd, const std::string& leaf,
+                         const std::string& shown) {
+  struct stat st;
+  if (fstat(parentFd, &st) != 0 || (st.st_mode & S_IWUSR) || st.st_uid != geteuid() ||
+      fchmod(parentFd, (st.st_mode & 07777) | S_IWUSR) != 0) {
+    errno = EACCES;
+    return false;
+  }
+  int rc = linkat(sharedFd, name.c_str(), parentFd, leaf.c_str(), 0), err = errno;
+  if (fchmod(parentFd, st.st_mode & 07777) != 0) throwErrno(errno, "fchmod", shown);
+  errno = err;
+  return rc == 0;
+}
+
 }  // namespace
 
 void throwShareUnsupported(const std::string& path, const std::string& why) {
@@ -197,6 +214,7 @@ void linkSharedFiles(int templateFd, const std::string& templatePath, const std:
     std::string leaf, name = std::to_string(i);
     ParentDir parent = openParentBeneath(wsFd, paths[i], &leaf, wsPath, false);
     if (linkat(dir.get(), name.c_str(), parent.get(), leaf.c_str(), 0) == 0) continue;
+    if (errno == EACCES && linkIntoReadOnlyDir(dir.get(), name, parent.get(), leaf, wsPath + "/" + paths[i])) continue;
     if (errno == EXDEV) throwShareUnsupported(paths[i], "into the workspace: another subvolume or project id");
     throwErrno(errno, "linkat", dirShown + "/" + name, wsPath + "/" + paths[i]);
   }
