@@ -184,3 +184,35 @@ describe.skipIf(!unprivilegedChildren)(`shared files in a pool of an unprivilege
     expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
   })
 })
+
+describe.skipIf(!unprivilegedChildren)(`rollback in a pool of an unprivileged user ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
+  // Not fixed: the build copies the workspace directory's mode (0500: no clone into it) and the exchange moves the
+  // old directory to another parent, which needs write permission on it; dispose copes (it gives its owner rwx).
+  test.skip('a guest that took the write bit off its workspace directory (same uid as the pool) cannot keep the owner from rolling it back', async () => {
+    const dir = freshDir()
+    fs.chmodSync(dir, 0o755)
+    const root = path.join(dir, 'pool')
+    fs.mkdirSync(root)
+    fs.chownSync(root, uidNobody, uidNobody)
+    const out = nodeAsNobody(
+      root,
+      `const pool = await vmspace.openPool(root)
+      const ws = await pool.allocate()
+      fs.writeFileSync(path.join(ws.path, 'a'), 'one')
+      const cp = await ws.checkpoint()
+      fs.writeFileSync(path.join(ws.path, 'a'), 'two')
+      const out = []
+      for (const mode of [0o500, 0o000]) {
+        fs.chmodSync(ws.path, mode)
+        const r = await ws.rollback(cp).catch((e) => e)
+        fs.chmodSync(ws.path, 0o700)
+        out.push([r.code ?? r.removed, fs.readFileSync(path.join(ws.path, 'a'), 'utf8')])
+        fs.writeFileSync(path.join(ws.path, 'a'), 'two')
+      }
+      await ws.dispose()
+      await pool.close()
+      return out`,
+    )
+    expect(out).toEqual([[true, 'one'], [true, 'one']])
+  })
+})
