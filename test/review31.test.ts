@@ -186,9 +186,9 @@ describe.skipIf(!unprivilegedChildren)(`shared files in a pool of an unprivilege
 })
 
 describe.skipIf(!unprivilegedChildren)(`rollback in a pool of an unprivileged user ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
-  // Not fixed: the build copies the workspace directory's mode (0500: no clone into it) and the exchange moves the
-  // old directory to another parent, which needs write permission on it; dispose copes (it gives its owner rwx).
-  test.skip('a guest that took the write bit off its workspace directory (same uid as the pool) cannot keep the owner from rolling it back', async () => {
+  // The build copied the workspace directory's mode (0500: no clone into it), and the exchange moves the old
+  // directory to another parent, which needs write permission on it: its owner's rwx go back first, as dispose's.
+  test('a guest that took the write bit off its workspace directory (same uid as the pool) cannot keep the owner from rolling it back', async () => {
     const dir = freshDir()
     fs.chmodSync(dir, 0o755)
     const root = path.join(dir, 'pool')
@@ -214,5 +214,6 @@ describe.skipIf(!unprivilegedChildren)(`rollback in a pool of an unprivileged us
       return out`,
     )
     expect(out).toEqual([[true, 'one'], [true, 'one']])
+    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
   })
 })

@@ -11,6 +11,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "io.h"
 #include "lease.h"
 #include "pool.h"
 #include "quota.h"
@@ -84,6 +85,7 @@ class PoolRollback {
   // allocate({ from: checkpoint })'s request, of the workspace's own prefix, mode and quota limits.
   AllocateRequest buildRequest(QuotaRef* oldQuota) {
     const std::string shown = pool_.path(req_.name);
+    giveOwnerAccess(shown);
     UniqueFd ws(openat(pool_.rootFd_.get(), req_.name.c_str(), kDirFlags));
     if (!ws) throwErrno(errno == ELOOP || errno == ENOTDIR ? ENOENT : errno, "open", shown);
     if (fstat(ws.get(), &ws_) != 0) throwErrno(errno, "fstat", shown);
@@ -100,6 +102,18 @@ class PoolRollback {
       if (u.set && u.limitInodes < kNoLimit) build.quota.inodes = u.limitInodes;
     }
     return build;
+  }
+
+  // A workspace directory whose guest (the pool's own uid, in a pool of an unprivileged user) took its owner's rwx
+  // off gets them back first, as dispose gives them: else the build copies a mode it cannot clone into, and the
+  // exchange cannot move the old directory (a directory moved to another parent needs write permission on it).
+  void giveOwnerAccess(const std::string& shown) {
+    if (geteuid() == 0) return;
+    UniqueFd dir(openat(pool_.rootFd_.get(), req_.name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+    struct stat st;
+    if (!dir || fstat(dir.get(), &st) != 0 || !S_ISDIR(st.st_mode)) return;  // the open that follows reports it
+    if ((st.st_mode & S_IRWXU) != S_IRWXU && chmodFd(dir.get(), (st.st_mode & 07777) | S_IRWXU) != 0)
+      throwErrno(errno, "chmod", shown);
   }
 
   // The built directory gets the workspace directory's exact mode (mkdir took the umask off) and owner.
