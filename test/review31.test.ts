@@ -8,7 +8,7 @@ import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { afterAll, describe, expect, test } from 'vitest'
-import { openPool } from '../lib/index.js'
+import { openPool, type Pool } from '../lib/index.js'
 import { freshDir, MiB, mounts, needs, poolState, repoRoot, unprivilegedChildren } from './helpers.js'
 import { rejection } from './layout-helpers.js'
 import { removeScratch } from './setup/mounts.js'
@@ -61,14 +61,18 @@ const uidNobody = 65534
 const asNobody = (cwd: string, script: string) =>
   spawnSync('setpriv', [`--reuid=${uidNobody}`, `--regid=${uidNobody}`, '--clear-groups', '--inh-caps=-all', 'sh', '-c', script], { cwd, encoding: 'utf8' })
 
+/** A workspace holding `mem`, a template of it sharing `mem`, and two children of that template. */
+async function twoChildren(pool: Pool) {
+  const ws = await pool.allocate()
+  fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
+  const t = await pool.commit(ws, { share: ['mem'] })
+  return { ws, t, a: await pool.allocate({ from: t.id }), b: await pool.allocate({ from: t.id }) }
+}
+
 describe.skipIf(!mounts.root || mounts.xfs === null)(`what root does to a shared file reaches every holder ${needs('root and loop XFS', !mounts.root && 'not root')}`, () => {
   test("a chown -R of one child's tree hands the one shared inode to that uid, which can then write every child's and the template's file", async () => {
     await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.xfs!, 'review-')), 'pool'))
-    const ws = await pool.allocate()
-    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
-    const t = await pool.commit(ws, { share: ['mem'] })
-    const a = await pool.allocate({ from: t.id })
-    const b = await pool.allocate({ from: t.id })
+    const { ws, t, a, b } = await twoChildren(pool)
     const shared = path.join(t.path, '..', 'shared', '0')
     expect(fs.statSync(shared)).toMatchObject({ uid: 4294967294, mode: 0o100444, nlink: 3 })
     // Without the chown the guest can neither write, chmod nor chown it.
@@ -84,11 +88,7 @@ describe.skipIf(!mounts.root || mounts.xfs === null)(`what root does to a shared
 
   test("root's chattr +i on one child's shared file makes every other holder's removal fail (EPERM) until it is cleared; a sweep then removes them", async () => {
     await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.xfs!, 'review-')), 'pool'))
-    const ws = await pool.allocate()
-    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
-    const t = await pool.commit(ws, { share: ['mem'] })
-    const a = await pool.allocate({ from: t.id })
-    const b = await pool.allocate({ from: t.id })
+    const { ws, t, a, b } = await twoChildren(pool)
     expect(spawnSync('chattr', ['+i', path.join(a.path, 'mem')]).status).toBe(0)
     expect(await rejection(b.dispose())).toMatchObject({ code: 'EPERM', syscall: 'unlinkat' })
     expect(await rejection(pool.removeTemplate(t.id))).toMatchObject({ code: 'EPERM', syscall: 'unlinkat' })
@@ -140,6 +140,16 @@ describe.skipIf(!mounts.root || mounts.btrfs === null)(`a guest's read-only subv
   })
 })
 
+/** An empty directory for a pool of uid 65534 (its parent reachable by it). */
+function unprivilegedPool(): string {
+  const dir = freshDir()
+  fs.chmodSync(dir, 0o755)
+  const root = path.join(dir, 'pool')
+  fs.mkdirSync(root)
+  fs.chownSync(root, uidNobody, uidNobody)
+  return root
+}
+
 /** What `script` (CommonJS, `vmspace` and `root` in scope) printed as JSON, run by node as uid 65534. */
 function nodeAsNobody(root: string, script: string): unknown {
   const prelude = `const vmspace = require(${JSON.stringify(path.join(repoRoot, 'dist', 'index.js'))}); const root = ${JSON.stringify(root)}; const fs = require('fs'), path = require('path');`
@@ -150,11 +160,7 @@ function nodeAsNobody(root: string, script: string): unknown {
 
 describe.skipIf(!unprivilegedChildren)(`shared files in a pool of an unprivileged user ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`, () => {
   test("a shared file in a directory without its owner's write bit (0555, as a rootfs has them) is linked into every child and back by a rollback, the mode kept", async () => {
-    const dir = freshDir()
-    fs.chmodSync(dir, 0o755)
-    const root = path.join(dir, 'pool')
-    fs.mkdirSync(root)
-    fs.chownSync(root, uidNobody, uidNobody)
+    const root = unprivilegedPool()
     const out = nodeAsNobody(
       root,
       `const pool = await vmspace.openPool(root)
@@ -189,11 +195,7 @@ describe.skipIf(!unprivilegedChildren)(`rollback in a pool of an unprivileged us
   // The build copied the workspace directory's mode (0500: no clone into it), and the exchange moves the old
   // directory to another parent, which needs write permission on it: its owner's rwx go back first, as dispose's.
   test('a guest that took the write bit off its workspace directory (same uid as the pool) cannot keep the owner from rolling it back', async () => {
-    const dir = freshDir()
-    fs.chmodSync(dir, 0o755)
-    const root = path.join(dir, 'pool')
-    fs.mkdirSync(root)
-    fs.chownSync(root, uidNobody, uidNobody)
+    const root = unprivilegedPool()
     const out = nodeAsNobody(
       root,
       `const pool = await vmspace.openPool(root)
