@@ -1,6 +1,7 @@
 /**
- * Review of shared files, checkpoints and rollback (docs/checkpoints.md, docs/templates.md "Shared files"): what a
- * hostile guest's tree and a careless caller's calls found, each pinned as the behaviour the docs now promise.
+ * Shared files, checkpoints and rollback against a hostile guest's tree and a careless caller (docs/checkpoints.md,
+ * docs/templates.md "Shared files"): quota workspaces, a guest's read-only subvolume, modes a guest took away, and
+ * what root does to a shared inode, each pinned as the behaviour the docs promise.
  */
 import './native-hooks.js'
 import { spawnSync } from 'node:child_process'
@@ -13,7 +14,7 @@ import { freshDir, MiB, mounts, needs, poolState, repoRoot, unprivilegedChildren
 import { rejection } from './layout-helpers.js'
 import { removeScratch } from './setup/mounts.js'
 
-const base = mounts.root ? fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-review31-')) : null
+const base = mounts.root ? fs.mkdtempSync(path.join(os.tmpdir(), 'vmspace-cp-hostile-')) : null
 afterAll(() => {
   if (base) removeScratch(base)
 })
