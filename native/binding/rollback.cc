@@ -40,6 +40,7 @@ Napi::Value TemplateExclusiveBytes(const Napi::CallbackInfo& info) {
       info.Env(),
       [pool, ids, progress] {
         std::vector<int64_t> out;
+        out.reserve(ids.size());
         for (const std::string& id : ids)
           out.push_back(vmspace::templateExclusiveBytes(*pool, id, progress ? &progress->cancel : nullptr));
         return out;
