@@ -229,9 +229,13 @@ export class Pool implements AsyncDisposable {
   }
 
   /**
-   * Makes a new workspace: a fresh 128-bit name claimed by exclusive mkdir in `.vmspace/staging/`, its lease
-   * taken, the template cloned, metadata written, then published under `<root>/<prefix>-<id>` with
-   * renameat2(RENAME_NOREPLACE). Nothing is visible until all of it is done; any failure removes all of it.
+   * Makes a new workspace `<root>/<prefix>-<id>` (`id`: 128 random bits, 32 hex digits). First its lease file,
+   * the exclusive claim on the name: made unnamed, locked, given the record (`meta` and vmspace's own members),
+   * then linked under the name in the pool's lease directory (a name already taken: another is drawn). Then the
+   * directory: for an empty workspace (no `template`, `from` or `quota`) one exclusive mkdir in the root, and done;
+   * otherwise it is built in a staging directory (mkdir or a btrfs subvolume or snapshot, quota, clones) and
+   * published into the root with renameat2(RENAME_NOREPLACE). Nothing is visible in the root until all of it is
+   * done; any failure removes all of it, the lease file last (DESIGN.md, "Leases").
    * Throws the errno of the failing call (e.g. `ENOENT` for a missing template source, `ENOSPC`),
    * `ERR_REFLINK_UNSUPPORTED`, `ERR_NAME_EXHAUSTED`, `ERR_POOL_CLOSED`, `ERR_RENAME_NOREPLACE_UNSUPPORTED` (the pool's
    * file system refuses renameat2(RENAME_NOREPLACE), as openPool found; nothing made), or an AbortError.
@@ -408,8 +412,8 @@ export class Pool implements AsyncDisposable {
   }
 
   /**
-   * The published workspaces of this pool's root (any prefix), with liveness and metadata. A metadata file that
-   * is missing or does not parse is reported in that entry's `error`, never read as empty.
+   * The published workspaces of this pool's root (any prefix), with liveness and their records. A record that
+   * cannot be read or does not parse is reported in that entry's `error`, never read as empty.
    */
   async list(options?: ListOptions): Promise<WorkspaceInfo[]> {
     const o = optionsObject<ListOptions>('options', options, { usage: true, signal: true })

@@ -73,7 +73,7 @@ export interface PoolOptions {
    * pool (allocate's `template` entries, Workspace.clone) is copied once into `.vmspace/cache/`, keyed by its
    * version (device, inode, size, mtime, ctime), and every later clone of that version is a reflink of the copy
    * (CloneResult `cache`). Only where the pool's file system reflinks (XFS `reflink=1`, btrfs): on ext4 a cache would
-   * only add a copy, and none is made. `false` turns it off (every such allocate copies, as before). `maxBytes`:
+   * only add a copy, and none is made. `false` turns it off (every such allocate copies the source). `maxBytes`:
    * what {@link Pool.sweep} keeps, in allocated bytes of the cached copies, least recently used reclaimed first
    * (copies whose source is gone or changed are reclaimed whatever the budget). Default `{ maxBytes: 8 GiB }`.
    */
@@ -112,7 +112,7 @@ export interface AllocateOptions {
    */
   from?: string
   /**
-   * A JSON object kept in the workspace's metadata (at most 64 KiB serialised), returned by list() exactly as given:
+   * A JSON object kept in the workspace's record (at most 64 KiB serialised), returned by list() exactly as given:
    * a value JSON would change (a Date, `undefined`, NaN, ±Infinity, -0, a Map, a class instance, a function, an array
    * hole) is `ERR_INVALID_ARG_VALUE` naming where it is, e.g. `options.meta["when"]`.
    */
@@ -172,7 +172,7 @@ export interface PoolUsage {
   quota: QuotaSupport
 }
 
-/** One source of a workspace's template, as recorded in its metadata ({@link WorkspaceInfo.template}). */
+/** One source of a workspace's template, as its record names it ({@link WorkspaceInfo.template}). */
 export interface TemplateSource {
   /** Workspace-relative destination; '' for a directory template whose contents are the workspace's. */
   dest: string
@@ -219,7 +219,7 @@ export interface WorkspaceInfo {
   /** Boot id (/proc/sys/kernel/random/boot_id) of the allocating machine's boot: a pid is only meaningful within it. */
   bootId?: string
   /**
-   * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the metadata file cannot be used; or, with
+   * Set (`ERR_CORRUPT_METADATA`, or the errno of reading it) when the workspace's record (its lease file's xattr) cannot be read or parsed; or, with
    * `syscall: 'fcntl(F_OFD_GETLK)'` (or `'open'` of the lease file), when the lease probe failed with an unexpected errno (`live` is then true: undecided
    * entries are never reported reclaimable).
    */
