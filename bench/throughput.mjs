@@ -2,11 +2,11 @@
 // Throughput of allocate+dispose under the load of many callers, each ratio from one run with the
 // compared implementations interleaved round by round (the machine is shared; absolute figures drift):
 //   1. `--inflight` (64) pairs in flight in one process: vmspace's pool, fs.promises mkdtemp+rm, and the native
-//      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE threads, the parallelism
-//      the libuv pool gives vmspace: the fair floor; and in `--inflight` threads, what the syscalls alone reach with
-//      as many callers as threads), and mkdtemp+rm's own floor (mkdir + rmdir in UV_THREADPOOL_SIZE threads:
-//      "mkdtemp+rm / its floor", how much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace /
-//      floor");
+//      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE − 1 threads, as many as
+//      the binding's batch runs allocate/dispose on (native/binding/batch.cc, workerLimit): the fair floor; and in
+//      `--inflight` threads, what the syscalls alone reach with one thread per caller), and mkdtemp+rm's own floor
+//      (mkdir + rmdir in UV_THREADPOOL_SIZE threads, all of which fs.promises uses: "mkdtemp+rm / its floor", how
+//      much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
 //   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same (the floors in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
@@ -105,6 +105,7 @@ const baseNames = ['vmspace', 'mkdtemp', 'floor', 'floorMk', ...(before ? ['base
 // The baseline's pool, opened once here to name it (its children open the same one).
 const baselineName = before && (await nameBaselinePool(before, path.join(dir, 'pool-baseline')))
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
+const workers = Math.max(1, threadpool - 1) // the batch's pool threads (native/binding/batch.cc, workerLimit)
 const fsType = (() => {
   try {
     return execFileSync('stat', ['-f', '-c', '%T', dir], { encoding: 'utf8' }).trim()
@@ -144,12 +145,12 @@ if (want('inflight')) {
   const res = await rounds_(
     async (name) =>
       name.startsWith('floor')
-        ? floorOps(name, name === 'floorWide' ? inflight : threadpool)
+        ? floorOps(name, name === 'floorWide' ? inflight : name === 'floor' ? workers : threadpool)
         : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
     [...baseNames, 'floorWide'],
   )
   for (const p of impls.pools) await p.close()
-  rows.push(ratioRows(`${inflight} in flight, 1 process (floor: ${threadpool} threads); load ${load()}`, res))
+  rows.push(ratioRows(`${inflight} in flight, 1 process (floor: ${workers} threads, its own: ${threadpool}); load ${load()}`, res))
 }
 
 async function processes(name, procs) {
