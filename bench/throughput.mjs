@@ -13,6 +13,9 @@
 //   With --baseline DIR (a built checkout of an earlier version; bench/baseline.mjs), its format-3 pool's
 //   allocate+dispose runs interleaved with the others in rows 1 and 2 ("vmspace / baseline (format 3)").
 //   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth] [--baseline DIR]
+//   node bench/throughput.mjs --dir DIR --profile vmspace|mkdtemp [--inflight N] [--time MS]: one implementation
+//   alone, N in flight (after 300 ms of warm-up), to run under `perf record -g`, `perf stat` or `strace -c -f`;
+//   prints the pairs done (bench/perf-split.mjs divides a profile by them)
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
@@ -36,6 +39,7 @@ const { values: args } = parseArgs({
     entries: { type: 'string', default: '100000' },
     only: { type: 'string' },
     baseline: { type: 'string' },
+    profile: { type: 'string' },
     // internal: one looping child process
     child: { type: 'string' },
   },
@@ -89,6 +93,17 @@ if (args.child) {
   await readyThenGo()
   const n = await loop(impls[args.child], 1, timeMs)
   process.stdout.write(`${n}\n`)
+  for (const p of impls.pools) await p.close()
+  process.exit(0)
+}
+
+// ---- profile mode: one implementation, --inflight in flight, alone in its process ----
+if (args.profile) {
+  const impls = await implementations(fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-profile-')))
+  const inflight = Number(args.inflight)
+  await loop(impls[args.profile], inflight, 300)
+  const n = await loop(impls[args.profile], inflight, timeMs)
+  console.log(`${args.profile}: ${n} pairs, ${((n * 1000) / timeMs).toFixed(0)} pairs/s, ${inflight} in flight`)
   for (const p of impls.pools) await p.close()
   process.exit(0)
 }
