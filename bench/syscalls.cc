@@ -8,7 +8,7 @@
 //   renameat2(leases/<y>/.spare-<r>, leases/<x>/<name>, RENAME_NOREPLACE) (<x>: the id's first hex digit; <y>: the
 //   shard it was kept in) → mkdirat(DIR, name, 0700). dispose: fcntl(F_OFD_GETLK) → unlinkat(DIR, name,
 //   AT_REMOVEDIR) → fstat(lease) + fstatat(leases/<x>/<name>) (still the inode held) → renameat2(leases/<x>/<name>,
-//   leases/<x>/.spare-<r>, RENAME_NOREPLACE). 9 syscalls per pair, as `strace -f` of a serial allocate+dispose shows.
+//   leases/<x>/.spare-<r>, RENAME_NOREPLACE). 8 syscalls per pair, as `strace -f` of a serial allocate+dispose shows.
 //   Each thread keeps its own spare (vmspace: up to 32 per pool, under a mutex).
 //   META 7: the same without a spare (a pool's first allocate, or more than 32 workspaces live): the lease file made
 //   unnamed, openat(O_TMPFILE) → fcntl(F_OFD_SETLK, read lock on byte 0) → (root only) fchown(-1, uid 4294967294) →
