@@ -526,7 +526,7 @@ if (want('warm')) {
   }
   const vm = (k) => fs.readFileSync(`/proc/sys/vm/${k}`, 'utf8').trim()
   console.log(`\nwarm reserve and writeback stall on ${fsType} (${base}; ${rounds} rounds, nearest-rank p99 = the worst of fewer than 100)`)
-  console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs while the reserve refills`)
+  console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs at once, before the refill starts (on the event loop's next turn)`)
   console.table(rows)
   console.table(summary)
 }
