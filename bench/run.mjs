@@ -7,6 +7,7 @@
 //   built (`npm ci` in it); its pools are format 3 where it has formats (bench/baseline.mjs)
 //   npm run bench -- --only metrics [--dir DIR]   metrics disabled vs enabled, and a gauge scrape of 10,000 workspaces
 //   npm run bench -- --only tree [--load 0,2]   the tree section once per count of busy-loop processes (default: 0 and the CPUs)
+//   npm run bench -- --only floor   allocate+dispose against its native floor on loop XFS: one caller, and 64 in flight
 //   npm run bench -- --only share   16 children reading a shared 1 GiB file against reflinked ones (page cache, allocate p50)
 import { execFileSync, spawn } from 'node:child_process'
 import * as fs from 'node:fs'
@@ -30,7 +31,7 @@ const { values: args } = parseArgs({
     iterations: { type: 'string', default: '3000' },
     time: { type: 'string', default: '2000' },
     rounds: { type: 'string', default: '5' },
-    only: { type: 'string' }, // allocate | throughput | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import | share | checkpoint
+    only: { type: 'string' }, // allocate | throughput | floor | growth | clone | tree | soak | json-file | lease | trace | metrics | warm | templates-btrfs | template-cache | import | share | checkpoint
     baseline: { type: 'string' }, // allocate, throughput, trace, clone, tree: a built checkout of an earlier version, run interleaved with this one
     entries: { type: 'string', default: '100000' }, // growth: workspaces in the full pool
     'soak-cycles': { type: 'string', default: '1000000' },
@@ -158,6 +159,20 @@ for (const section of ['throughput', 'growth']) {
   const baseline = args.baseline && section === 'throughput' ? ['--baseline', args.baseline] : []
   process.stdout.write(
     execFileSync(process.execPath, [path.join(here, 'throughput.mjs'), '--dir', xfsTarget.dir, '--floor', floorBin, '--only', only, '--entries', args.entries, ...baseline], {
+      maxBuffer: 1 << 24,
+    }),
+  )
+}
+
+// 1b'. The floor alone: the one-caller row and the in-flight row, on the XFS target only.
+if (want('floor')) {
+  const dir = path.join(xfsTarget.dir, 'floor-section') // apart from --only allocate's
+  fs.mkdirSync(dir)
+  const row = await oneCaller({ ...xfsTarget, dir })
+  console.log(`\nallocate + lease + dispose against the native floor, one caller (medians); ${load()}`)
+  console.table([row])
+  process.stdout.write(
+    execFileSync(process.execPath, [path.join(here, 'throughput.mjs'), '--dir', xfsTarget.dir, '--floor', floorBin, '--only', 'inflight', '--rounds', args.rounds], {
       maxBuffer: 1 << 24,
     }),
   )
@@ -511,7 +526,7 @@ if (want('warm')) {
   }
   const vm = (k) => fs.readFileSync(`/proc/sys/vm/${k}`, 'utf8').trim()
   console.log(`\nwarm reserve and writeback stall on ${fsType} (${base}; ${rounds} rounds, nearest-rank p99 = the worst of fewer than 100)`)
-  console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs while the reserve refills`)
+  console.log(`  kernel writeback: dirty_background_ratio ${vm('dirty_background_ratio')}, dirty_background_bytes ${vm('dirty_background_bytes')}, dirty_expire_centisecs ${vm('dirty_expire_centisecs')}; the warm entry's fsync runs at once, before the refill starts (on the event loop's next turn)`)
   console.table(rows)
   console.table(summary)
 }

@@ -2,15 +2,20 @@
 // Throughput of allocate+dispose under the load of many callers, each ratio from one run with the
 // compared implementations interleaved round by round (the machine is shared; absolute figures drift):
 //   1. `--inflight` (64) pairs in flight in one process: vmspace's pool, fs.promises mkdtemp+rm, and the native
-//      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE threads, the parallelism
-//      the libuv pool gives vmspace), and mkdtemp+rm's own floor (mkdir + rmdir in as many threads: "mkdtemp+rm / its
-//      floor", how much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
+//      floors (bench/syscalls.cc: vmspace's syscall sequence, META 6, in UV_THREADPOOL_SIZE − 1 threads, as many as
+//      the binding's batch runs allocate/dispose on (native/binding/batch.cc, workerLimit): the fair floor; and in
+//      `--inflight` threads, what the syscalls alone reach with one thread per caller), and mkdtemp+rm's own floor
+//      (mkdir + rmdir in UV_THREADPOOL_SIZE threads, all of which fs.promises uses: "mkdtemp+rm / its floor", how
+//      much of its syscalls' throughput Node's fs.promises keeps, beside "vmspace / floor");
 //   2. `--procs` (2 × CPUs) processes each running pairs back to back: the same (the floors in as many threads);
 //   3. pool growth: allocate+dispose latency (p50, p99) with `--entries` (100,000) orphaned workspaces in the pool
 //      against an empty pool, and list() / sweep() of those entries (time, RSS growth).
 //   With --baseline DIR (a built checkout of an earlier version; bench/baseline.mjs), its format-3 pool's
 //   allocate+dispose runs interleaved with the others in rows 1 and 2 ("vmspace / baseline (format 3)").
 //   node bench/throughput.mjs --dir DIR --floor BIN [--time MS] [--rounds N] [--only inflight,procs,growth] [--baseline DIR]
+//   node bench/throughput.mjs --dir DIR --profile vmspace|mkdtemp [--inflight N] [--time MS]: one implementation
+//   alone, N in flight (after 300 ms of warm-up), to run under `perf record -g`, `perf stat` or `strace -c -f`;
+//   prints the pairs done (bench/perf-split.mjs divides a profile by them)
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
@@ -34,6 +39,7 @@ const { values: args } = parseArgs({
     entries: { type: 'string', default: '100000' },
     only: { type: 'string' },
     baseline: { type: 'string' },
+    profile: { type: 'string' },
     // internal: one looping child process
     child: { type: 'string' },
   },
@@ -91,17 +97,30 @@ if (args.child) {
   process.exit(0)
 }
 
+// ---- profile mode: one implementation, --inflight in flight, alone in its process ----
+if (args.profile) {
+  const impls = await implementations(fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-profile-')))
+  const inflight = Number(args.inflight)
+  await loop(impls[args.profile], inflight, 300)
+  const n = await loop(impls[args.profile], inflight, timeMs)
+  console.log(`${args.profile}: ${n} pairs, ${((n * 1000) / timeMs).toFixed(0)} pairs/s, ${inflight} in flight`)
+  for (const p of impls.pools) await p.close()
+  process.exit(0)
+}
+
 const dir = fs.mkdtempSync(path.join(args.dir ?? os.tmpdir(), 'vmspace-throughput-'))
 process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }))
 // The native floors: vmspace's syscall sequence (bench/syscalls.cc's META 6) and mkdtemp+rm's own (mkdir + rmdir,
 // META 5).
-const floorModes = { floor: 6, floorMk: 5 }
+// floorWide: vmspace's sequence in as many threads as the row has callers (the inflight row only).
+const floorModes = { floor: 6, floorMk: 5, floorWide: 6 }
 const floorOps = (name, threads) =>
   Number(execFileSync(args.floor, [path.join(dir, name), '0', String(floorModes[name]), String(threads), String(timeMs)]).toString())
-const names = ['vmspace', 'mkdtemp', 'floor', 'floorMk', ...(before ? ['baseline'] : [])]
+const baseNames = ['vmspace', 'mkdtemp', 'floor', 'floorMk', ...(before ? ['baseline'] : [])]
 // The baseline's pool, opened once here to name it (its children open the same one).
 const baselineName = before && (await nameBaselinePool(before, path.join(dir, 'pool-baseline')))
 const threadpool = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
+const workers = Math.max(1, threadpool - 1) // the batch's pool threads (native/binding/batch.cc, workerLimit)
 const fsType = (() => {
   try {
     return execFileSync('stat', ['-f', '-c', '%T', dir], { encoding: 'utf8' }).trim()
@@ -119,13 +138,14 @@ const ratioRows = (label, res) => {
     'native floor ops/s': median(res.floor).toFixed(0),
     'vmspace / mkdtemp+rm': r('vmspace', 'mkdtemp'),
     'vmspace / floor': r('vmspace', 'floor'),
+    ...(res.floorWide ? { [`floor in ${args.inflight} threads ops/s`]: median(res.floorWide).toFixed(0), [`vmspace / floor in ${args.inflight} threads`]: r('vmspace', 'floorWide') } : {}),
     'mkdtemp+rm / its floor': r('mkdtemp', 'floorMk'),
     'per round (vm/mk/floor)': res.vmspace.map((v, i) => `${v.toFixed(0)}/${res.mkdtemp[i].toFixed(0)}/${res.floor[i].toFixed(0)}`).join(' '),
     ...(before ? { [`${baselineName} ops/s`]: median(res.baseline).toFixed(0), [`vmspace / ${baselineName}`]: r('vmspace', 'baseline') } : {}),
   }
 }
 // Each round runs every implementation once, the order reversed every other round.
-async function rounds_(run) {
+async function rounds_(run, names = baseNames) {
   const res = Object.fromEntries(names.map((n) => [n, []]))
   for (let r = 0; r < rounds; r++) for (const name of r % 2 ? [...names].reverse() : names) res[name].push(await run(name))
   return res
@@ -137,11 +157,15 @@ if (want('inflight')) {
   const inflight = Number(args.inflight)
   const impls = await implementations(dir)
   for (const n of ['vmspace', 'mkdtemp', ...(before ? ['baseline'] : [])]) await loop(impls[n], inflight, 300)
-  const res = await rounds_(async (name) =>
-    name.startsWith('floor') ? floorOps(name, threadpool) : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
+  const res = await rounds_(
+    async (name) =>
+      name.startsWith('floor')
+        ? floorOps(name, name === 'floorWide' ? inflight : name === 'floor' ? workers : threadpool)
+        : (await loop(impls[name], inflight, timeMs)) / (timeMs / 1000),
+    [...baseNames, 'floorWide'],
   )
   for (const p of impls.pools) await p.close()
-  rows.push(ratioRows(`${inflight} in flight, 1 process (floor: ${threadpool} threads); load ${load()}`, res))
+  rows.push(ratioRows(`${inflight} in flight, 1 process (floor: ${workers} threads, its own: ${threadpool}); load ${load()}`, res))
 }
 
 async function processes(name, procs) {

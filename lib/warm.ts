@@ -80,8 +80,10 @@ export class WarmReserve {
       this.#stats.misses++
       return undefined
     } finally {
-      // Only now: a build started alongside would compete with the hand-out (the disk, the journal, 2 cores).
-      this.refill()
+      // Only once the caller has its workspace: a build started alongside would compete with the hand-out (the
+      // disk, the journal, 2 cores). Called here, its copy began before this promise reached the caller, and ran
+      // inside allocate() in its slowest calls (perf); setImmediate runs after the caller's own continuation.
+      setImmediate(() => this.refill())
     }
   }
 
