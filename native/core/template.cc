@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
 #include "io.h"

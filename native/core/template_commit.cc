@@ -4,10 +4,8 @@
 #include "template.h"
 
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/file.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,8 +13,10 @@
 #include <string>
 #include <utility>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
+#include "fs_kind.h"
 #include "io.h"
 #include "json_members.h"
 #include "names.h"
@@ -59,10 +59,7 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly
 
 }  // namespace
 
-bool isSubvolumeFs(int fd) {
-  struct statfs sfs;
-  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
-}
+bool isSubvolumeFs(int fd) { return fsKindOf(fd) == FsKind::Btrfs; }
 
 TemplateCommit::TemplateCommit(TemplateStore& store, CommitRequest req)
     : store_(store), req_(std::move(req)), nameShown_(store.dir_ + "/names/" + req_.name) {
