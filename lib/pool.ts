@@ -12,6 +12,7 @@ import {
   abortSignal,
   absolutePath,
   boolean,
+  ID,
   integerIn,
   invalidType,
   invalidValue,
@@ -490,7 +491,7 @@ export class Pool implements AsyncDisposable {
    */
   async adopt(id: string): Promise<Workspace> {
     if (typeof id !== 'string') throw invalidType('id', 'a workspace id string', id)
-    if (!/^[0-9a-f]{32}$/.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
+    if (!ID.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
     this.#assertOpen()
     const name = `${this.prefix}-${id}`
     this.#open++
