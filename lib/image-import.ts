@@ -278,7 +278,7 @@ async function publishImage(
     throw e
   }
   const metaPath = path.join(host.root, '.vmspace', 'templates', r.id, 'template.json')
-  const t = templateInfo(host.root, { id: r.id, currentName: o.name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+  const t = templateInfo(host.root, { id: r.id, currentName: o.name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   t.lastUsedAt = t.createdAt ?? null
   return { ...t, image: { ...record, layers } }
 }

@@ -45,11 +45,11 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
     lastUsedAt: t.lastUsedMs || null,
     retired: t.retired,
   }
-  if (t.metaText === undefined) {
-    info.error = fromNative(t.metaError) as VmspaceError
+  if (t.record === undefined) {
+    info.error = fromNative(t.recordError) as VmspaceError
     return info
   }
-  const parsed = parseTemplateMeta(t.metaText, t.metaPath)
+  const parsed = parseTemplateMeta(t.record, t.recordPath)
   if (!parsed.ok) {
     info.error = parsed.error
     return info
@@ -175,11 +175,11 @@ export function templateRecordMembers(parent: string | undefined, meta: string, 
 /** What commit() returns, from the native commit's result. */
 export function commitResult(
   root: string,
-  r: { id: string; metaText: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
+  r: { id: string; record: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
   name: string,
 ): CommitResult {
   const metaPath = path.join(root, '.vmspace', 'templates', r.id, 'template.json')
-  const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+  const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   base.lastUsedAt = base.createdAt ?? null
   const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
   if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }

@@ -378,7 +378,7 @@ std::vector<ListEntry> Pool::list() {
       out.push_back(std::move(entry));
       continue;
     }
-    entry.metaErrno = readRecord(lease.get(), &entry.metaText);
+    entry.recordErrno = readRecord(lease.get(), &entry.record);
     // The probe takes no lock: a listing never gets in the way of an adopt or a sweep.
     int held = leaseHeldByOther(lease.get());
     if (int fault = takeSweepFault(name, true)) held = -fault;  // test seam (setSweepFaultsForTest), as in sweep

@@ -130,7 +130,7 @@ bool TemplateCommit::claimLayerLink(int leaseFd) {
       res_.existing = true;
       res_.allocatedBytes = 0;
       int err =
-          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.metaText);
+          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.record);
       if (err) throwErrno(err, "open", store_.path(live) + "/template.json");
       return false;
     }
@@ -255,7 +255,7 @@ void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
   if (!shared.empty()) members.emplace_back("shared", std::move(shared));
   std::string json = jsonObject(members) + "\n";
   writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
-  res_.metaText = json;
+  res_.record = json;
   writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
   if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
   // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
