@@ -1,13 +1,11 @@
 // Per-workspace disk quotas enforced by the kernel, and the free-space floor.
-//   btrfs: the workspace is a subvolume (BTRFS_IOC_SUBVOL_CREATE) whose qgroup 0/<subvolume id> gets an exclusive-
+//   btrfs: the workspace is a subvolume (btrfs_subvol.h) whose qgroup 0/<subvolume id> gets an exclusive-
 //          bytes limit (BTRFS_IOC_QGROUP_LIMIT). Quotas must be enabled on the file system (`btrfs quota enable`).
 //   XFS (prjquota) and ext4 (project,quota; prjquota): a project id, claimed in the pool, set on the workspace
 //          directory with FS_XFLAG_PROJINHERIT before anything is made in it (FS_IOC_FSSETXATTR), limits set with
 //          quotactl_fd(2) (Linux 5.14).
 // Elsewhere a quota is refused (ERR_QUOTA_UNSUPPORTED), never silently dropped.
 #pragma once
-
-#include <sys/types.h>
 
 #include <cstdint>
 #include <string>
