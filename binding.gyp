@@ -39,6 +39,8 @@
         "native/core/share.cc",
         "native/core/template_cache.cc",
         "native/core/quota.cc",
+        "native/core/fs_kind.cc",
+        "native/core/btrfs_subvol.cc",
         "native/core/pool_quota.cc",
         "native/core/metadata.cc",
         "native/core/pool_publish.cc",

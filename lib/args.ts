@@ -83,6 +83,9 @@ export function sharePaths(name: string, value: unknown): string[] | undefined {
   return value as string[]
 }
 
+/** A workspace, template or checkpoint id: 32 lowercase hex characters (128 random bits). */
+export const ID = /^[0-9a-f]{32}$/
+
 /** An object that is not null and not an array (what JSON calls an object). */
 export function isPlainObject(value: unknown): value is Record<string, unknown> {
   return typeof value === 'object' && value !== null && !Array.isArray(value)

@@ -19,8 +19,8 @@ export type WarmHandle = { readonly __brand: 'WarmHandle' }
 export interface NativeListEntry {
   name: string
   live: boolean
-  metaText?: string
-  metaError?: unknown
+  record?: string
+  recordError?: unknown
   /** The lease probe failed (liveness undecided). */
   probeError?: unknown
 }
@@ -36,7 +36,7 @@ export interface NativeAllocateResult {
   clones: (NativeCloneResult & { dest: string })[]
   /** The template cloned (allocate `from`) and its template.json text. */
   templateId?: string
-  templateMeta?: string
+  templateRecord?: string
 }
 
 /** One template of native listTemplates(): its directory's state and its template.json text (or why not). */
@@ -45,9 +45,9 @@ export interface NativeTemplateListing {
   currentName: string
   lastUsedMs: number
   retired: boolean
-  metaPath: string
-  metaText?: string
-  metaError?: unknown
+  recordPath: string
+  record?: string
+  recordError?: unknown
 }
 
 export interface NativeSweepEntry {
@@ -217,7 +217,7 @@ export interface Native {
   commitTemplate(
     handle: PoolHandle,
     options: CommitTemplateOptions,
-  ): Promise<{ id: string; metaText: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
+  ): Promise<{ id: string; record: string; clone: NativeCloneResult; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
   // Template builds and image layers (native/core/template_build.h, native/core/layer_apply.h)
   /**
    * Starts a build: staging/<id>/tree/ is a clone of template `parent`'s tree (its write bits given back), or an
@@ -242,7 +242,7 @@ export interface Native {
   templateBuildPublish(
     build: BuildHandle,
     options: TemplateBuildPublishOptions,
-  ): Promise<{ id: string; existing: boolean; metaText: string; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
+  ): Promise<{ id: string; existing: boolean; record: string; allocatedBytes: number; replacedId?: string; replacedRemoved?: boolean }>
   /** Removes the build's staging entry (idempotent, never rejects); waits for a layerApply on it to end. */
   templateBuildAbandon(build: BuildHandle): Promise<void>
   /** The live layer template of chain key `layerKey` (`<algo>-<hex>`), or null. */
@@ -262,7 +262,7 @@ export interface Native {
   /** Whether another open file description holds the lease `leaseFd` holds (synchronous: one F_OFD_GETLK). */
   leaseHandedOver(handle: PoolHandle, name: string, leaseFd: number): boolean
   list(handle: PoolHandle): Promise<NativeListEntry[]>
-  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; metaText?: string; metaError?: unknown }>
+  adopt(handle: PoolHandle, name: string): Promise<{ leaseFd: number; record?: string; recordError?: unknown }>
   sweep(handle: PoolHandle, options: { dryRun: boolean; graceMs: number }): Promise<NativeSweepReport>
   clonePath(options: ClonePathOptions): Promise<NativeCloneResult>
   /**

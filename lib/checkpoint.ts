@@ -7,13 +7,11 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { native, type PoolHandle } from './binding.js'
-import { integerIn, invalidType, invalidValue, isPlainObject, optionsObject } from './args.js'
+import { ID, integerIn, invalidType, invalidValue, isPlainObject, optionsObject } from './args.js'
 import { call, vmspaceError } from './errors.js'
 import { Workspace } from './workspace.js'
 import type { Checkpoint, CheckpointOptions, CheckpointRecord, Template } from './types.js'
 import type { CommitOptions } from './template.js'
-
-const ID = /^[0-9a-f]{32}$/
 
 /** checkpoint()'s options, checked: the retention, and the rest as commit() takes them (commitOptions checks those). */
 export function checkpointOptions(options: CheckpointOptions | undefined): { keepNewest?: number; maxAgeMs?: number; commit: CommitOptions } {

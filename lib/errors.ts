@@ -18,7 +18,7 @@ export type VmspaceErrorCode =
   | 'ERR_POOL_NOT_EMPTY' // openPool would make a pool in a directory holding other entries (see PoolOptions.nonEmpty)
   | 'ERR_POOL_UNSAFE' // another user could write a directory of the pool or above it (see `uid`, `gid`, `mode`)
   | 'ERR_POOL_NESTED' // openPool inside another pool; a workspace's removal met a pool's root (left whole)
-  | 'ERR_INTERNAL' // an unexpected C++ exception while handling one sweep entry (reported in that entry)
+  | 'ERR_INTERNAL' // an unexpected C++ exception: in the sweep entry it met, or the call's error
   | 'ERR_CORRUPT_METADATA' // a workspace's record does not parse (reported per entry by list())
   | 'ERR_LEASE_HELD' // another process holds the workspace's lease (adopt; dispose after a hand-over)
   | 'ERR_LEASE_NOT_HANDED_OVER' // release() while no other process holds the lease (never handed over, or dropped); the lease is kept

@@ -9,13 +9,13 @@ import * as crypto from 'node:crypto'
 import * as fs from 'node:fs'
 import * as net from 'node:net'
 import * as path from 'node:path'
-import { abortSignal, boolean, integerIn, invalidType, invalidValue, oneOf, optionsObject } from './args.js'
+import { abortSignal, boolean, ID, integerIn, invalidType, invalidValue, oneOf, optionsObject } from './args.js'
 import { jsonMembers, native, type BuildHandle, type PoolHandle, type ProgressHandle } from './binding.js'
 import { AbortError, call, errnoError, VmspaceError } from './errors.js'
 import { runOk } from './image.js'
 import { hostPlatform, locateLayers, openImage, parsePlatform, type LayerSource, type OciSource, type Platform, type SourceImage } from './oci.js'
 import { streamLayer, type LayerDigests } from './oci-stream.js'
-import { TEMPLATE_ID, templateInfo, templateName, unlistedLayers } from './template.js'
+import { templateInfo, templateName, unlistedLayers } from './template.js'
 import type { ImageLayer, ImageTemplate, ImportImageOptions, JsonObject, Reflink, Template } from './types.js'
 
 
@@ -78,7 +78,7 @@ export function importOptions(source: unknown, options: ImportImageOptions | und
 /** A template name from a ref: every character outside `[A-Za-z0-9._-]` made `-`, a leading one dropped. */
 export function nameOfRef(ref: string): string {
   const name = ref.replace(/[^A-Za-z0-9._-]/g, '-').replace(/^[^A-Za-z0-9]+/, '').slice(0, 128)
-  return TEMPLATE_ID.test(name) ? `image-${name}` : name
+  return ID.test(name) ? `image-${name}` : name
 }
 
 /** ChainIDs of `diffIds` (image-spec config.md): ChainID(L0) = DiffID(L0), ChainID(Ln) = sha256(ChainID(Ln-1) + " " + DiffID(Ln)). */
@@ -278,7 +278,7 @@ async function publishImage(
     throw e
   }
   const metaPath = path.join(host.root, '.vmspace', 'templates', r.id, 'template.json')
-  const t = templateInfo(host.root, { id: r.id, currentName: o.name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+  const t = templateInfo(host.root, { id: r.id, currentName: o.name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   t.lastUsedAt = t.createdAt ?? null
   return { ...t, image: { ...record, layers } }
 }
@@ -359,7 +359,7 @@ export async function removeImage(
   host: ImportHost, nameOrId: string, remove: (id: string) => Promise<{ id: string; removed: boolean }>,
 ): Promise<{ removed: string[] }> {
   const all = await host.templates()
-  const byId = TEMPLATE_ID.test(nameOrId)
+  const byId = ID.test(nameOrId)
   const t = all.find((x) => x.image && !x.retired && (byId ? x.id === nameOrId : x.current && x.name === nameOrId))
   if (!t)
     throw new VmspaceError(`ERR_TEMPLATE_NOT_FOUND: no image template with the id or name '${nameOrId}'`, { code: 'ERR_TEMPLATE_NOT_FOUND', path: path.join(host.root, '.vmspace', 'templates') })

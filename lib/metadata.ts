@@ -67,20 +67,20 @@ export function recordMembers(owner: JsonMembers, quotaBytes: number, quotaInode
 }
 
 /**
- * The WorkspaceInfo of the published entry `name` of the pool at `root`, from its record's text (`metaText`, or
- * `metaError`, the native error of reading it). A record that is missing or not a JSON object is the entry's
+ * The WorkspaceInfo of the published entry `name` of the pool at `root`, from its record's text (`record`, or
+ * `recordError`, the native error of reading it). A record that is missing or not a JSON object is the entry's
  * `error` (`ERR_CORRUPT_METADATA` with the lease file's path), never read as empty; members of the wrong kind are
  * left out.
  */
-export function readRecord(root: string, name: string, live: boolean, metaText: string | undefined, metaError: unknown): WorkspaceInfo {
+export function readRecord(root: string, name: string, live: boolean, record: string | undefined, recordError: unknown): WorkspaceInfo {
   const info: WorkspaceInfo = { id: workspaceId(name), name, path: path.join(root, name), live }
-  if (metaText === undefined) {
-    info.error = fromNative(metaError) as VmspaceError
+  if (record === undefined) {
+    info.error = fromNative(recordError) as VmspaceError
     return info
   }
   let parsed: unknown
   try {
-    parsed = JSON.parse(metaText)
+    parsed = JSON.parse(record)
   } catch {
     parsed = undefined
   }

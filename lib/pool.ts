@@ -12,6 +12,7 @@ import {
   abortSignal,
   absolutePath,
   boolean,
+  ID,
   integerIn,
   invalidType,
   invalidValue,
@@ -397,7 +398,7 @@ export class Pool implements AsyncDisposable {
       ws.templateId = r.templateId
       // Read under the template's lock by the same call: a template.json that does not parse refuses it.
       const metaPath = path.join(this.root, '.vmspace', 'templates', r.templateId, 'template.json')
-      const parsed = parseTemplateMeta(r.templateMeta ?? '', metaPath)
+      const parsed = parseTemplateMeta(r.templateRecord ?? '', metaPath)
       if (!parsed.ok) {
         await ws.dispose()
         throw parsed.error
@@ -422,7 +423,7 @@ export class Pool implements AsyncDisposable {
     this.#assertOpen()
     const entries = await call(this.#inFlight.track(native.list(this.#handle)))
     const infos = entries.map((e) => {
-      const info = readRecord(this.root, e.name, e.live, e.metaText, e.metaError)
+      const info = readRecord(this.root, e.name, e.live, e.record, e.recordError)
       // A lease probe that could not decide: `live` stays true (never reclaimable on its word), and it is the
       // entry's error, before any metadata problem.
       if (e.probeError !== undefined) info.error = fromNative(e.probeError) as VmspaceError
@@ -494,7 +495,7 @@ export class Pool implements AsyncDisposable {
    */
   async adopt(id: string): Promise<Workspace> {
     if (typeof id !== 'string') throw invalidType('id', 'a workspace id string', id)
-    if (!/^[0-9a-f]{32}$/.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
+    if (!ID.test(id)) throw invalidValue('id', '32 lowercase hex characters', id)
     this.#assertOpen()
     const name = `${this.prefix}-${id}`
     this.#open++
@@ -506,7 +507,7 @@ export class Pool implements AsyncDisposable {
       throw e
     }
     const ws = newWorkspace(constructing, this, id, name, path.join(this.root, name), r.leaseFd, unknownHints)
-    ws.info = readRecord(this.root, name, true, r.metaText, r.metaError)
+    ws.info = readRecord(this.root, name, true, r.record, r.recordError)
     ws.templateId = ws.info.templateId
     return ws
   }

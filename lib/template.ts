@@ -8,7 +8,7 @@
 import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { jsonMembers, native, type JsonMembers, type NativeCloneResult, type NativeTemplateListing, type PoolHandle } from './binding.js'
-import { abortSignal, boolean, integerIn, invalidType, invalidValue, isPlainObject, optionsObject, sharePaths } from './args.js'
+import { abortSignal, boolean, ID, integerIn, invalidType, invalidValue, isPlainObject, optionsObject, sharePaths } from './args.js'
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
@@ -45,11 +45,11 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
     lastUsedAt: t.lastUsedMs || null,
     retired: t.retired,
   }
-  if (t.metaText === undefined) {
-    info.error = fromNative(t.metaError) as VmspaceError
+  if (t.record === undefined) {
+    info.error = fromNative(t.recordError) as VmspaceError
     return info
   }
-  const parsed = parseTemplateMeta(t.metaText, t.metaPath)
+  const parsed = parseTemplateMeta(t.record, t.recordPath)
   if (!parsed.ok) {
     info.error = parsed.error
     return info
@@ -77,7 +77,6 @@ export async function listTemplates(handle: PoolHandle, root: string): Promise<T
 
 /** Template names: 1–128 of `[A-Za-z0-9._-]`, starting with a letter or digit, and not 32 hex (an id's shape). */
 export const TEMPLATE_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/
-export const TEMPLATE_ID = /^[0-9a-f]{32}$/
 
 /** Which templates a prune removes: outside the newest `keepNewest` of their name, or unused for `unusedForMs`. */
 export function pruneCandidates(all: Template[], o: { keepNewest?: number; unusedForMs?: number; name?: string }, now: number): Template[] {
@@ -110,7 +109,7 @@ export function templateRef(name: string, value: unknown): string | undefined {
 export function templateName(name: string, value: unknown): string | undefined {
   if (value === undefined) return undefined
   if (typeof value !== 'string') throw invalidType(name, 'a string', value)
-  if (!TEMPLATE_NAME.test(value) || TEMPLATE_ID.test(value)) throw invalidValue(name, '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', value)
+  if (!TEMPLATE_NAME.test(value) || ID.test(value)) throw invalidValue(name, '1-128 characters of [A-Za-z0-9._-], not 32 hex characters', value)
   return value
 }
 
@@ -144,7 +143,7 @@ export interface CommitOptions {
 /** commit()'s arguments, checked (nothing is touched yet): the name ('' for none), and `meta` as JSON text. */
 export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
-  if (typeof ws === 'string' && !/^[0-9a-f]{32}$/.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
+  if (typeof ws === 'string' && !ID.test(ws)) throw invalidValue('ws', 'a workspace id (32 lowercase hex characters)', ws)
   const o = optionsObject<CommitOptions>('options', options, {
     name: true, meta: true, replace: true, signal: true, onProgress: true, keepDevices: true, keepSetId: true, share: true,
   })
@@ -176,11 +175,11 @@ export function templateRecordMembers(parent: string | undefined, meta: string, 
 /** What commit() returns, from the native commit's result. */
 export function commitResult(
   root: string,
-  r: { id: string; metaText: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
+  r: { id: string; record: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
   name: string,
 ): CommitResult {
   const metaPath = path.join(root, '.vmspace', 'templates', r.id, 'template.json')
-  const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, metaPath, metaText: r.metaText })
+  const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   base.lastUsedAt = base.createdAt ?? null
   const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
   if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
@@ -256,7 +255,7 @@ export async function forkFrom(pool: ForkHost, ws: Workspace | string, count: nu
 /** Pool.template: the template `idOrName` of the pool at `root`, from `list` (Pool.templates). */
 export async function findTemplate(root: string, idOrName: string, list: () => Promise<Template[]>): Promise<Template> {
   const ref = templateRef('idOrName', idOrName)!
-  const byId = TEMPLATE_ID.test(ref)
+  const byId = ID.test(ref)
   const link = path.join(root, '.vmspace', 'templates', 'names', ref)
   const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
   let t: Template | undefined

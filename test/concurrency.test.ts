@@ -171,7 +171,10 @@ describe('worker_threads', () => {
     })
     expect((await exited)[0]).toBe(0)
     const left = messages.find((m) => m.event === 'left')!
-    expect(left).toBeDefined()
+    // The workspace the worker left: one of this pool's, named for its id.
+    expect(left).toMatchObject({ event: 'left', id: expect.stringMatching(/^[0-9a-f]{32}$/) })
+    expect(path.dirname(left.path!)).toBe(root)
+    expect(path.basename(left.path!).endsWith(`-${left.id}`)).toBe(true)
     expect([...openFdTargets(process.pid).values()]).not.toContain(left.path)
     const pool = await openPool(root)
     expect(await pool.list()).toEqual([expect.objectContaining({ id: left.id, live: false })])

@@ -65,14 +65,14 @@ describe('the lease', () => {
     onTestFinished(async () => {
       await next.dispose().catch(() => {})
     })
-    expect(next.leaseFd).toBeGreaterThanOrEqual(0)
+    expect(fs.readlinkSync(`/proc/self/fd/${next.leaseFd}`)).toBe(leasePath(pool.root, next.name))
     await next.release({ force: true })
     expect(() => next.leaseFd).toThrow(expect.objectContaining({ code: 'ERR_DISPOSED', message: `ERR_DISPOSED: workspace ${next.name} was released` }))
   })
 
   test('release() before the hand-over (the wrong order) rejects ERR_LEASE_NOT_HANDED_OVER and keeps the lease: live, never swept, disposable', async () => {
     const { pool, ws } = await setup()
-    expect(ws.leaseFd).toBeGreaterThanOrEqual(0) // opened, never given to a child
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name)) // opened, never given to a child
     const err = await ws.release().then(
       () => expect.fail('expected a rejection'),
       (e: unknown) => e,
@@ -112,7 +112,7 @@ describe('the lease', () => {
 describe('children', () => {
   test('a child spawned without handoff does not inherit the lease (O_CLOEXEC)', async () => {
     const { pool, ws } = await setup()
-    expect(ws.leaseFd).toBeGreaterThanOrEqual(0)
+    expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(leasePath(pool.root, ws.name))
     const child = sleeper(['ignore', 'ignore', 'ignore'])
     await new Promise((r) => child.once('spawn', r))
     expect(holds(child.pid!, leasePath(pool.root, ws.name))).toBe(false)

@@ -226,14 +226,18 @@ describe('vmspace:lock', () => {
     const holder = await heldByFlock(file) // another process: the wait is one in flock(2)
     seen.length = 0
     const options = { timeoutMs: 60_000 }
+    const called = performance.now()
     const second = lockFile(file, options)
     await waitersOn(file, 1) // the second call is blocked in flock (the kernel's view, /proc/locks)
     await holder.release()
     const lock = await second
+    const callMs = performance.now() - called
     expect(seen.map((s) => s.event)).toEqual(success)
     expect(seen[0].fields).toEqual({ path: file, options })
     expect(seen[3].fields).toEqual({ path: file, options, waited: true, waitMs: expect.any(Number) })
-    expect(seen[3].fields.waitMs as number).toBeGreaterThanOrEqual(0)
+    // It did wait (blocked in flock until the holder let go), and no longer than the call took.
+    expect(seen[3].fields.waitMs as number).toBeGreaterThan(0)
+    expect(seen[3].fields.waitMs as number).toBeLessThanOrEqual(callMs)
     await lock.release()
   })
 

@@ -6,7 +6,7 @@ import * as os from 'node:os'
 import * as path from 'node:path'
 import { Worker } from 'node:worker_threads'
 import { afterEach, beforeEach, describe, expect, test } from 'vitest'
-import { lockFile, updateJsonFile } from '../lib/index.js'
+import { FileLock, lockFile, updateJsonFile } from '../lib/index.js'
 import { flockWaiters, waitersOn } from './lock-helpers.js'
 
 const dist = path.resolve(__dirname, '..', 'dist', 'index.js')
@@ -76,7 +76,8 @@ describe('locks held by worker threads', () => {
       again = await lockFile(file, { wait: false }).catch(() => undefined)
       if (!again) await new Promise((resolve) => setTimeout(resolve, 20))
     }
-    expect(again).toBeDefined()
+    expect(again).toBeInstanceOf(FileLock)
+    expect(again!.path).toBe(file)
     await again!.release()
     expect(messages).toEqual(['waiting'])
   })

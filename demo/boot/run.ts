@@ -14,6 +14,7 @@ import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
 import { clone, openPool, type CloneMethod, type Pool, type Workspace } from 'vmspace'
+import { fsTypeName } from '../../shared/fsinfo.js'
 import { extentBytes, fsckClean, readGuestRecord, tokensInImage } from './checks.js'
 import { guestImages, IMAGE_INIT_ARG, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
 import { chooseAccel, GuestVm, type Accel } from './qemu.js'
@@ -124,7 +125,7 @@ export async function runBootDemo(options: BootDemoOptions): Promise<BootReport>
   const pool = await openPool(path.join(runDir, 'pool'))
   const { base, from } = await bootBase(pool, runDir, images, options.image, log)
   const baseHash = await sha256File(base)
-  const fileSystem = fsName(runDir)
+  const fileSystem = fsTypeName(fs.statfsSync(runDir).type)
 
   const choice = options.accel === undefined || options.accel === 'auto'
     ? await chooseAccel(tools, images, runDir)
@@ -395,15 +396,6 @@ async function leftovers(pool: Pool): Promise<number> {
   let inner = (await fsp.readdir(path.join(pool.root, '.vmspace', 'trash')).catch(() => [])).length
   for (const shard of await fsp.readdir(staging).catch(() => [])) inner += (await fsp.readdir(path.join(staging, shard)).catch(() => [])).length
   return published + inner
-}
-
-const FS_MAGIC: Record<number, string> = {
-  0x58465342: 'XFS', 0xef53: 'ext4', 0x9123683e: 'btrfs', 0x01021994: 'tmpfs', 0xca451a4e: 'bcachefs', 0x7461636f: 'OCFS2',
-}
-
-function fsName(dir: string): string {
-  const type = fs.statfsSync(dir).type
-  return FS_MAGIC[type] ?? `fs 0x${type.toString(16)}`
 }
 
 /** Nearest-rank percentile of `values` (p in 0..100). */

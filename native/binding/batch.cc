@@ -30,10 +30,7 @@ bool Job::settle(Napi::Env env) noexcept {
   try {
     Napi::HandleScope scope(env);
     if (outOfMemory_) {
-      Error e;
-      e.err = ENOMEM;
-      e.syscall = "malloc";
-      deferred_.Reject(errorObject(env, e));
+      deferred_.Reject(errorObject(env, vmspace::outOfMemoryError()));
     } else if (error_) {
       deferred_.Reject(errorObject(env, *error_));
     } else {

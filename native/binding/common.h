@@ -152,7 +152,7 @@ vmspace::CloneOptions cloneOptionsOf(const Options& o);
 ProgressRef progressArg(const Napi::CallbackInfo& info, size_t i);
 ProgressRef progressOf(const Options& o);  // the key "progress"
 Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspace::Reflink reflink);
-// A published template as commitTemplate and templateBuildPublish give it: {id, metaText, allocatedBytes} and, when
+// A published template as commitTemplate and templateBuildPublish give it: {id, record, allocatedBytes} and, when
 // a name was swapped, {replacedId, replacedRemoved}.
 Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r);
 // The same as an array: [kind, method, files, bytes, reflinked, copied] (a file the template cache served: and its

@@ -165,18 +165,18 @@ Napi::Value LeaseHandedOver(const Napi::CallbackInfo& info) {
   }
 }
 
-// A workspace's record on `o`: `metaText`, or `metaError` (the errno of reading its lease file, with that path).
-void setMeta(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int metaErrno,
-             const std::string& metaText) {
-  if (metaErrno == 0) {
-    o.Set("metaText", metaText);
+// A workspace's record on `o`: `record`, or `recordError` (the errno of reading its lease file, with that path).
+void setRecord(Napi::Env env, Napi::Object& o, const vmspace::Pool& pool, const std::string& name, int recordErrno,
+               const std::string& record) {
+  if (recordErrno == 0) {
+    o.Set("record", record);
     return;
   }
   vmspace::Error e;
-  e.err = metaErrno;
+  e.err = recordErrno;
   e.syscall = "fgetxattr";
   e.path = pool.leasePath(name);
-  o.Set("metaError", errorObject(env, e));
+  o.Set("recordError", errorObject(env, e));
 }
 
 Napi::Value Adopt(const Napi::CallbackInfo& info) {
@@ -189,7 +189,7 @@ Napi::Value Adopt(const Napi::CallbackInfo& info) {
         instance(env).leases.insert(fd);
         Napi::Object o = Napi::Object::New(env);
         o.Set("leaseFd", fd);
-        setMeta(env, o, *pool, name, r.metaErrno, r.metaText);
+        setRecord(env, o, *pool, name, r.recordErrno, r.record);
         return o;
       },
       [](vmspace::AdoptResult& r) {
@@ -240,7 +240,7 @@ Napi::Value List(const Napi::CallbackInfo& info) {
           Napi::Object o = Napi::Object::New(env);
           o.Set("name", entries[i].name);
           o.Set("live", entries[i].live);
-          setMeta(env, o, *pool, entries[i].name, entries[i].metaErrno, entries[i].metaText);
+          setRecord(env, o, *pool, entries[i].name, entries[i].recordErrno, entries[i].record);
           if (entries[i].probeErrno) {
             vmspace::Error e;
             e.err = entries[i].probeErrno;
@@ -322,7 +322,7 @@ Napi::Value allocateResultObject(Napi::Env env, vmspace::AllocateResult& r, vmsp
   o.Set(propertyKey(env, "clones"), clones);
   if (!r.templateId.empty()) {
     o.Set("templateId", r.templateId);
-    o.Set("templateMeta", r.templateMeta);
+    o.Set("templateRecord", r.templateRecord);
   }
   return o;
 }

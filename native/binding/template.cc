@@ -8,7 +8,7 @@ namespace vmspace::binding {
 Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r) {
   Napi::Object o = Napi::Object::New(env);
   o.Set("id", r.id);
-  o.Set("metaText", r.metaText);
+  o.Set("record", r.record);
   o.Set("allocatedBytes", static_cast<double>(r.allocatedBytes));
   if (!r.replacedId.empty()) {
     o.Set("replacedId", r.replacedId);
@@ -64,15 +64,15 @@ Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
           o.Set("currentName", t.currentName);
           o.Set("lastUsedMs", static_cast<double>(t.lastUsedMs));
           o.Set("retired", t.retired);
-          o.Set("metaPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
-          if (t.metaErrno == 0) {
-            o.Set("metaText", t.metaText);
+          o.Set("recordPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
+          if (t.recordErrno == 0) {
+            o.Set("record", t.record);
           } else {
             vmspace::Error e;
-            e.err = t.metaErrno;
+            e.err = t.recordErrno;
             e.syscall = "open";
             e.path = pool->root() + "/.vmspace/templates/" + t.id + "/template.json";
-            o.Set("metaError", errorObject(env, e));
+            o.Set("recordError", errorObject(env, e));
           }
           out.Set(static_cast<uint32_t>(i), o);
         }

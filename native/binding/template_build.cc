@@ -108,7 +108,7 @@ Napi::Value LayerApply(const Napi::CallbackInfo& info) {
       });
 }
 
-// templateBuildPublish(build, {info, layerKey, name, replace}) -> {id, existing, metaText, allocatedBytes, ...}
+// templateBuildPublish(build, {info, layerKey, name, replace}) -> {id, existing, record, allocatedBytes, ...}
 Napi::Value TemplateBuildPublish(const Napi::CallbackInfo& info) {
   BuildRef state = buildArg(info, 0);
   Options o(info, 1, "templateBuildPublish");

@@ -2,10 +2,8 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
-#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
-#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +13,7 @@
 
 #include "error.h"
 #include "fd.h"
+#include "fs_kind.h"
 #include "io.h"
 #include "names.h"
 #include "remove.h"
@@ -135,7 +134,7 @@ uint64_t copyRange(int src, int dst, off_t off, uint64_t len, bool* offload, con
   return done;
 }
 
-// What a file's st_size says of the bytes read(2) returns, by its file system (statfs(2) f_type).
+// What a file's st_size says of the bytes read(2) returns, by its file system (fs_kind.h).
 enum class SizeMeaning {
   Length,   // file systems that store files: ext2/3/4, XFS, btrfs, tmpfs, ramfs, F2FS, overlayfs, bcachefs, OpenZFS
   Hint,     // anything else (binfmt_misc, mqueue, configfs, FUSE): may report 0 or a guess; also when fstatfs fails
@@ -143,31 +142,30 @@ enum class SizeMeaning {
 };
 
 SizeMeaning sizeMeaning(int fd) {
-  struct statfs fs;
-  if (fstatfs(fd, &fs) != 0) return SizeMeaning::Hint;
-  // Literals where not every <linux/magic.h> names them.
-  switch (static_cast<unsigned long>(fs.f_type)) {
-    case PROC_SUPER_MAGIC:
-    case SYSFS_MAGIC:
-    case DEBUGFS_MAGIC:
-    case TRACEFS_MAGIC:
-    case SECURITYFS_MAGIC:
-    case CGROUP_SUPER_MAGIC:
-    case CGROUP2_SUPER_MAGIC:
+  switch (fsKindOf(fd)) {
+    case FsKind::Proc:
+    case FsKind::Sysfs:
+    case FsKind::Debugfs:
+    case FsKind::Tracefs:
+    case FsKind::Securityfs:
+    case FsKind::Cgroup:
+    case FsKind::Cgroup2:
       return SizeMeaning::Nothing;
-    case 0xEF53UL:      // EXT4_SUPER_MAGIC (ext2 and ext3 too)
-    case 0x58465342UL:  // XFS_SUPER_MAGIC
-    case 0x9123683EUL:  // BTRFS_SUPER_MAGIC
-    case 0x01021994UL:  // TMPFS_MAGIC
-    case 0x858458F6UL:  // RAMFS_MAGIC
-    case 0xF2F52010UL:  // F2FS_SUPER_MAGIC
-    case 0x794C7630UL:  // OVERLAYFS_SUPER_MAGIC
-    case 0xCA451A4EUL:  // BCACHEFS_SUPER_MAGIC
-    case 0x2FC12FC1UL:  // OpenZFS
+    case FsKind::Ext4:
+    case FsKind::Xfs:
+    case FsKind::Btrfs:
+    case FsKind::Tmpfs:
+    case FsKind::Ramfs:
+    case FsKind::F2fs:
+    case FsKind::Overlayfs:
+    case FsKind::Bcachefs:
+    case FsKind::Zfs:
       return SizeMeaning::Length;
-    default:
+    case FsKind::Other:
+    case FsKind::Unknown:
       return SizeMeaning::Hint;
   }
+  return SizeMeaning::Hint;
 }
 
 // read(2) found end of file at `at`, before the size of `before`, the version the copy started from. A source that is

@@ -87,8 +87,8 @@ inline std::string boundedText(std::string text) {
   throw e;
 }
 
-// std::bad_alloc as an Error: ENOMEM, syscall "malloc"; the one place that says so (currentError and the sweep
-// use it, and so can the binding for the allocations it makes on the JS thread).
+// std::bad_alloc as an Error: ENOMEM, syscall "malloc"; the one place that says so (currentError uses it, and so
+// can the binding for the allocations it makes on the JS thread).
 inline Error outOfMemoryError() {
   Error e;
   e.err = ENOMEM;
@@ -96,12 +96,14 @@ inline Error outOfMemoryError() {
   return e;
 }
 
-// The Error for the exception being handled (call it inside a catch block only): a core Error as it is,
-// std::bad_alloc as ENOMEM, std::system_error (a thread or mutex the C++ library could not get: pthread_create
-// fails with EAGAIN at RLIMIT_NPROC) as its errno, anything else as EIO with its message, so that no exception a
-// worker meets leaves its promise unsettled.
+// The Error for the exception being handled (call it inside a catch block only): the one policy for turning a C++
+// exception into an error, for a worker's whole call and a sweep's entry alike. A core Error as it is;
+// std::bad_alloc as ENOMEM; std::system_error with an errno (a thread or mutex the C++ library could not get:
+// pthread_create fails with EAGAIN at RLIMIT_NPROC) as that errno; anything else, which no code means to throw,
+// as ERR_INTERNAL naming it. So no exception a worker meets leaves its promise unsettled.
 inline Error currentError() {
   Error r;
+  r.code = "ERR_INTERNAL";
   try {
     throw;
   } catch (const Error& e) {
@@ -110,17 +112,27 @@ inline Error currentError() {
     return outOfMemoryError();
   } catch (const std::system_error& e) {
     const std::error_category& cat = e.code().category();
-    bool isErrno = cat == std::generic_category() || cat == std::system_category();
-    r.err = isErrno && e.code().value() > 0 ? e.code().value() : EIO;
-    if (r.err == EAGAIN) r.syscall = "pthread_create";  // the one system_error the walks can meet
-    r.detail = boundedText(e.what());
+    if ((cat == std::generic_category() || cat == std::system_category()) && e.code().value() > 0) {
+      r.code.clear();
+      r.err = e.code().value();
+      if (r.err == EAGAIN) r.syscall = "pthread_create";  // the one system_error the walks can meet
+      r.detail = boundedText(e.what());
+    } else {
+      r.detail = boundedText(std::string("unexpected C++ exception: ") + e.what());
+    }
   } catch (const std::exception& e) {
-    r.err = EIO;
-    r.detail = boundedText(e.what());
+    r.detail = boundedText(std::string("unexpected C++ exception: ") + e.what());
   } catch (...) {
-    r.err = EIO;
+    r.detail = "unexpected C++ exception";
   }
   return r;
+}
+
+// currentError for one entry of a sweep (`shown`, its path): the entry named where the error names no path.
+inline Error currentErrorAt(const std::string& shown) {
+  Error e = currentError();
+  if (e.path.empty()) e.path = shown;
+  return e;
 }
 
 }  // namespace vmspace

@@ -426,7 +426,7 @@ AdoptResult Pool::adopt(const std::string& name) {
     throwErrno(ENOENT, "open", path(name));
   if (int err = holdLease(fd.get(), LeaseByte::Owner)) throwErrno(err, "fcntl(F_OFD_SETLK)", leasePath(name));
   flock(fd.get(), LOCK_UN);  // the take ends; the owner's lock holds the workspace from here
-  r.metaErrno = readRecord(fd.get(), &r.metaText);
+  r.recordErrno = readRecord(fd.get(), &r.record);
   r.leaseFd = fd.release();
   return r;
 }

@@ -64,7 +64,7 @@ struct AllocateResult {
   int leaseFd = -1;  // the owner's fd of the lease file (O_RDWR, close-on-exec), holding LeaseByte::Owner
   int retries = 0;   // names drawn again: the one drawn existed
   std::vector<ClonedEntry> clones;
-  std::string templateId, templateMeta;  // the template cloned (fromTemplate) and its template.json
+  std::string templateId, templateRecord;  // the template cloned (fromTemplate) and its template.json
 };
 
 // What the caller knows of a workspace it disposes, from its allocation by this process (each saves a syscall on
@@ -83,24 +83,24 @@ struct StagedWorkspace {
   int retries = 0;
   int draws = 0;  // names drawn so far: publish counts on from here towards ERR_NAME_EXHAUSTED
   std::vector<ClonedEntry> clones;
-  std::string templateId, templateMeta;  // as in AllocateResult
-  QuotaRef quota;                        // quota.cc: its project id claim follows the name at publish
-  int shard = -1;                        // built in staging/s<shard>/; -1: made at its name in the root already
+  std::string templateId, templateRecord;  // as in AllocateResult
+  QuotaRef quota;                          // quota.cc: its project id claim follows the name at publish
+  int shard = -1;                          // built in staging/s<shard>/; -1: made at its name in the root already
 };
 
 struct ListEntry {
   std::string name;
   bool live = false;
-  std::string metaText;  // its record (the lease file's) when metaErrno == 0
-  int metaErrno = 0;
+  std::string record;  // its record (the lease file's) when recordErrno == 0
+  int recordErrno = 0;
   int probeErrno = 0;                               // the lease probe failed with this: liveness undecided, `live` set
   const char* probeSyscall = "fcntl(F_OFD_GETLK)";  // of probeErrno: "open" of the lease file, or the probe
 };
 
 struct AdoptResult {
   int leaseFd = -1;
-  std::string metaText;
-  int metaErrno = 0;
+  std::string record;
+  int recordErrno = 0;
 };
 
 struct SweepEntry {

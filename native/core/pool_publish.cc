@@ -15,6 +15,7 @@
 #include <ctime>
 #include <new>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
@@ -137,7 +138,7 @@ class PoolStage {
     reader_ = s->acquire(req_.fromTemplate);
     store_ = s;
     res_.templateId = reader_.id;
-    res_.templateMeta = reader_.metaText;
+    res_.templateRecord = reader_.record;
   }
 
   // The lease file is the claim on a name: made exclusively and already locked, before anything else is made under
@@ -300,7 +301,7 @@ class PoolPublish {
     res_.retries = staged.retries;
     res_.clones = std::move(staged.clones);
     res_.templateId = std::move(staged.templateId);
-    res_.templateMeta = std::move(staged.templateMeta);
+    res_.templateRecord = std::move(staged.templateRecord);
   }
 
   AllocateResult run() {

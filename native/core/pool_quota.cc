@@ -2,25 +2,20 @@
 // removal that releases a workspace's quota, the project id claims in .vmspace/projects/, per-workspace usage.
 #include <dirent.h>
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <ctime>
 
+#include "btrfs_subvol.h"
 #include "error.h"
+#include "fs_kind.h"
 #include "io.h"
 #include "pool.h"
 #include "remove.h"
 
 namespace vmspace {
-namespace {
-
-constexpr unsigned long XFS_SUPER_MAGIC_ = 0x58465342;  // XFS_SUPER_MAGIC (xfs_fs.h, not in linux/magic.h)
-
-}  // namespace
 
 int Pool::projectsFd(bool create) {
   std::lock_guard<std::mutex> lock(projectsMu_);
@@ -42,8 +37,9 @@ int Pool::projectsFd(bool create) {
 int Pool::claimsIfAny() {
   int kind = projectFs_.load(std::memory_order_relaxed);
   if (kind < 0) {
-    struct statfs sfs;
-    kind = fstatfs(rootFd_.get(), &sfs) != 0 || sfs.f_type == XFS_SUPER_MAGIC_ || sfs.f_type == EXT4_SUPER_MAGIC;
+    // Unknown (fstatfs failed): claims may exist, looked for as on XFS and ext4.
+    FsKind fs = fsKindOf(rootFd_.get());
+    kind = fs == FsKind::Unknown || hasProjectQuotas(fs);
     projectFs_.store(kind, std::memory_order_relaxed);
   }
   if (!kind) return -1;

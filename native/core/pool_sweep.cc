@@ -84,27 +84,6 @@ bool isWorkspaceEntry(const std::string& name, unsigned char type) {
   return (type == DT_DIR || type == DT_UNKNOWN) && isWorkspaceName(name.c_str());
 }
 
-// What handling one sweep entry threw (call inside a catch), as that entry's error: a core Error as it is;
-// std::bad_alloc as ENOMEM, as the binding reports it for a whole call; anything else as ERR_INTERNAL naming it.
-Error entryError(const std::string& shown) {
-  Error e;
-  try {
-    throw;
-  } catch (const Error& err) {
-    return err;
-  } catch (const std::bad_alloc&) {
-    e = outOfMemoryError();
-  } catch (const std::exception& x) {
-    e.code = "ERR_INTERNAL";
-    e.detail = boundedText(std::string("unexpected C++ exception: ") + x.what());
-  } catch (...) {
-    e.code = "ERR_INTERNAL";
-    e.detail = "unexpected C++ exception";
-  }
-  e.path = shown;
-  return e;
-}
-
 // ENOENT at the entry itself (not below it): the entry is gone, finished by someone else.
 bool vanished(const Error& e, const std::string& shown) { return e.code.empty() && e.err == ENOENT && e.path == shown; }
 
@@ -157,7 +136,7 @@ class PoolSweep {
       if (takeSweepFault(name, false)) throw std::bad_alloc();  // test seam
       handle();
     } catch (...) {
-      Error err = entryError(shown);
+      Error err = currentErrorAt(shown);
       if (vanished(err, shown)) return;
       // Reported once: a later pass (trash, the lease files) would meet the same name and fail it again.
       handled_.insert(name);
@@ -399,7 +378,7 @@ std::vector<ListEntry> Pool::list() {
       out.push_back(std::move(entry));
       continue;
     }
-    entry.metaErrno = readRecord(lease.get(), &entry.metaText);
+    entry.recordErrno = readRecord(lease.get(), &entry.record);
     // The probe takes no lock: a listing never gets in the way of an adopt or a sweep.
     int held = leaseHeldByOther(lease.get());
     if (int fault = takeSweepFault(name, true)) held = -fault;  // test seam (setSweepFaultsForTest), as in sweep

@@ -4,12 +4,10 @@
 #include <linux/btrfs.h>
 #include <linux/dqblk_xfs.h>
 #include <linux/fs.h>
-#include <linux/magic.h>
 #include <linux/quota.h>
 #include <sys/ioctl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -17,11 +15,12 @@
 #include <cstdio>
 #include <cstring>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
+#include "fs_kind.h"
 #include "io.h"
 #include "process.h"
-#include "remove.h"
 
 #ifndef SYS_quotactl_fd
 #define SYS_quotactl_fd 443  // Linux 5.14; the same number on every architecture (the unified syscall table)
@@ -31,8 +30,6 @@ namespace vmspace {
 namespace {
 
 constexpr int kMaxClaimTries = 64;
-constexpr uint64_t kBtrfsFirstFreeObjectId = 256;  // BTRFS_FIRST_FREE_OBJECTID: the root directory of a subvolume
-constexpr unsigned long kXfsMagic = 0x58465342;    // XFS_SUPER_MAGIC ("XFSB", xfs_fs.h)
 
 // quotactl_fd(2): the quotactl of the file system holding `fd` (man 2 quotactl_fd; no glibc wrapper).
 int quotactlFd(int fd, int cmd, uint32_t id, void* addr) {
@@ -60,17 +57,6 @@ uint64_t readSysfsNumber(const std::string& file, bool* ok) {
     return 0;
   }
   return strtoull(text.c_str(), nullptr, 10);
-}
-
-// The subvolume id of the tree holding `fd` (BTRFS_IOC_INO_LOOKUP with objectid 256 answers without privilege).
-int subvolumeIdOf(int fd, uint64_t* id) {
-  struct btrfs_ioctl_ino_lookup_args a;
-  memset(&a, 0, sizeof a);
-  a.treeid = 0;
-  a.objectid = kBtrfsFirstFreeObjectId;
-  if (ioctl(fd, BTRFS_IOC_INO_LOOKUP, &a) != 0) return errno;
-  *id = a.treeid;
-  return 0;
 }
 
 [[noreturn]] void unsupported(const std::string& detail, int cause, const char* syscall, const std::string& path) {
@@ -150,12 +136,12 @@ QuotaSupport probeBtrfsQuota(int dirFd) {
   return s;
 }
 
-// probeQuota on XFS or ext4 (`magic`): project quotas accounted and enforced, and CAP_SYS_ADMIN to set limits.
-QuotaSupport probeProjectQuota(int dirFd, unsigned long magic) {
+// probeQuota on XFS or ext4 (`kind`): project quotas accounted and enforced, and CAP_SYS_ADMIN to set limits.
+QuotaSupport probeProjectQuota(int dirFd, FsKind kind) {
   QuotaSupport s;
   s.backend = QuotaBackend::Project;
   s.inodes = true;
-  const char* fs = magic == kXfsMagic ? "XFS" : "ext4";
+  const char* fs = fsKindName(kind);
   struct fs_quota_statv sv;
   memset(&sv, 0, sizeof sv);
   sv.qs_version = FS_QSTATV_VERSION1;
@@ -168,8 +154,8 @@ QuotaSupport probeProjectQuota(int dirFd, unsigned long magic) {
   if (!(sv.qs_flags & FS_QUOTA_PDQ_ACCT) || !(sv.qs_flags & FS_QUOTA_PDQ_ENFD)) {
     s.err = ESRCH;
     s.detail = std::string(fs) + " project quotas are not " + (sv.qs_flags & FS_QUOTA_PDQ_ACCT ? "enforced" : "on") +
-               " (mount with -o prjquota" +
-               (magic == EXT4_SUPER_MAGIC ? "; the file system needs -O project,quota" : "") + ")";
+               " (mount with -o prjquota" + (kind == FsKind::Ext4 ? "; the file system needs -O project,quota" : "") +
+               ")";
     return s;
   }
   if (!hasCapSysAdmin()) {
@@ -186,15 +172,15 @@ QuotaSupport probeProjectQuota(int dirFd, unsigned long magic) {
 
 QuotaSupport probeQuota(int dirFd) {
   QuotaSupport s;
-  struct statfs sfs;
-  if (fstatfs(dirFd, &sfs) != 0) {
+  unsigned long magic = 0;
+  FsKind kind = fsKindOf(dirFd, &magic);
+  if (kind == FsKind::Unknown) {
     s.err = errno;
     s.detail = "statfs failed";
     return s;
   }
-  unsigned long magic = static_cast<unsigned long>(sfs.f_type);
-  if (magic == BTRFS_SUPER_MAGIC) return probeBtrfsQuota(dirFd);
-  if (magic == kXfsMagic || magic == EXT4_SUPER_MAGIC) return probeProjectQuota(dirFd, magic);
+  if (kind == FsKind::Btrfs) return probeBtrfsQuota(dirFd);
+  if (hasProjectQuotas(kind)) return probeProjectQuota(dirFd, kind);
   char hex[32];
   (void)snprintf(hex, sizeof hex, "0x%lx", magic);  // at most 18 characters: never truncated
   s.err = EOPNOTSUPP;
@@ -218,111 +204,6 @@ int enableBtrfsQuota(const std::string& path, bool simple) {
   memset(&args, 0, sizeof args);
   args.cmd = simple ? kEnableSimpleQuota : BTRFS_QUOTA_CTL_ENABLE;
   return ioctl(fd.get(), BTRFS_IOC_QUOTA_CTL, &args) == 0 ? 0 : errno;
-}
-
-int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool subvolume) {
-  if (!subvolume) return mkdirat(parentFd, name.c_str(), mode) == 0 ? 0 : errno;
-  struct btrfs_ioctl_vol_args args;
-  memset(&args, 0, sizeof args);
-  if (name.size() > BTRFS_PATH_NAME_MAX) return ENAMETOOLONG;
-  memcpy(args.name, name.data(), name.size());
-  // EEXIST for an existing name, as mkdirat: the exclusive claim on the name is the same.
-  if (ioctl(parentFd, BTRFS_IOC_SUBVOL_CREATE, &args) != 0) return errno;
-  // The subvolume's root is made 0777 less the umask whatever we want (btrfs takes no mode): give it mkdir(2)'s
-  // mode (mode & ~umask & 01777, keeping a setgid inherited from the parent). Nobody else can enter staging/.
-  UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
-  struct stat st;
-  int err = 0;
-  if (!fd || fstat(fd.get(), &st) != 0 ||
-      fchmod(fd.get(), (mode & ~currentUmask() & 01777) | (st.st_mode & S_ISGID)) != 0)
-    err = errno;
-  if (err) {
-    fd.reset();
-    if (unlinkat(parentFd, name.c_str(), AT_REMOVEDIR) != 0) destroySubvolume(parentFd, name);
-    return err;
-  }
-  return 0;
-}
-
-int makeWorkspaceSnapshot(int srcFd, int parentFd, const std::string& name, mode_t mode) {
-  struct stat parent;
-  if (fstat(parentFd, &parent) != 0) return errno;
-  if (int err = snapshotSubvolume(srcFd, parentFd, name, false)) return err;
-  // The snapshot's root keeps the source root's mode, owner and group: give it what mkdir(2) would have made
-  // (mode & ~umask & 01777; a setgid parent's group and setgid bit).
-  UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
-  int err = 0;
-  mode_t bits = mode & ~currentUmask() & 01777;
-  if (parent.st_mode & S_ISGID) bits |= S_ISGID;
-  if (!fd || ((parent.st_mode & S_ISGID) && fchown(fd.get(), static_cast<uid_t>(-1), parent.st_gid) != 0) ||
-      fchmod(fd.get(), bits) != 0)
-    err = errno;
-  if (err) {
-    fd.reset();
-    if (destroySubvolume(parentFd, name) != 0) {
-      try {
-        removeTreeNoFollow(parentFd, name, name);
-      } catch (...) {
-        // Left in staging, unlocked: a sweep reclaims it. The errno to report is the one above.
-      }
-    }
-    return err;
-  }
-  return 0;
-}
-
-int destroySubvolume(int parentFd, const std::string& name) {
-  struct btrfs_ioctl_vol_args args;
-  memset(&args, 0, sizeof args);
-  if (name.size() > BTRFS_PATH_NAME_MAX) return ENAMETOOLONG;
-  memcpy(args.name, name.data(), name.size());
-  return ioctl(parentFd, BTRFS_IOC_SNAP_DESTROY, &args) == 0 ? 0 : errno;
-}
-
-bool isSubvolumeRoot(int fd) {
-  struct stat st;
-  struct statfs sfs;
-  return fstat(fd, &st) == 0 && st.st_ino == kBtrfsFirstFreeObjectId && S_ISDIR(st.st_mode) && fstatfs(fd, &sfs) == 0 &&
-         static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
-}
-
-int hasChildSubvolumes(int fd, bool* has) {
-  struct btrfs_ioctl_get_subvol_rootref_args args;
-  memset(&args, 0, sizeof args);
-  // EOVERFLOW: more than one buffer of them, which answers the question as well.
-  if (ioctl(fd, BTRFS_IOC_GET_SUBVOL_ROOTREF, &args) != 0 && errno != EOVERFLOW) return errno;
-  *has = args.num_items > 0;
-  return 0;
-}
-
-int snapshotSubvolume(int srcFd, int parentFd, const std::string& name, bool readOnly) {
-  struct btrfs_ioctl_vol_args_v2 args;
-  memset(&args, 0, sizeof args);
-  if (name.size() > BTRFS_SUBVOL_NAME_MAX) return ENAMETOOLONG;
-  args.fd = srcFd;
-  args.flags = readOnly ? BTRFS_SUBVOL_RDONLY : 0;
-  memcpy(args.name, name.data(), name.size());
-  return ioctl(parentFd, BTRFS_IOC_SNAP_CREATE_V2, &args) == 0 ? 0 : errno;
-}
-
-int setSubvolumeReadOnly(int fd, bool readOnly) {
-  uint64_t flags = 0;
-  if (ioctl(fd, BTRFS_IOC_SUBVOL_GETFLAGS, &flags) != 0) return errno;
-  flags = readOnly ? (flags | BTRFS_SUBVOL_RDONLY) : (flags & ~uint64_t{BTRFS_SUBVOL_RDONLY});
-  return ioctl(fd, BTRFS_IOC_SUBVOL_SETFLAGS, &flags) == 0 ? 0 : errno;
-}
-
-bool dropReadOnlySubvolume(int parentFd, const std::string& name) {
-  UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
-  if (!fd || !isSubvolumeRoot(fd.get())) return false;
-  uint64_t flags = 0;
-  if (ioctl(fd.get(), BTRFS_IOC_SUBVOL_GETFLAGS, &flags) != 0 || !(flags & BTRFS_SUBVOL_RDONLY)) return false;
-  fd.reset();
-  if (destroySubvolume(parentFd, name) == 0) return true;
-  // EPERM without privilege: the owner may still clear the flag, and the walk then removes it entry by entry.
-  UniqueFd again(openat(parentFd, name.c_str(), kDirFlags));
-  if (again) setSubvolumeReadOnly(again.get(), false);
-  return false;
 }
 
 QuotaRef applyQuota(int wsFd, const std::string& shown, const QuotaSupport& support, const QuotaLimits& limits,
@@ -401,12 +282,12 @@ QuotaRef quotaRefOf(int parentFd, const std::string& name, const ProjectIdRange&
   if (fstatat(parentFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) return ref;
   if (st.st_ino != kBtrfsFirstFreeObjectId && !projects) return ref;
   UniqueFd fd(openat(parentFd, name.c_str(), kDirFlags));
-  struct statfs sfs;
-  if (!fd || fstatfs(fd.get(), &sfs) != 0 || fstat(fd.get(), &st) != 0) return ref;
-  unsigned long magic = static_cast<unsigned long>(sfs.f_type);
-  if (magic == BTRFS_SUPER_MAGIC) {
+  if (!fd) return ref;
+  FsKind kind = fsKindOf(fd.get());
+  if (kind == FsKind::Unknown || fstat(fd.get(), &st) != 0) return ref;
+  if (kind == FsKind::Btrfs) {
     if (st.st_ino == kBtrfsFirstFreeObjectId) subvolumeIdOf(fd.get(), &ref.subvolId);
-  } else if (projects && (magic == kXfsMagic || magic == EXT4_SUPER_MAGIC)) {
+  } else if (projects && hasProjectQuotas(kind)) {
     struct fsxattr fa;
     memset(&fa, 0, sizeof fa);
     if (ioctl(fd.get(), FS_IOC_FSGETXATTR, &fa) == 0 && fa.fsx_projid >= range.first && fa.fsx_projid <= range.last)

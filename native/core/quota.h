@@ -1,13 +1,11 @@
 // Per-workspace disk quotas enforced by the kernel, and the free-space floor.
-//   btrfs: the workspace is a subvolume (BTRFS_IOC_SUBVOL_CREATE) whose qgroup 0/<subvolume id> gets an exclusive-
+//   btrfs: the workspace is a subvolume (btrfs_subvol.h) whose qgroup 0/<subvolume id> gets an exclusive-
 //          bytes limit (BTRFS_IOC_QGROUP_LIMIT). Quotas must be enabled on the file system (`btrfs quota enable`).
 //   XFS (prjquota) and ext4 (project,quota; prjquota): a project id, claimed in the pool, set on the workspace
 //          directory with FS_XFLAG_PROJINHERIT before anything is made in it (FS_IOC_FSSETXATTR), limits set with
 //          quotactl_fd(2) (Linux 5.14).
 // Elsewhere a quota is refused (ERR_QUOTA_UNSUPPORTED), never silently dropped.
 #pragma once
-
-#include <sys/types.h>
 
 #include <cstdint>
 #include <string>
@@ -53,15 +51,6 @@ struct QuotaRef {
   uint32_t projectId = 0;
 };
 
-// Makes directory `name` below `parentFd` with `mode` (less the umask, as mkdir(2)): a btrfs subvolume when
-// `subvolume`. Returns 0 or the errno (EEXIST for a name that exists), as mkdirat does.
-int makeWorkspaceDir(int parentFd, const std::string& name, mode_t mode, bool subvolume);
-
-// Makes `name` below `parentFd` a writable snapshot of the btrfs subvolume of `srcFd` with mkdir(2)'s mode
-// (allocate from a subvolume template). Returns 0 or the errno (EEXIST as mkdirat; EPERM, EXDEV: no
-// snapshot here, see snapshotSubvolume).
-int makeWorkspaceSnapshot(int srcFd, int parentFd, const std::string& name, mode_t mode);
-
 // Applies `limits` to the freshly made, still empty workspace directory `wsFd` (its name `shown`), on the backend
 // of `support` (probeQuota of the pool). Project ids are claimed in `claimDirFd` (.vmspace/projects/, one file per
 // id made O_EXCL: the claim, naming workspace `name`) from `range`. Throws ERR_QUOTA_UNSUPPORTED (cause: the errno)
@@ -89,29 +78,6 @@ struct QuotaUsage {
   uint64_t limitBytes = 0, limitInodes = 0, usedBytes = 0, usedInodes = 0;
 };
 QuotaUsage quotaUsageOf(int wsFd, const QuotaRef& ref);
-
-// Deletes the empty btrfs subvolume `name` in `parentFd` (BTRFS_IOC_SNAP_DESTROY), for kernels or mounts where
-// rmdir(2) of it is refused. Returns 0 or the errno.
-int destroySubvolume(int parentFd, const std::string& name);
-
-// Btrfs subvolume snapshots (templates). Each returns 0 or the errno of the ioctl.
-// Whether `fd` is the root directory of a btrfs subvolume (the file system is btrfs and the inode is 256).
-bool isSubvolumeRoot(int fd);
-// Whether the subvolume of `fd` has subvolumes directly below it (BTRFS_IOC_GET_SUBVOL_ROOTREF, Linux 4.18,
-// unprivileged): a snapshot leaves them out (an empty directory in their place), so the caller walks instead.
-int hasChildSubvolumes(int fd, bool* has);
-// Snapshots the subvolume of `srcFd` to `name` below `parentFd` (BTRFS_IOC_SNAP_CREATE_V2), read-only or not.
-// Unprivileged when the caller owns the source's root directory (fs/btrfs/ioctl.c: inode_owner_or_capable),
-// else EPERM; EXDEV across file systems.
-int snapshotSubvolume(int srcFd, int parentFd, const std::string& name, bool readOnly);
-// Sets or clears BTRFS_SUBVOL_RDONLY (BTRFS_IOC_SUBVOL_SETFLAGS; the owner of the subvolume's root or
-// CAP_SYS_ADMIN).
-int setSubvolumeReadOnly(int fd, bool readOnly);
-// Readies the directory `name` below `parentFd` for removal when it is a read-only subvolume root: deleted at
-// once by BTRFS_IOC_SNAP_DESTROY (CAP_SYS_ADMIN, or the user_subvol_rm_allowed mount option), else made
-// writable so that a walk can empty it and rmdir(2) delete it (Linux 4.18). Returns true when it is gone; false
-// when it is not a subvolume or left for the walk. Never throws (the walk reports what stands).
-bool dropReadOnlySubvolume(int parentFd, const std::string& name);
 
 // Space of the file system of `fd`: bytes available to unprivileged users (f_bavail), free (f_bfree), total.
 struct FsSpace {

@@ -10,6 +10,7 @@
 #include <optional>
 #include <unordered_set>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
 #include "io.h"
@@ -167,7 +168,7 @@ class Remover {
     }
     // A read-only btrfs subvolume (its owner makes one without privilege: a guest can) refuses every unlink in
     // it: made writable first, as its owner or root may (inode 256 first: no extra syscall for other directories).
-    if (stx.stx_ino == 256 && isSubvolumeRoot(fd)) setSubvolumeReadOnly(fd, false);
+    if (stx.stx_ino == kBtrfsFirstFreeObjectId && isSubvolumeRoot(fd)) setSubvolumeReadOnly(fd, false);
     if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR)) fchmod(fd, stx.stx_mode | S_IRWXU);
     if (bytes_) *bytes_ += stx.stx_blocks * 512;
     if (int e = walk_.push(fd, name, dev, static_cast<ino_t>(stx.stx_ino))) record(e, "fdopendir", depth, name);

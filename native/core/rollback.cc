@@ -131,7 +131,7 @@ class PoolRollback {
 
   // The swap: the workspace's name holds the new tree, the staging entry the old one. What moved out of the name
   // must be the directory the build was made for; anything else is put back (ESTALE).
-  void exchange(const StagedWorkspace& staged) {
+  void exchange(StagedWorkspace& staged) {
     const int shardFd = pool_.stagingDirFd(staged.shard);
     const std::string from = pool_.stagingPath(staged.shard, staged.name), to = pool_.path(req_.name);
     if (renameat2(shardFd, staged.name.c_str(), pool_.rootFd_.get(), req_.name.c_str(), RENAME_EXCHANGE) != 0)
@@ -144,8 +144,9 @@ class PoolRollback {
         // What moved into staging is not ours: its lease file goes, so neither this call's cleanup nor a sweep
         // removes it (an entry without a lease file is reported as foreign and left).
         const int err = errno;
-        unlinkat(pool_.leasesFd_.get(), pool_.leaseRel(staged.name).c_str(), 0);
         disowned_ = true;
+        if (unlinkat(pool_.leasesFd_.get(), pool_.leaseRel(staged.name).c_str(), 0) != 0 && errno != ENOENT)
+          disownHeld(staged);
         throwErrno(err, "renameat2", from, to);
       }
       throwErrno(ESTALE, "renameat2", from, to);
@@ -155,6 +156,12 @@ class PoolRollback {
       if (fsync(shardFd) != 0) throwErrno(errno, "fsync", from);
     }
   }
+
+  // The lease file of a disowned entry stays (its unlink failed: EROFS, EIO, a leases/ directory made read-only):
+  // its lease is then held for the life of the process, the fd never closed, since a sweep takes only a lease no
+  // one holds. The error reported stays the swap back's, the first that went wrong. What stands after the process
+  // ends: a sweep that can write there again takes the entry for an abandoned build.
+  static void disownHeld(StagedWorkspace& staged) { (void)staged.lease.release(); }
 
   // The old tree into trash and removed as dispose removes it, then its lease file. What cannot be removed (a
   // mount inside, a nested pool) stays in trash under that lease file, free once `lease` closes: a sweep's.

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
 #include "io.h"
@@ -125,9 +126,9 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
     r.treePath = path(id) + "/tree";
     UniqueFd tree(openat(r.fd.get(), "tree", kDirFlags));
     if (tree && isSubvolumeRoot(tree.get())) r.subvolume = std::move(tree);
-    r.metaErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.metaText);
+    r.recordErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.record);
     // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
-    if (r.metaErrno) throwErrno(r.metaErrno, "open", path(id) + "/template.json");
+    if (r.recordErrno) throwErrno(r.recordErrno, "open", path(id) + "/template.json");
     r.shared = readSharedPaths(r.fd.get(), path(id) + "/" + kSharedPathsFile);
     return r;
   }
@@ -195,7 +196,7 @@ std::vector<TemplateListing> TemplateStore::list() {
     t.id = entry.first;
     auto it = names.find(t.id);
     if (it != names.end()) t.currentName = it->second;
-    t.metaErrno = readRegularFileAt(fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &t.metaText);
+    t.recordErrno = readRegularFileAt(fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &t.record);
     struct statx stx;
     if (statx(fd.get(), "used", AT_SYMLINK_NOFOLLOW, STATX_MTIME, &stx) == 0)
       t.lastUsedMs = stx.stx_mtime.tv_sec * 1000 + stx.stx_mtime.tv_nsec / 1000000;

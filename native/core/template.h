@@ -45,7 +45,7 @@ struct CommitRequest {
 
 struct CommitResult {
   std::string id;
-  std::string metaText;  // template.json as written
+  std::string record;  // template.json as written
   CloneSummary clone;
   uint64_t allocatedBytes = 0;     // st_blocks * 512 over the template's tree, hard links once
   std::string replacedId;          // with replace: the template the name pointed to before ("" when none)
@@ -57,8 +57,8 @@ struct CommitResult {
 struct TemplateListing {
   std::string id;
   std::string currentName;  // the name whose symlink points here ("" when none: unnamed, replaced, removed)
-  std::string metaText;     // template.json when metaErrno == 0
-  int metaErrno = 0;
+  std::string record;       // template.json when recordErrno == 0
+  int recordErrno = 0;
   int64_t lastUsedMs = 0;  // ms since the epoch of the last allocate from it (the mtime of `used`)
   bool retired = false;
 };
@@ -66,8 +66,8 @@ struct TemplateListing {
 // A template held for reading: LOCK_SH on its directory, checked to be published and not retired.
 struct TemplateReader {
   UniqueFd fd;
-  std::string id, treePath, metaText;
-  int metaErrno = 0;
+  std::string id, treePath, record;
+  int recordErrno = 0;
   UniqueFd subvolume;  // btrfs: tree/ opened when it is a subvolume root (allocate snapshots it), else empty
   std::vector<std::string> shared;  // the paths of its shared files (share.h), in index order
 };

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
 #include "quota.h"

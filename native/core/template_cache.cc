@@ -239,13 +239,6 @@ UniqueFd takeLeftover(int dirFd, const std::string& name, int64_t graceMs, bool 
   return fd;
 }
 
-// The error of the exception being handled, naming the entry where it names nothing.
-Error sweepError(const std::string& shown) {
-  Error e = currentError();
-  if (e.path.empty()) e.path = shown;
-  return e;
-}
-
 }  // namespace
 
 void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
@@ -285,7 +278,7 @@ void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
       c.obsolete = sourceMoved(c.fd.get(), c.key);
       entries.push_back(std::move(c));
     } catch (...) {
-      report.failed.push_back({name, "template-cache", 0, sweepError(shown)});
+      report.failed.push_back({name, "template-cache", 0, currentErrorAt(shown)});
     }
   }
   // Obsolete ones first, then the least recently used, until what is left fits the budget.
@@ -309,7 +302,7 @@ void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
       total -= std::min(total, c.allocated);
       report.reclaimed.push_back({c.key, "template-cache", freed, {}});
     } catch (...) {
-      report.failed.push_back({c.key, "template-cache", 0, sweepError(shown)});
+      report.failed.push_back({c.key, "template-cache", 0, currentErrorAt(shown)});
     }
   }
 }

@@ -4,10 +4,8 @@
 #include "template.h"
 
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/file.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,8 +13,10 @@
 #include <string>
 #include <utility>
 
+#include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
+#include "fs_kind.h"
 #include "io.h"
 #include "json_members.h"
 #include "names.h"
@@ -59,10 +59,7 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly
 
 }  // namespace
 
-bool isSubvolumeFs(int fd) {
-  struct statfs sfs;
-  return fstatfs(fd, &sfs) == 0 && static_cast<unsigned long>(sfs.f_type) == BTRFS_SUPER_MAGIC;
-}
+bool isSubvolumeFs(int fd) { return fsKindOf(fd) == FsKind::Btrfs; }
 
 TemplateCommit::TemplateCommit(TemplateStore& store, CommitRequest req)
     : store_(store), req_(std::move(req)), nameShown_(store.dir_ + "/names/" + req_.name) {
@@ -133,7 +130,7 @@ bool TemplateCommit::claimLayerLink(int leaseFd) {
       res_.existing = true;
       res_.allocatedBytes = 0;
       int err =
-          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.metaText);
+          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.record);
       if (err) throwErrno(err, "open", store_.path(live) + "/template.json");
       return false;
     }
@@ -258,7 +255,7 @@ void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
   if (!shared.empty()) members.emplace_back("shared", std::move(shared));
   std::string json = jsonObject(members) + "\n";
   writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
-  res_.metaText = json;
+  res_.record = json;
   writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
   if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
   // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.

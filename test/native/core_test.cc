@@ -13,6 +13,7 @@
 #include <functional>
 #include <new>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -460,6 +461,27 @@ static void badAllocIsEnomemInOnePlace() {
   CHECK(caught.err == ENOMEM && caught.syscall == "malloc" && caught.code.empty() && caught.detail.empty());
 }
 
+// The one exception policy (currentError): a system_error with an errno is that errno, anything unexpected is
+// ERR_INTERNAL naming it, and a sweep entry's error names the entry where it names no path.
+static void unexpectedExceptionsAreInternal() {
+  auto caught = [](auto thrower) {
+    try {
+      thrower();
+    } catch (...) {
+      return currentErrorAt("/pool/x");
+    }
+    return Error{};
+  };
+  Error sys = caught([] { throw std::system_error(EAGAIN, std::generic_category(), "thread"); });
+  CHECK(sys.err == EAGAIN && sys.syscall == "pthread_create" && sys.code.empty() && sys.path == "/pool/x");
+  Error odd = caught([] { throw std::logic_error("odd"); });
+  CHECK(odd.err == 0 && odd.code == "ERR_INTERNAL" && odd.detail == "unexpected C++ exception: odd");
+  Error any = caught([] { throw 7; });
+  CHECK(any.code == "ERR_INTERNAL" && any.detail == "unexpected C++ exception" && any.path == "/pool/x");
+  Error own = caught([] { throwErrno(ENOENT, "open", "/elsewhere"); });
+  CHECK(own.err == ENOENT && own.path == "/elsewhere");
+}
+
 // The lock registry: a second request of one owner (thread) on one file (any name) is EDEADLK, shared beside
 // shared is not, another owner's is not (it waits in flock), and a close drops the registration.
 static void lockRegistryRefusesAWaitOnItself() {
@@ -758,6 +780,7 @@ int main() {
   tempFileLeavesNothingUnlessPublished();
   pwriteAllWritesAtItsOffsetOrReturnsTheErrno();
   badAllocIsEnomemInOnePlace();
+  unexpectedExceptionsAreInternal();
   replaceFileLeavesNoTempAndRemovesOnlyItsOwn();
   removeTakesASmallTreeAndCountsItsBytes();
   cloneOfATreeCountsEveryKindAndLeavesNoTemp();
