@@ -21,6 +21,7 @@
         "native/core/names.cc",
         "native/core/pool.cc",
         "native/core/lease.cc",
+        "native/core/layout.cc",
         "native/core/warm.cc",
         "native/core/remove.cc",
         "native/core/rename.cc",

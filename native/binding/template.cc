@@ -1,6 +1,8 @@
 // template: commit, list, remove (native/core/template.h).
 #include "../core/template.h"
 
+#include "../core/layout.h"
+
 #include "common.h"
 
 namespace vmspace::binding {
@@ -64,14 +66,14 @@ Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
           o.Set("currentName", t.currentName);
           o.Set("lastUsedMs", static_cast<double>(t.lastUsedMs));
           o.Set("retired", t.retired);
-          o.Set("metaPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
+          o.Set("metaPath", vmspace::layout::templateMetaPath(pool->root(), t.id));
           if (t.metaErrno == 0) {
             o.Set("metaText", t.metaText);
           } else {
             vmspace::Error e;
             e.err = t.metaErrno;
             e.syscall = "open";
-            e.path = pool->root() + "/.vmspace/templates/" + t.id + "/template.json";
+            e.path = vmspace::layout::templateMetaPath(pool->root(), t.id);
             o.Set("metaError", errorObject(env, e));
           }
           out.Set(static_cast<uint32_t>(i), o);
@@ -96,7 +98,7 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
         vmspace::TemplateStore* store = pool->templates(false);
         if (!store)
           vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
-                             "open", pool->root() + "/.vmspace/templates");
+                             "open", vmspace::layout::templatesPath(pool->root()));
         r.removed = store->remove(idOrName, &r.id, unlessCurrent, &r.kept, &r.bytes);
         return r;
       },
