@@ -14,6 +14,7 @@
         "native/binding/lock.cc",
         "native/binding/json_file.cc",
         "native/binding/template.cc",
+        "native/binding/layout.cc",
         "native/binding/template_build.cc",
         "native/binding/quota.cc",
         "native/binding/rollback.cc",

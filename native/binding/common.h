@@ -177,6 +177,7 @@ void initRename(Napi::Env env, Napi::Object exports);
 void initLock(Napi::Env env, Napi::Object exports);
 void initJsonFile(Napi::Env env, Napi::Object exports);
 void initTemplate(Napi::Env env, Napi::Object exports);
+void initLayout(Napi::Env env, Napi::Object exports);
 void initTemplateBuild(Napi::Env env, Napi::Object exports);
 void initQuota(Napi::Env env, Napi::Object exports);
 void initRollback(Napi::Env env, Napi::Object exports);

@@ -112,12 +112,26 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
       });
 }
 
+// templateNameTarget(pool, name) -> the id the name's link holds now, or null (no link, or no templates yet).
+Napi::Value TemplateNameTarget(const Napi::CallbackInfo& info) {
+  auto pool = poolArg(info, 0);
+  std::string name = stringArg(info, 1);
+  return Work<std::string>::Start(
+      info.Env(),
+      [pool, name] {
+        vmspace::TemplateStore* store = pool->templates(false);
+        return store ? store->nameTarget(name) : std::string();
+      },
+      [](Napi::Env env, std::string& id) -> Napi::Value { return id.empty() ? env.Null() : Napi::String::New(env, id); });
+}
+
 }  // namespace
 
 void initTemplate(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "commitTemplate", CommitTemplate);
   exportFunction(env, exports, "listTemplates", ListTemplates);
   exportFunction(env, exports, "removeTemplate", RemoveTemplate);
+  exportFunction(env, exports, "templateNameTarget", TemplateNameTarget);
 }
 
 }  // namespace vmspace::binding

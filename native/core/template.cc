@@ -269,6 +269,16 @@ std::string TemplateStore::findLayer(const std::string& layerKey) {
   return liveLayer(layerKey);
 }
 
+std::string TemplateStore::nameTarget(const std::string& name) {
+  std::string id;
+  if (!isTemplateName(name)) return "";
+  if (!readLink(namesFd_.get(), name, &id)) {
+    if (errno == ENOENT || errno == EINVAL) return "";  // EINVAL: not a symlink
+    throwErrno(errno, "readlink", subPath(layout::kNames, name));
+  }
+  return id;
+}
+
 std::string TemplateStore::liveLayer(const std::string& layerKey) {
   std::string id;
   if (!readLink(layersFd_.get(), layerKey, &id)) {

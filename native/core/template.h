@@ -107,6 +107,10 @@ class TemplateStore {
   // retired), or "".
   std::string findLayer(const std::string& layerKey);
 
+  // The id the name link names/<name> holds now, or "" when there is none (or it is not a template name's link):
+  // what a caller that listed the templates compares to see whether a replace ran meanwhile. Throws other errnos.
+  std::string nameTarget(const std::string& name);
+
   std::string path(const std::string& id) const { return dir_ + "/" + id; }
   // templates/<sub> (a layout.h name: kNames, kRetired, kLayers, kTemplateStaging), or an entry of it, as errors show
   // it.
