@@ -13,6 +13,13 @@ export const STATE_DIR = names.stateDir
 /** A staging shard's name (`s0` ... `s7`): workspaces are built in the shards, never in staging/ itself. */
 export const STAGING_SHARD = /^s\d+$/
 
+/**
+ * An image-backed pool's marker, left in the mount point under the mount (`<root>/.vmspace-image`, 0444, the image's
+ * path): seen only while the image is not mounted, so that opening the pool without it (a pool on the host's file
+ * system in the empty mount point) is refused (docs/image-pool.md). lib/'s own: the core never sees it.
+ */
+export const MOUNT_POINT_MARKER = '.vmspace-image'
+
 /** `<root>/.vmspace`. */
 export function statePath(root: string): string {
   return path.join(root, names.stateDir)
