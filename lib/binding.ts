@@ -199,20 +199,15 @@ export interface ClonePathOptions extends NativeCloneOptions {
   dst: string
 }
 
-/** The core's names of the pool's entries (native/binding/layout.cc, native/core/layout.h). */
+/** The core's names of the pool's entries that lib/ builds paths from (native/binding/layout.cc, native/core/layout.h). */
 export interface NativeLayout {
   stateDir: string
-  version: string
   staging: string
   trash: string
-  leases: string
-  cache: string
   templates: string
-  projects: string
   names: string
   tree: string
   templateMeta: string
-  sparePrefix: string
 }
 
 export interface Native {

@@ -25,10 +25,10 @@ void initLayout(Napi::Env env, Napi::Object exports) {
   namespace l = vmspace::layout;
   Napi::Object names = Napi::Object::New(env);
   const std::pair<const char*, const char*> entries[] = {
-      {"stateDir", l::kStateDir}, {"version", l::kVersion},     {"staging", l::kStaging},     {"trash", l::kTrash},
-      {"leases", l::kLeases},     {"cache", l::kCache},         {"templates", l::kTemplates}, {"projects", l::kProjects},
-      {"names", l::kNames},       {"tree", l::kTree},           {"templateMeta", l::kTemplateMeta},
-      {"sparePrefix", l::kSparePrefix}};
+      {"stateDir", l::kStateDir},         {"staging", l::kStaging}, {"trash", l::kTrash},
+      {"templates", l::kTemplates},       {"names", l::kNames},     {"tree", l::kTree},
+      {"templateMeta", l::kTemplateMeta},
+  };
   for (auto [key, value] : entries) names.Set(key, value);
   names.Freeze();
   exports.Set("layout", names);

@@ -112,20 +112,27 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
       });
 }
 
-// templateNameTarget(pool, name) -> the id the name's link holds now, or null (no link, or no templates yet).
+// templateNameTarget(pool, name) -> the id the name's link holds now, or null.
 Napi::Value TemplateNameTarget(const Napi::CallbackInfo& info) {
-  auto pool = poolArg(info, 0);
-  std::string name = stringArg(info, 1);
-  return Work<std::string>::Start(
-      info.Env(),
-      [pool, name] {
-        vmspace::TemplateStore* store = pool->templates(false);
-        return store ? store->nameTarget(name) : std::string();
-      },
-      [](Napi::Env env, std::string& id) -> Napi::Value { return id.empty() ? env.Null() : Napi::String::New(env, id); });
+  return templateLookup(info, &vmspace::TemplateStore::nameTarget);
 }
 
 }  // namespace
+
+Napi::Value templateLookup(const Napi::CallbackInfo& info,
+                           std::string (vmspace::TemplateStore::*lookup)(const std::string&)) {
+  auto pool = poolArg(info, 0);
+  std::string key = stringArg(info, 1);
+  return Work<std::string>::Start(
+      info.Env(),
+      [pool, key, lookup] {
+        vmspace::TemplateStore* store = pool->templates(false);
+        return store ? (store->*lookup)(key) : std::string();
+      },
+      [](Napi::Env env, std::string& id) -> Napi::Value {
+        return id.empty() ? env.Null() : Napi::String::New(env, id);
+      });
+}
 
 void initTemplate(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "commitTemplate", CommitTemplate);
