@@ -41,7 +41,8 @@ inline constexpr char kRetired[] = "retired";          // retired/<id>: a marker
 inline constexpr char kLayers[] = "layers";            // layers/<algo>-<hex> -> <id>
 inline constexpr char kSwapInfix[] = ".new-";          // names/.<name>.new-<id>: a replace's link before its swap
 
-// ---- templates/<id>/ ----
+// ---- templates/<id>/ (a checkpoint has no place of its own: it is an unnamed template whose template.json holds
+// "checkpoint"; an image's layers are templates linked from layers/) ----
 inline constexpr char kTree[] = "tree";                   // the template's files
 inline constexpr char kTemplateMeta[] = "template.json";  // its record
 inline constexpr char kModes[] = "modes";                 // the write bits removed from tree/ (template_modes.h)
