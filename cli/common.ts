@@ -2,6 +2,7 @@
 import * as fs from 'node:fs'
 import * as os from 'node:os'
 import * as path from 'node:path'
+import { POOL_DIRS } from '../shared/pool-dirs.js'
 
 /** Exit codes (documented in docs/cli.md). `run` exits with its command's status instead, or EXIT_RUN_FAILED. */
 export const EXIT_OK = 0
@@ -58,7 +59,7 @@ export function existingDir(what: string, arg: string): string {
 /** `arg` as the root of an existing pool (it has `.vmspace/version`, see docs/pool-on-disk.md). */
 export function poolRoot(arg: string): string {
   const root = existingDir('ROOT', arg)
-  if (!fs.existsSync(path.join(root, '.vmspace', 'version'))) throw new UsageError(`ROOT ${root} is not a vmspace pool (no .vmspace/version)`)
+  if (!fs.existsSync(path.join(root, POOL_DIRS.version))) throw new UsageError(`ROOT ${root} is not a vmspace pool (no ${POOL_DIRS.version})`)
   return root
 }
 
@@ -75,7 +76,7 @@ export function poolRootOrNew(what: string, arg: string): string {
     if (!fs.statSync(path.dirname(root), { throwIfNoEntry: false })?.isDirectory()) throw new UsageError(`${what} ${root}: its parent directory does not exist`)
   }
   if (st && !st.isDirectory()) throw new UsageError(`${what} ${root} is not a directory`)
-  if (st && !fs.existsSync(path.join(root, '.vmspace')) && fs.readdirSync(root).length > 0)
+  if (st && !fs.existsSync(path.join(root, POOL_DIRS.state)) && fs.readdirSync(root).length > 0)
     throw new UsageError(`${what} ${root} is not a vmspace pool and holds other entries (a pool is made in an empty or missing directory)`)
   return root
 }

@@ -1,6 +1,5 @@
 /** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
 import * as fs from 'node:fs'
-import * as path from 'node:path'
 import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
 import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
@@ -45,11 +44,11 @@ function ofdLocks(): Map<string, Set<string>> | null {
   return byInode
 }
 
-function leaseHolders(root: string, info: WorkspaceInfo, locks: Map<string, Set<string>> | null): LeaseHolders | null {
+function leaseHolders(leasePath: LeasePath, info: WorkspaceInfo, locks: Map<string, Set<string>> | null): LeaseHolders | null {
   if (locks === null) return null
   let ino: string
   try {
-    ino = String(fs.statSync(leaseFilePath(root, info), { bigint: true }).ino)
+    ino = String(fs.statSync(leasePath(info.name), { bigint: true }).ino)
   } catch {
     return null
   }
@@ -57,9 +56,8 @@ function leaseHolders(root: string, info: WorkspaceInfo, locks: Map<string, Set<
   return { pool: bytes?.has('0') ?? false, handedOver: bytes?.has('1') ?? false }
 }
 
-function leaseFilePath(root: string, info: WorkspaceInfo): string {
-  return path.join(root, '.vmspace', 'leases', info.id.charAt(0), info.name)
-}
+/** Where a workspace's lease file is (Pool.leasePath of the pool listed). */
+type LeasePath = (name: string) => string
 
 /** One workspace in `ls --json` (every key always present; null where unknown). */
 export interface WorkspaceJson extends AllocatorJson {
@@ -94,7 +92,7 @@ function method(info: WorkspaceInfo): string | null {
 }
 
 async function describeWorkspace(
-  root: string,
+  leasePath: LeasePath,
   info: WorkspaceInfo,
   now: number,
   locks: Map<string, Set<string>> | null,
@@ -112,7 +110,7 @@ async function describeWorkspace(
     name: info.name,
     path: info.path,
     live: info.live,
-    lease: leaseHolders(root, info, locks),
+    lease: leaseHolders(leasePath, info, locks),
     createdAt: info.createdAt ?? null,
     ageMs: info.createdAt === undefined ? null : Math.max(0, now - info.createdAt),
     ...allocatorJson(info),
@@ -128,11 +126,15 @@ async function describeWorkspace(
   return { json, usage }
 }
 
-async function listPool(rootArg: string, usage = false): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[] }> {
+async function listPool(
+  rootArg: string,
+  usage = false,
+): Promise<{ root: string; infos: WorkspaceInfo[]; templates: Template[]; leasePath: LeasePath }> {
   const root = poolRoot(rootArg)
   const pool = await openPool(root, { create: false })
   try {
-    return { root, infos: await pool.list({ usage }), templates: await pool.templates() }
+    // leasePath makes no syscall: still answers once the pool is closed.
+    return { root, infos: await pool.list({ usage }), templates: await pool.templates(), leasePath: (name) => pool.leasePath(name) }
   } finally {
     await pool.close()
   }
@@ -175,12 +177,12 @@ function templateJson(t: Template): TemplateJson {
 
 /** Exit 1 when any entry's metadata or tree could not be read (it is listed with its error). */
 export async function ls(rootArg: string, opts: { json?: boolean }): Promise<number> {
-  const { root, infos, templates } = await listPool(rootArg, true)
+  const { root, infos, templates, leasePath } = await listPool(rootArg, true)
   const now = Date.now()
   const rows: WorkspaceJson[] = []
   const locks = ofdLocks()
   for (const info of infos.sort((a, b) => (a.createdAt ?? 0) - (b.createdAt ?? 0) || a.name.localeCompare(b.name)))
-    rows.push((await describeWorkspace(root, info, now, locks)).json)
+    rows.push((await describeWorkspace(leasePath, info, now, locks)).json)
   const tpl = templates.map(templateJson)
   const failed = rows.filter((r) => r.error !== null).length + tpl.filter((t) => t.error !== null).length
   if (opts.json) printJson({ root, workspaces: rows, templates: tpl })
@@ -289,13 +291,13 @@ interface Inspected extends WorkspaceJson {
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
   if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
   // With usage, as ls: exclusiveBytes and sharedBytes are the same numbers in both (Pool.list walks every tree).
-  const { root, infos } = await listPool(rootArg, true)
+  const { root, infos, leasePath } = await listPool(rootArg, true)
   const info = infos.find((i) => i.id === idArg || i.name === idArg)
   if (!info) {
     process.stderr.write(`vmspace inspect: no workspace ${idArg} in ${root}\n`)
     return EXIT_FAILED
   }
-  const { json, usage } = await describeWorkspace(root, info, Date.now(), ofdLocks())
+  const { json, usage } = await describeWorkspace(leasePath, info, Date.now(), ofdLocks())
   const bootId = currentBootId()
   let directory: Inspected['directory'] = null
   try {
@@ -306,7 +308,7 @@ export async function inspect(rootArg: string, idArg: string, opts: { json?: boo
   }
   const full: Inspected = {
     ...json,
-    metadataPath: leaseFilePath(root, info),
+    metadataPath: leasePath(info.name),
     metadataXattr: 'user.vmspace.record',
     reclaimable: !info.live,
     sameBoot: info.bootId === undefined || bootId === null ? null : info.bootId === bootId,

@@ -7,6 +7,7 @@ import * as path from 'node:path'
 import type { Checked } from './checks.js'
 import type { Demo, WorkerState } from './context.js'
 import type { Setup } from './setup.js'
+import { POOL_DIRS } from '../shared/pool-dirs.js'
 import { entriesText, poolEntries, status } from './util.js'
 
 type OrphanKind = 'reported' | 'unreported' | 'mid-dispose' | 'staging'
@@ -17,8 +18,8 @@ async function leftBehind(root: string, before: Set<string>) {
   const names = (dir: string) => entries.filter((e) => path.dirname(e) === dir).map((e) => path.basename(e))
   return {
     published: names('.'),
-    trash: names(path.join('.vmspace', 'trash')),
-    staging: entries.filter((e) => e.startsWith(path.join('.vmspace', 'staging') + path.sep)).map((e) => path.basename(e)),
+    trash: names(POOL_DIRS.trash),
+    staging: entries.filter((e) => e.startsWith(POOL_DIRS.staging + path.sep)).map((e) => path.basename(e)),
   }
 }
 
@@ -59,7 +60,7 @@ export async function chaos(demo: Demo, s: Setup, c: Checked): Promise<[string, 
   status(`sweeping what the ${killed.length} killed worker(s) left: pool.sweep({ graceMs: 0 })`)
   const report = await s.pool.sweep({ graceMs: 0 })
   const reclaimed = new Set(report.reclaimed.map((e) => e.name))
-  const preexisting = [...reclaimed].filter((n) => [n, `.vmspace/trash/${n}`, `.vmspace/staging/${n}`].some((e) => s.before.has(e)))
+  const preexisting = [...reclaimed].filter((n) => [n, path.join(POOL_DIRS.trash, n), path.join(POOL_DIRS.staging, n)].some((e) => s.before.has(e)))
   for (const n of preexisting) reclaimed.delete(n)
   const missing = [...expected.keys()].filter((n) => !reclaimed.has(n))
   const extra = [...reclaimed].filter((n) => !expected.has(n))

@@ -6,6 +6,7 @@ import * as fsp from 'node:fs/promises'
 import * as path from 'node:path'
 import { removeTree } from 'vmspace'
 import { fsTypeName } from '../shared/fsinfo.js'
+import { POOL_DIRS, SPARE_PREFIX } from '../shared/pool-dirs.js'
 import { describe, MARKER_LEN } from './protocol.js'
 
 export function statOrUndefined(p: string): fs.Stats | undefined {
@@ -229,17 +230,15 @@ export async function poolEntries(root: string): Promise<string[]> {
     try {
       for (const name of await fsp.readdir(path.join(root, rel))) {
         if (name === skip) continue
-        const shard =
-          (rel === path.join('.vmspace', 'staging') && /^s[0-7]$/.test(name)) ||
-          (rel === path.join('.vmspace', 'leases') && /^[0-9a-f]$/.test(name))
+        const shard = (rel === POOL_DIRS.staging && /^s[0-7]$/.test(name)) || (rel === POOL_DIRS.leases && /^[0-9a-f]$/.test(name))
         if (shard && (await fsp.lstat(path.join(root, rel, name))).isDirectory()) await read(path.join(rel, name))
-        else if (!name.startsWith('.spare-')) out.push(path.join(rel, name)) // a pool's own, removed by its close()
+        else if (!name.startsWith(SPARE_PREFIX)) out.push(path.join(rel, name)) // a pool's own, removed by its close()
       }
     } catch (e) {
       if ((e as { code?: string }).code !== 'ENOENT') throw e
     }
   }
-  await read('.', '.vmspace')
-  for (const sub of ['staging', 'trash', 'leases']) await read(path.join('.vmspace', sub))
+  await read('.', POOL_DIRS.state)
+  for (const dir of [POOL_DIRS.staging, POOL_DIRS.trash, POOL_DIRS.leases]) await read(dir)
   return out
 }

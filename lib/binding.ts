@@ -199,6 +199,17 @@ export interface ClonePathOptions extends NativeCloneOptions {
   dst: string
 }
 
+/** The core's names of the pool's entries that lib/ builds paths from (native/binding/layout.cc, native/core/layout.h). */
+export interface NativeLayout {
+  stateDir: string
+  staging: string
+  trash: string
+  templates: string
+  names: string
+  tree: string
+  templateMeta: string
+}
+
 export interface Native {
   openPool(options: OpenPoolOptions): Promise<{ handle: PoolHandle; bootId: string }>
   closePool(handle: PoolHandle): Promise<void>
@@ -250,6 +261,14 @@ export interface Native {
   /** pipe2(O_CLOEXEC): [readFd, writeFd] (synchronous; throws the errno). */
   pipe(): [readFd: number, writeFd: number]
   listTemplates(handle: PoolHandle): Promise<NativeTemplateListing[]>
+  /** The id the link templates/names/<name> holds now; null when there is none (or the pool has no templates yet). */
+  templateNameTarget(handle: PoolHandle, name: string): Promise<string | null>
+  /** The names of the pool's on-disk entries (native/core/layout.h); lib/layout.ts builds paths from them. */
+  readonly layout: NativeLayout
+  /** The lease file of workspace `name` of the pool at `root` (synchronous, no syscall). */
+  leasePath(root: string, name: string): string
+  /** The lease shard directory holding the lease file of `name` (an id or a workspace name; synchronous). */
+  leaseShardPath(root: string, name: string): string
   removeTemplate(handle: PoolHandle, idOrName: string, unlessCurrent?: boolean): Promise<{ id: string; removed: boolean; kept: boolean; bytes: number }>
   /**
    * Closes `handoverFd` (-1: none), then removes the workspace unless another description holds its lease

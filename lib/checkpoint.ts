@@ -9,6 +9,7 @@ import * as path from 'node:path'
 import { native, type PoolHandle } from './binding.js'
 import { ID, integerIn, invalidType, invalidValue, isPlainObject, optionsObject } from './args.js'
 import { call, vmspaceError } from './errors.js'
+import { leaseShardPath, templatesPath } from './layout.js'
 import { Workspace } from './workspace.js'
 import type { Checkpoint, CheckpointOptions, CheckpointRecord, Template } from './types.js'
 import type { CommitOptions } from './template.js'
@@ -91,7 +92,7 @@ export function rollbackTarget(all: Template[], id: string, checkpoint: unknown,
   if (!ID.test(ref)) throw invalidValue('checkpoint', 'a checkpoint id (32 lowercase hex characters)', ref)
   const t = all.find((x) => x.id === ref && !x.retired)
   if (!t)
-    throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id '${ref}'`, { path: path.join(root, '.vmspace', 'templates', ref) })
+    throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id '${ref}'`, { path: path.join(templatesPath(root), ref) })
   if (t.checkpoint?.workspace !== id) throw invalidValue('checkpoint', `a checkpoint of workspace ${id}`, ref)
   return ref
 }
@@ -117,7 +118,7 @@ export async function workspacesWithLease(root: string, ids: Iterable<string>): 
   for (const id of ids) {
     let names = shards.get(id[0])
     if (!names) {
-      names = await fs.promises.readdir(path.join(root, '.vmspace', 'leases', id[0])).catch((e: NodeJS.ErrnoException) => {
+      names = await fs.promises.readdir(leaseShardPath(root, id)).catch((e: NodeJS.ErrnoException) => {
         if (e.code === 'ENOENT') return []
         throw e
       })

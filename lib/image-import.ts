@@ -13,6 +13,7 @@ import { abortSignal, boolean, ID, integerIn, invalidType, invalidValue, oneOf, 
 import { jsonMembers, native, type BuildHandle, type PoolHandle, type ProgressHandle } from './binding.js'
 import { AbortError, call, errnoError, VmspaceError } from './errors.js'
 import { runOk } from './image.js'
+import { templateMetaPath, templateNamePath, templatesPath } from './layout.js'
 import { hostPlatform, locateLayers, openImage, parsePlatform, type LayerSource, type OciSource, type Platform, type SourceImage } from './oci.js'
 import { streamLayer, type LayerDigests } from './oci-stream.js'
 import { templateInfo, templateName, unlistedLayers } from './template.js'
@@ -131,7 +132,7 @@ async function sameImage(host: ImportHost, name: string, image: SourceImage, for
 }
 
 function nameTaken(host: ImportHost, name: string): VmspaceError {
-  const e = errnoError(17, 'symlinkat', path.join(host.root, '.vmspace', 'templates', 'names', name))
+  const e = errnoError(17, 'symlinkat', templateNamePath(host.root, name))
   e.message = `EEXIST: a template named '${name}' holds another image or none (pass replace: true to replace it), symlinkat '${e.path}'`
   return e
 }
@@ -277,7 +278,7 @@ async function publishImage(
     if (same) return reusedImage(same, layers.map((l) => l.chainId))
     throw e
   }
-  const metaPath = path.join(host.root, '.vmspace', 'templates', r.id, 'template.json')
+  const metaPath = templateMetaPath(host.root, r.id)
   const t = templateInfo(host.root, { id: r.id, currentName: o.name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   t.lastUsedAt = t.createdAt ?? null
   return { ...t, image: { ...record, layers } }
@@ -362,7 +363,7 @@ export async function removeImage(
   const byId = ID.test(nameOrId)
   const t = all.find((x) => x.image && !x.retired && (byId ? x.id === nameOrId : x.current && x.name === nameOrId))
   if (!t)
-    throw new VmspaceError(`ERR_TEMPLATE_NOT_FOUND: no image template with the id or name '${nameOrId}'`, { code: 'ERR_TEMPLATE_NOT_FOUND', path: path.join(host.root, '.vmspace', 'templates') })
+    throw new VmspaceError(`ERR_TEMPLATE_NOT_FOUND: no image template with the id or name '${nameOrId}'`, { code: 'ERR_TEMPLATE_NOT_FOUND', path: templatesPath(host.root) })
   await remove(t.id)
   const removed = [t.id]
   for (const layer of unlistedLayers(all.filter((x) => x.id !== t.id))) {

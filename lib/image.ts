@@ -16,6 +16,7 @@ import * as path from 'node:path'
 import { absolutePath, integerIn, invalidType, invalidValue, optionsObject } from './args.js'
 import { native } from './binding.js'
 import { call, errnoError, vmspaceError } from './errors.js'
+import { MOUNT_POINT_MARKER } from './layout.js'
 import { lockFile } from './lock.js'
 import { renameNoReplace } from './rename.js'
 import type { ImageOptions } from './types.js'
@@ -33,11 +34,6 @@ export const IMAGE_LABEL = 'vmspace'
  */
 const MOUNT_OPTIONS = 'discard=async,nodev'
 
-/**
- * The file left in the mount point, under the mount: seen only while the image is not mounted, it names the image,
- * so that opening the pool without it (a pool on the host's file system in the empty mount point) is refused.
- */
-export const MOUNT_POINT_MARKER = '.vmspace-image'
 
 /** A checked `options.image`. */
 export interface Image {

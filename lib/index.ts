@@ -41,17 +41,12 @@ export type { Template, TemplateUsage, CommitResult, PruneOptions, SharedFile } 
 export type { Checkpoint, CheckpointOptions, CheckpointRecord, RollbackResult } from './types.js'
 export type { ImageTemplate, ImageTemplateImage, ImageRecord, ImageRecordLayer, ImageLayer, LayerRecord, ImportImageOptions, RemovedImage } from './types.js'
 export type { CommitOptions, ForkOptions } from './template.js'
-export { startMetrics, poolGauges, metricsText, durationBuckets } from './metrics.js'
-export type {
-  Metrics,
-  MetricsOptions,
-  MetricsSnapshot,
-  MetricsTextOptions,
-  MetricsOperation,
-  OperationFigures,
-  OperationRecord,
-  PoolGauges,
-} from './metrics.js'
+export { startMetrics, durationBuckets } from './metrics.js'
+export { poolGauges } from './metrics-pool.js'
+export { metricsText } from './metrics-text.js'
+export type { Metrics, MetricsOptions, MetricsSnapshot, MetricsOperation, OperationFigures, OperationRecord } from './metrics.js'
+export type { PoolGauges } from './metrics-pool.js'
+export type { MetricsTextOptions } from './metrics-text.js'
 export type { CloneKind, CloneMethod } from './types.js'
 export { registerPrometheus } from './metrics-prom.js'
 export type { PrometheusOptions, PrometheusMetrics, PromClient, PromRegistry, PromMetric, PromCounter, PromGauge, PromMetricConfig, PromCounterClass, PromGaugeClass } from './metrics-prom.js'

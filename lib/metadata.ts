@@ -12,6 +12,7 @@ import * as path from 'node:path'
 import { jsonMembers, type JsonMembers } from './binding.js'
 import { exactJson, invalidType, invalidValue, isPlainObject } from './args.js'
 import { fromNative, vmspaceError, type VmspaceError } from './errors.js'
+import { leasePath } from './layout.js'
 import type { WorkspaceInfo } from './types.js'
 
 /** The largest `meta` (allocate, commit), in bytes of its JSON text. */
@@ -37,11 +38,6 @@ const FIELDS: { readonly [K in RecordField]-?: FieldKind } = {
   hostname: 'string',
   bootId: 'string',
   quota: 'object',
-}
-
-/** Where a workspace's lease file (and record) is: `.vmspace/leases/<the id's first hex digit>/<name>`. */
-export function leasePath(root: string, name: string): string {
-  return path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
 }
 
 const NAME = /^(.+)-([0-9a-f]{32})$/

@@ -4,18 +4,9 @@
  * package works without it; the types below are the few members used, so the published types need no prom-client.
  */
 import { func, invalidType, optionsObject } from './args.js'
-import {
-  operationFamilies,
-  operationSamples,
-  poolFamilies,
-  poolSamples,
-  readPools,
-  startMetrics,
-  type Metrics,
-    type MetricsSnapshot,
-  type OperationRecord,
-  type PoolGauges,
-} from './metrics.js'
+import { startMetrics, type Metrics, type MetricsSnapshot, type OperationRecord } from './metrics.js'
+import { readPools, type PoolGauges } from './metrics-pool.js'
+import { operationFamilies, operationSamples, poolFamilies, poolSamples } from './metrics-text.js'
 import type { Pool } from './pool.js'
 
 /** The members of a prom-client `Registry` that registerPrometheus() uses. */

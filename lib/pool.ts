@@ -39,6 +39,7 @@ import { constructing, InFlight, unknownHints, type DisposeHints } from './inter
 import { newWorkspace, rollbackSignal, workspaceMode, Workspace } from './workspace.js'
 import { metaText, ownerMembers, readRecord, recordMembers, workspaceId } from './metadata.js'
 import { imageOptions, markedImage, withImage } from './image.js'
+import { leasePath, STAGING_SHARD, stagingPath, STATE_DIR, templateMetaPath } from './layout.js'
 import { importImage, importOptions, listImages, removeImage, type ImportHost } from './image-import.js'
 import {
   commitOptions,
@@ -272,9 +273,10 @@ export class Pool implements AsyncDisposable {
       const err = invalidValue('options.template', "a directory, whose contents become the workspace's (a file goes in a map: { 'name': path })", dir)
       return Object.assign(err, { cause: e })
     }
-    const staging = path.join(this.root, '.vmspace', 'staging') + '/'
+    const staging = stagingPath(this.root) + '/'
     for (const at of [p, dest]) {
-      const entry = at?.startsWith(staging) ? /^s\d+\/[^/]+/.exec(at.slice(staging.length))?.[0] : undefined
+      const [shard, name] = at?.startsWith(staging) ? at.slice(staging.length).split('/') : []
+      const entry = shard !== undefined && name && STAGING_SHARD.test(shard) ? `${shard}/${name}` : undefined
       if (entry) return renamedPaths(e, staging + entry, path.join(this.root, path.basename(entry)))
     }
     return e
@@ -316,7 +318,7 @@ export class Pool implements AsyncDisposable {
       if (p === root) return true
       if (!p.startsWith(root + '/')) return false
       const first = p.slice(root.length + 1).split('/')[0]
-      return first === '.vmspace' || WORKSPACE_NAME.test(first)
+      return first === STATE_DIR || WORKSPACE_NAME.test(first)
     }
     if (!guests(source, this.root) && !guests(source, this.#realRoot) && !guests(real, this.#realRoot)) return
     const plainFile = file && real.slice(this.#realRoot.length) === source.slice(this.root.length) && isRegularFile(real)
@@ -397,7 +399,7 @@ export class Pool implements AsyncDisposable {
     if (r.templateId !== undefined) {
       ws.templateId = r.templateId
       // Read under the template's lock by the same call: a template.json that does not parse refuses it.
-      const metaPath = path.join(this.root, '.vmspace', 'templates', r.templateId, 'template.json')
+      const metaPath = templateMetaPath(this.root, r.templateId)
       const parsed = parseTemplateMeta(r.templateRecord ?? '', metaPath)
       if (!parsed.ok) {
         await ws.dispose()
@@ -410,6 +412,19 @@ export class Pool implements AsyncDisposable {
       throw new AbortError(signal.reason)
     }
     return ws
+  }
+
+  /**
+   * The path of the lease file of workspace `name` (`<prefix>-<32 hex>`, any prefix): `<root>/.vmspace/leases/<the
+   * id's first hex digit>/<name>` (docs/pool-on-disk.md), the file `ws.leaseFd` and a handed-over fd are open on,
+   * whose xattr `user.vmspace.record` holds the workspace's record. For tools that look at a pool from outside
+   * (matching a lease in /proc/locks, reading the record); no syscall: a name with no workspace gives where its
+   * lease file would be. Throws `ERR_INVALID_ARG_TYPE` for a non-string, `ERR_INVALID_ARG_VALUE` for another shape.
+   */
+  leasePath(name: string): string {
+    if (typeof name !== 'string') throw invalidType('name', 'a workspace name string', name)
+    if (!WORKSPACE_NAME.test(name)) throw invalidValue('name', 'a workspace name (<prefix>-<32 lowercase hex>)', name)
+    return leasePath(this.root, name)
   }
 
   /**
@@ -637,7 +652,7 @@ export class Pool implements AsyncDisposable {
 
   /** One template by id or current name; `ERR_TEMPLATE_NOT_FOUND` when there is none. */
   async template(idOrName: string): Promise<Template> {
-    return findTemplate(this.root, idOrName, () => this.templates())
+    return findTemplate(this.root, idOrName, () => this.templates(), (name) => this.#inFlight.track(native.templateNameTarget(this.#handle, name)))
   }
 
   /**

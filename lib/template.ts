@@ -5,14 +5,13 @@
  * templateInfo), the checks of commit's options and of template names, and the logic of Pool.fork, Pool.template
  * and Pool.pruneTemplates (the Pool passes in its own calls; its native handle stays in lib/pool.ts).
  */
-import * as fs from 'node:fs'
-import * as path from 'node:path'
 import { jsonMembers, native, type JsonMembers, type NativeCloneResult, type NativeTemplateListing, type PoolHandle } from './binding.js'
 import { abortSignal, boolean, ID, integerIn, invalidType, invalidValue, isPlainObject, optionsObject, sharePaths } from './args.js'
 import { AbortError, call, fromNative, vmspaceError, type VmspaceError } from './errors.js'
 import { toResult } from './clone.js'
 import { metaText } from './metadata.js'
 import { checkpointCreatedAt, parseCheckpointRecord } from './checkpoint.js'
+import { templateMetaPath, templatesPath, templateTreePath } from './layout.js'
 import { Workspace, workspaceMode } from './workspace.js'
 import type { AllocateOptions, CheckpointRecord, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, SharedFile, Template, TemplateUsage } from './types.js'
 
@@ -40,7 +39,7 @@ export function templateInfo(root: string, t: NativeTemplateListing): Template {
     id: t.id,
     name: t.currentName || null,
     current: t.currentName !== '',
-    path: path.join(root, '.vmspace', 'templates', t.id, 'tree'),
+    path: templateTreePath(root, t.id),
     parent: null,
     lastUsedAt: t.lastUsedMs || null,
     retired: t.retired,
@@ -178,7 +177,7 @@ export function commitResult(
   r: { id: string; record: string; clone: NativeCloneResult; replacedId?: string; replacedRemoved?: boolean },
   name: string,
 ): CommitResult {
-  const metaPath = path.join(root, '.vmspace', 'templates', r.id, 'template.json')
+  const metaPath = templateMetaPath(root, r.id)
   const base = templateInfo(root, { id: r.id, currentName: name, lastUsedMs: 0, retired: false, recordPath: metaPath, record: r.record })
   base.lastUsedAt = base.createdAt ?? null
   const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
@@ -252,12 +251,19 @@ export async function forkFrom(pool: ForkHost, ws: Workspace | string, count: nu
   }
 }
 
-/** Pool.template: the template `idOrName` of the pool at `root`, from `list` (Pool.templates). */
-export async function findTemplate(root: string, idOrName: string, list: () => Promise<Template[]>): Promise<Template> {
+/**
+ * Pool.template: the template `idOrName` of the pool at `root`, from `list` (Pool.templates); `nameTarget` asks the
+ * core what a name's link holds now (native templateNameTarget).
+ */
+export async function findTemplate(
+  root: string,
+  idOrName: string,
+  list: () => Promise<Template[]>,
+  nameTarget: (name: string) => Promise<string | null>,
+): Promise<Template> {
   const ref = templateRef('idOrName', idOrName)!
   const byId = ID.test(ref)
-  const link = path.join(root, '.vmspace', 'templates', 'names', ref)
-  const target = async () => (byId ? null : await fs.promises.readlink(link).catch(() => null))
+  const target = async () => (byId ? null : await nameTarget(ref).catch(() => null))
   let t: Template | undefined
   // The listing reads names/ before the templates: a replace between the two shows the old id named and gone.
   // Not found only when the name is missing, or still points where it did before the listing.
@@ -268,7 +274,7 @@ export async function findTemplate(root: string, idOrName: string, list: () => P
     if (t || after === null || after === before) break
     before = after
   }
-  if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: path.join(root, '.vmspace', 'templates') })
+  if (!t) throw vmspaceError('ERR_TEMPLATE_NOT_FOUND', `no template with the id or name '${ref}'`, { path: templatesPath(root) })
   return t
 }
 

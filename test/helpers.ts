@@ -11,6 +11,7 @@ import * as path from 'node:path'
 import * as readline from 'node:readline'
 import { expect, inject, onTestFinished, test } from 'vitest'
 import type { Pool, Workspace } from '../lib/index.js'
+import { leasePath } from '../lib/layout.js'
 import { removeScratch, type Mounts } from './setup/mounts.js'
 
 export { mountsBeneath } from './setup/mounts.js'
@@ -243,10 +244,8 @@ export function stagingEntries(root: string): string[] {
 
 export const emptyPoolState: PoolState = { visible: [], staging: [], trash: [], leases: [] }
 
-/** The lease file of workspace `name`, which holds its record (xattr user.vmspace.record). */
-export function leasePath(root: string, name: string): string {
-  return path.join(root, '.vmspace', 'leases', name.charAt(name.length - 32), name)
-}
+/** The lease file of workspace `name`, which holds its record (xattr user.vmspace.record): lib's, from the core. */
+export { leasePath } from '../lib/layout.js'
 
 /** Replaces the record of workspace `name` (as root: its lease file has no write bit), e.g. with text that does not parse. */
 export function setRecord(root: string, name: string, text: string): void {

@@ -67,6 +67,30 @@ describe.each(fileSystems)('on $label', ({ label, base, missing }) => {
     })
   })
 
+  describe.skipIf(base === null)(`Pool.leasePath ${needs(label, base === null && (missing ?? 'not made'))}`, () => {
+    test('names the lease file ws.leaseFd is open on, and where any prefix\'s would be; no syscall, so also once closed', async () => {
+      const root = path.join(freshDir(base!), 'pool')
+      const pool = await openPool(root)
+      const ws = await pool.allocate()
+      expect(pool.leasePath(ws.name)).toBe(leaseFilePath(root, ws.name))
+      expect(fs.readlinkSync(`/proc/self/fd/${ws.leaseFd}`)).toBe(fs.realpathSync(leaseFilePath(root, ws.name)))
+      expect(pool.leasePath(`other_Prefix-${ws.id}`)).toBe(leaseFilePath(root, `other_Prefix-${ws.id}`))
+      await ws.dispose()
+      await pool.close()
+      expect(pool.leasePath(ws.name)).toBe(leaseFilePath(root, ws.name))
+    })
+
+    test('refuses what is not a workspace name: ERR_INVALID_ARG_TYPE for a non-string, ERR_INVALID_ARG_VALUE naming the value otherwise', async () => {
+      const root = path.join(freshDir(base!), 'pool')
+      const pool = await openPool(root)
+      onTestFinished(() => pool.close())
+      const id = randomId()
+      expect(() => pool.leasePath(7 as never)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_TYPE' }))
+      for (const bad of ['', id, `vm-${id.toUpperCase()}`, `../vm-${id}`, `vm-${id}/x`, `.vm-${id}`])
+        expect(() => pool.leasePath(bad)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_VALUE', message: expect.stringContaining(JSON.stringify(bad)) }))
+    })
+  })
+
   describe.skipIf(base === null)(`a .vmspace/ that is not this layout is refused with ERR_POOL_FORMAT, untouched ${needs(label, base === null && (missing ?? 'not made'))}`, () => {
     /** A pool of this layout with one released workspace and a file in it, closed: the tree the cases below break. */
     async function populatedPool(): Promise<{ root: string; name: string }> {

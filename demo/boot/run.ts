@@ -13,7 +13,7 @@ import * as fs from 'node:fs'
 import * as fsp from 'node:fs/promises'
 import * as os from 'node:os'
 import * as path from 'node:path'
-import { clone, openPool, type CloneMethod, type Pool, type Workspace } from 'vmspace'
+import { clone, openPool, poolGauges, type CloneMethod, type Pool, type Workspace } from 'vmspace'
 import { fsTypeName } from '../../shared/fsinfo.js'
 import { extentBytes, fsckClean, readGuestRecord, tokensInImage } from './checks.js'
 import { guestImages, IMAGE_INIT_ARG, sha256File, TOKEN_MARKER, type GuestImages } from './image.js'
@@ -273,7 +273,7 @@ async function driveVm(ctx: RunContext, vm: GuestVm, ws: Workspace, result: VmRe
   const live = (await ctx.pool.list()).find((w) => w.id === ws.id)?.live === true
   // The lease QEMU holds is the workspace's lease file (.vmspace/leases/<x>/<name>, never the directory), as its fd 3.
   const fd3 = await fsp.readlink(`/proc/${vm.pid}/fd/3`).catch((e: NodeJS.ErrnoException) => `(${e.code})`)
-  const leaseFile = path.join(await fsp.realpath(ctx.pool.root), '.vmspace', 'leases', ws.id.charAt(0), ws.name)
+  const leaseFile = path.join(await fsp.realpath(ctx.pool.root), path.relative(ctx.pool.root, ctx.pool.leasePath(ws.name)))
   check('lease held by QEMU alone after release()', live && fd3 === leaseFile,
     !live ? 'list() shows the workspace free while QEMU runs' : fd3 !== leaseFile ? `QEMU's fd 3 is ${fd3}, not ${leaseFile}` : undefined)
 
@@ -388,14 +388,10 @@ async function finalChecks(ctx: RunContext, vms: VmResult[]): Promise<Check[]> {
   ]
 }
 
-/** Published workspaces plus entries in staging/ and trash/. */
+/** Published workspaces plus entries in staging (its shards) and trash, as the pool's gauges count them. */
 async function leftovers(pool: Pool): Promise<number> {
-  const published = (await pool.list()).length
-  // Builds live in the staging shards (staging/s0 ... s7), never in staging/ itself.
-  const staging = path.join(pool.root, '.vmspace', 'staging')
-  let inner = (await fsp.readdir(path.join(pool.root, '.vmspace', 'trash')).catch(() => [])).length
-  for (const shard of await fsp.readdir(staging).catch(() => [])) inner += (await fsp.readdir(path.join(staging, shard)).catch(() => [])).length
-  return published + inner
+  const { workspaces } = await poolGauges(pool)
+  return workspaces.live + workspaces.free + workspaces.staging + workspaces.trash
 }
 
 /** Nearest-rank percentile of `values` (p in 0..100). */

@@ -15,6 +15,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   initLock(env, exports);
   initJsonFile(env, exports);
   initTemplate(env, exports);
+  initLayout(env, exports);
   initTemplateBuild(env, exports);
   initQuota(env, exports);
   initRollback(env, exports);

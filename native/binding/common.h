@@ -155,6 +155,10 @@ Napi::Object summaryObject(Napi::Env env, const vmspace::CloneSummary& s, vmspac
 // A published template as commitTemplate and templateBuildPublish give it: {id, record, allocatedBytes} and, when
 // a name was swapped, {replacedId, replacedRemoved}.
 Napi::Object publishedObject(Napi::Env env, const vmspace::CommitResult& r);
+// (pool, key) -> a promise of the id that `lookup` of the pool's template store answers for `key`, or null (the store
+// answered "", or the pool has no templates yet): findLayer, templateNameTarget.
+Napi::Value templateLookup(const Napi::CallbackInfo& info,
+                           std::string (vmspace::TemplateStore::*lookup)(const std::string&));
 // The same as an array: [kind, method, files, bytes, reflinked, copied] (a file the template cache served: and its
 // cache, "hit" or "miss"), and for a tree dirs, symlinks, hardlinks,
 // fifos, devices, skipped sockets, skipped devices (lib/clone.ts, cloneResultOf).
@@ -177,6 +181,7 @@ void initRename(Napi::Env env, Napi::Object exports);
 void initLock(Napi::Env env, Napi::Object exports);
 void initJsonFile(Napi::Env env, Napi::Object exports);
 void initTemplate(Napi::Env env, Napi::Object exports);
+void initLayout(Napi::Env env, Napi::Object exports);
 void initTemplateBuild(Napi::Env env, Napi::Object exports);
 void initQuota(Napi::Env env, Napi::Object exports);
 void initRollback(Napi::Env env, Napi::Object exports);

@@ -1,6 +1,8 @@
 // template: commit, list, remove (native/core/template.h).
 #include "../core/template.h"
 
+#include "../core/layout.h"
+
 #include "common.h"
 
 namespace vmspace::binding {
@@ -64,14 +66,14 @@ Napi::Value ListTemplates(const Napi::CallbackInfo& info) {
           o.Set("currentName", t.currentName);
           o.Set("lastUsedMs", static_cast<double>(t.lastUsedMs));
           o.Set("retired", t.retired);
-          o.Set("recordPath", pool->root() + "/.vmspace/templates/" + t.id + "/template.json");
+          o.Set("recordPath", vmspace::layout::templateMetaPath(pool->root(), t.id));
           if (t.recordErrno == 0) {
             o.Set("record", t.record);
           } else {
             vmspace::Error e;
             e.err = t.recordErrno;
             e.syscall = "open";
-            e.path = pool->root() + "/.vmspace/templates/" + t.id + "/template.json";
+            e.path = vmspace::layout::templateMetaPath(pool->root(), t.id);
             o.Set("recordError", errorObject(env, e));
           }
           out.Set(static_cast<uint32_t>(i), o);
@@ -96,7 +98,7 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
         vmspace::TemplateStore* store = pool->templates(false);
         if (!store)
           vmspace::throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + idOrName + "'", ENOENT,
-                             "open", pool->root() + "/.vmspace/templates");
+                             "open", vmspace::layout::templatesPath(pool->root()));
         r.removed = store->remove(idOrName, &r.id, unlessCurrent, &r.kept, &r.bytes);
         return r;
       },
@@ -110,12 +112,33 @@ Napi::Value RemoveTemplate(const Napi::CallbackInfo& info) {
       });
 }
 
+// templateNameTarget(pool, name) -> the id the name's link holds now, or null.
+Napi::Value TemplateNameTarget(const Napi::CallbackInfo& info) {
+  return templateLookup(info, &vmspace::TemplateStore::nameTarget);
+}
+
 }  // namespace
+
+Napi::Value templateLookup(const Napi::CallbackInfo& info,
+                           std::string (vmspace::TemplateStore::*lookup)(const std::string&)) {
+  auto pool = poolArg(info, 0);
+  std::string key = stringArg(info, 1);
+  return Work<std::string>::Start(
+      info.Env(),
+      [pool, key, lookup] {
+        vmspace::TemplateStore* store = pool->templates(false);
+        return store ? (store->*lookup)(key) : std::string();
+      },
+      [](Napi::Env env, std::string& id) -> Napi::Value {
+        return id.empty() ? env.Null() : Napi::String::New(env, id);
+      });
+}
 
 void initTemplate(Napi::Env env, Napi::Object exports) {
   exportFunction(env, exports, "commitTemplate", CommitTemplate);
   exportFunction(env, exports, "listTemplates", ListTemplates);
   exportFunction(env, exports, "removeTemplate", RemoveTemplate);
+  exportFunction(env, exports, "templateNameTarget", TemplateNameTarget);
 }
 
 }  // namespace vmspace::binding

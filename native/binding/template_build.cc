@@ -141,17 +141,7 @@ Napi::Value TemplateBuildAbandon(const Napi::CallbackInfo& info) {
 
 // findLayer(pool, layerKey) -> id | null
 Napi::Value FindLayer(const Napi::CallbackInfo& info) {
-  auto pool = poolArg(info, 0);
-  std::string key = stringArg(info, 1);
-  return Work<std::string>::Start(
-      info.Env(),
-      [pool, key] {
-        vmspace::TemplateStore* store = pool->templates(false);
-        return store ? store->findLayer(key) : std::string();
-      },
-      [](Napi::Env env, std::string& id) -> Napi::Value {
-        return id.empty() ? env.Null() : Napi::String::New(env, id);
-      });
+  return templateLookup(info, &vmspace::TemplateStore::findLayer);
 }
 
 // pipe() -> [readFd, writeFd], O_CLOEXEC.

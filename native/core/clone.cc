@@ -15,6 +15,7 @@
 #include "fd.h"
 #include "fs_kind.h"
 #include "io.h"
+#include "layout.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
@@ -478,7 +479,7 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
   }
 
   // The temp file is private (0600) until it is complete; its final mode is set just before publish.
-  std::string tmpName = ".vmspace-tmp-" + randomHex(8);
+  std::string tmpName = layout::kCloneTmpPrefix + randomHex(8);
   UniqueFd dst(openat(dstDirFd, tmpName.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!dst) throwErrno(errno, "open", dstPath);
   try {
@@ -592,7 +593,7 @@ CloneSummary cloneOpenSource(int src, const struct stat& st, const std::string& 
   treeOptions.cache = nullptr;  // trees are cloned as they are (the cache keeps single files)
 
   // The tree is built under a private temp name (0700 until its own metadata is applied, last).
-  std::string tmp = ".vmspace-tmp-" + randomHex(8);
+  std::string tmp = layout::kCloneTmpPrefix + randomHex(8);
   if (mkdirat(dstDirFd, tmp.c_str(), 0700) != 0) throwErrno(errno, "mkdir", dstPath);
   std::string parentPath, leaf;
   splitPath(dstPath, &parentPath, &leaf);

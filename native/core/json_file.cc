@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 
 #include "error.h"
 #include "fd.h"
@@ -45,7 +46,8 @@ void readLockedFile(int fd, const std::string& path, std::string* out) {
 }
 
 namespace {
-constexpr size_t kTempHexBytes = 6;  // replaceFile's temp names end in 12 hex characters
+constexpr size_t kTempHexBytes = 6;     // replaceFile's temp names end in 12 hex characters
+constexpr char kTempInfix[] = ".tmp-";  // replaceFile's temp of <leaf>: ".<leaf>.tmp-<12 hex>", beside it
 
 bool sameInode(const struct stat& a, const struct stat& b) { return a.st_dev == b.st_dev && a.st_ino == b.st_ino; }
 
@@ -64,12 +66,12 @@ bool stillAt(int dirFd, const std::string& dir, const std::string& leaf, int loc
 // True when `name` is one of replaceFile's temp names for `leaf`: "." + leaf + ".tmp-" + 12 lowercase hex. The
 // fixed-length suffix keeps another index's temps out: ".a.tmp-<12 hex>" is a temp of "a" only, never of "a.tmp-…".
 bool isIndexTemp(const char* name, const std::string& leaf) {
-  size_t n = strlen(name);
-  size_t hex = kTempHexBytes * 2;
-  if (n != 1 + leaf.size() + 5 + hex || name[0] != '.' || leaf.compare(0, leaf.size(), name + 1, leaf.size()) != 0 ||
-      memcmp(name + 1 + leaf.size(), ".tmp-", 5) != 0)
+  const std::string_view n(name), infix(kTempInfix);
+  const size_t hex = kTempHexBytes * 2;
+  if (n.size() != 1 + leaf.size() + infix.size() + hex || n[0] != '.' || n.substr(1, leaf.size()) != leaf ||
+      n.substr(1 + leaf.size(), infix.size()) != infix)
     return false;
-  for (const char* c = name + n - hex; *c; c++)
+  for (const char* c = name + n.size() - hex; *c; c++)
     if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return false;
   return true;
 }
@@ -127,7 +129,7 @@ bool replaceFile(const std::string& path, int lockedFd, const std::string& data,
   // Not ours to write (nor to clean up after) once the file at the path is another than the one we locked.
   if (!stillAt(dirFd.get(), dir, leaf, lockedFd)) return false;
   removeIndexTemps(dirFd.get(), dir, leaf);
-  std::string tmp = "." + leaf + ".tmp-" + randomHex(kTempHexBytes);
+  std::string tmp = "." + leaf + kTempInfix + randomHex(kTempHexBytes);
   std::string shown = dir + "/" + tmp;
   // Private (0600) until complete; then the mode and owner of the file it replaces.
   TempFile fd(dirFd.get(), tmp, 0600, shown);
@@ -172,7 +174,7 @@ bool createFile(const std::string& path, const std::string& data, bool durable) 
   splitPath(path, &dir, &leaf);
   UniqueFd dirFd(open(dir.c_str(), kDirPathFlags));
   if (!dirFd) throwErrno(errno, "open", dir);
-  std::string tmp = "." + leaf + ".tmp-" + randomHex(kTempHexBytes);
+  std::string tmp = "." + leaf + kTempInfix + randomHex(kTempHexBytes);
   std::string shown = dir + "/" + tmp;
   TempFile fd(dirFd.get(), tmp, 0600, shown);
   writeTemp(fd, data, shown);

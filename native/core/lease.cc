@@ -11,6 +11,7 @@
 
 #include "compat.h"
 #include "io.h"
+#include "layout.h"
 #include "metadata.h"
 #include "names.h"
 
@@ -25,11 +26,6 @@ int linkLeaseFile(int fd, int dirFd, const std::string& name) {
   char proc[40];
   (void)snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
   return linkat(AT_FDCWD, proc, dirFd, name.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0 : errno;
-}
-
-std::string leaseShardOf(const std::string& name) {
-  // The id is the last kIdHexChars characters of the name; its first digit spreads names over the shards.
-  return std::string(1, name.size() >= kIdHexChars ? name[name.size() - kIdHexChars] : '0');
 }
 
 int holdLease(int fd, LeaseByte byte) {
@@ -71,7 +67,8 @@ int makeLeaseFileAs(bool named, int dirFd, const std::string& name, const std::s
   if (!named) {
     fd.reset(openat(dirFd, dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
   } else {
-    tmp = (slash == std::string::npos ? "" : dir + "/") + ".tmp-" + randomHex(8) + "-" + name.substr(slash + 1);
+    tmp = (slash == std::string::npos ? "" : dir + "/") + layout::kTmpPrefix + randomHex(8) + "-" +
+          name.substr(slash + 1);
     fd.reset(openat(dirFd, tmp.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600));
   }
   if (!fd) return -1;

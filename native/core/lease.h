@@ -20,14 +20,11 @@
 
 namespace vmspace {
 
-constexpr int kLeaseShards = 16;  // leases/0 ... leases/f, by the id's first hex digit
+constexpr int kLeaseShards = 16;  // leases/0 ... leases/f, by the id's first hex digit (layout::leaseShardOf)
 // The owner root gives lease files: (uid_t)-2, an id no account uses ((uid_t)-1 is no id at all, chown(2)).
 constexpr uid_t kLeaseUid = static_cast<uid_t>(-2);
 
 enum class LeaseByte : off_t { Owner = 0, Handover = 1 };
-
-// The shard directory name of workspace `name` ("<prefix>-<32 hex>"): its id's first hex digit.
-std::string leaseShardOf(const std::string& name);
 
 // F_OFD_SETLK F_RDLCK on `byte` of the lease `fd`: 0, or the errno.
 int holdLease(int fd, LeaseByte byte);

@@ -18,10 +18,10 @@
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
+#include "layout.h"
 #include "lease.h"
 #include "metadata.h"
 #include "names.h"
-#include "pool_internal.h"
 #include "remove.h"
 #include "rename.h"
 #include "trusted.h"
@@ -40,7 +40,7 @@ int readSmallFile(int at, const std::string& name, std::string* out) {
 // behind, when `name` exists.
 bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& data, bool durable,
                         const std::string& shown) {
-  std::string tmp = "." + name + ".tmp-" + randomHex(6);
+  std::string tmp = "." + name + layout::kTmpPrefix + randomHex(6);
   TempFile fd(dirFd, tmp, 0644, shown);
   // 0644 exactly, whatever the umask (under umask 0777 the version file would be mode 000 and the pool's owner
   // could not reopen it as a non-root user).
@@ -62,7 +62,7 @@ bool writeFileNoReplace(int dirFd, const std::string& name, const std::string& d
 // in `dirFd` (.vmspace/, which no sweep pass reads but the probe pass).
 // Where no probe can be made (read-only, no permission) it counts as supported: nothing can be published there.
 int probeNoReplace(int dirFd) {
-  std::string probe = kNoReplaceProbe + randomHex(6), moved = probe + "-b";
+  std::string probe = layout::kNoReplaceProbe + randomHex(6), moved = probe + "-b";
   UniqueFd fd(openat(dirFd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
   if (!fd) return 0;
   fd.reset();
@@ -77,11 +77,11 @@ int probeNoReplace(int dirFd) {
 }
 
 // Whether the directory `fd` has an entry other than what concurrent openers make: a half-built .vmspace
-// (kInitPrefix), or .vmspace itself, renamed into place since this opener found none.
+// (layout::kInitPrefix), or .vmspace itself, renamed into place since this opener found none.
 bool hasEntries(int fd, const std::string& shown) {
   bool any = false;
   forEachName(fd, shown, [&](const struct dirent& e) {
-    if (strncmp(e.d_name, kInitPrefix, sizeof kInitPrefix - 1) != 0 && strcmp(e.d_name, ".vmspace") != 0) any = true;
+    if (!layout::hasPrefix(e.d_name, layout::kInitPrefix) && strcmp(e.d_name, layout::kStateDir) != 0) any = true;
   });
   return any;
 }
@@ -90,37 +90,38 @@ bool hasEntries(int fd, const std::string& shown) {
 // replacing, so that no opener ever sees a pool without its version or its directories. False when another
 // opener's came first (ours is removed).
 bool makeState(int rootFd, const std::string& root, long long gid) {
-  const std::string tmp = kInitPrefix + randomHex(8), shown = root + "/" + tmp;
+  const std::string tmp = layout::kInitPrefix + randomHex(8), shown = root + "/" + tmp;
   const mode_t stateMode = gid >= 0 ? 02770 : 0755, subMode = gid >= 0 ? 02770 : 0700;
   makeDirExact(rootFd, tmp.c_str(), stateMode, gid, shown);
   auto removeTemp = [&] {
     try {
       removeTreeNoFollow(rootFd, tmp, shown);
     } catch (...) {
-      // Left for a sweep (kInitPrefix entries past the grace period); the first error is the one to report.
+      // Left for a sweep (layout::kInitPrefix entries past the grace period); the first error is the one to report.
     }
   };
   try {
     UniqueFd state(openat(rootFd, tmp.c_str(), kDirFlags));
     if (!state) throwErrno(errno, "open", shown);
-    writeFileNoReplace(state.get(), "version", std::string(kLayoutVersion) + "\n", false, shown + "/version");
+    writeFileNoReplace(state.get(), layout::kVersion, std::string(layout::kVersionText) + "\n", false,
+                       shown + "/" + layout::kVersion);
     const std::pair<const char*, int> subs[] = {
-        {"staging", kStagingShards}, {"trash", 0}, {"leases", kLeaseShards}, {"cache", 0}};
+        {layout::kStaging, kStagingShards}, {layout::kTrash, 0}, {layout::kLeases, kLeaseShards}, {layout::kCache, 0}};
     for (auto [sub, shards] : subs) {
       std::string subShown = shown + "/" + sub;
       makeDirExact(state.get(), sub, subMode, gid, subShown);
       UniqueFd dir(openat(state.get(), sub, kDirFlags));
       if (!dir) throwErrno(errno, "open", subShown);
       for (int i = 0; i < shards; i++) {
-        std::string n = shards == kStagingShards ? shardName(i) : leaseShardName(i);
+        std::string n = shards == kStagingShards ? layout::stagingShardName(i) : layout::leaseShardName(i);
         makeDirExact(dir.get(), n.c_str(), subMode, gid, subShown + "/" + n);
       }
     }
-    int moved = renameat2(rootFd, tmp.c_str(), rootFd, ".vmspace", RENAME_NOREPLACE);
+    int moved = renameat2(rootFd, tmp.c_str(), rootFd, layout::kStateDir, RENAME_NOREPLACE);
     // Without RENAME_NOREPLACE, rename(2) still never replaces a non-empty .vmspace/ (ENOTEMPTY).
-    if (moved != 0 && noReplaceUnsupported(errno)) moved = renameat(rootFd, tmp.c_str(), rootFd, ".vmspace");
+    if (moved != 0 && noReplaceUnsupported(errno)) moved = renameat(rootFd, tmp.c_str(), rootFd, layout::kStateDir);
     if (moved == 0) return true;
-    if (errno != EEXIST && errno != ENOTEMPTY) throwErrno(errno, "renameat2", shown, root + "/.vmspace");
+    if (errno != EEXIST && errno != ENOTEMPTY) throwErrno(errno, "renameat2", shown, layout::statePath(root));
   } catch (...) {
     removeTemp();
     throw;
@@ -131,13 +132,11 @@ bool makeState(int rootFd, const std::string& root, long long gid) {
 
 // Refuses a pool whose .vmspace/ is not this layout: ERR_POOL_FORMAT naming what is wrong, nothing touched.
 [[noreturn]] void throwFormat(const std::string& what, const std::string& shown) {
-  throwCode("ERR_POOL_FORMAT", what + " (this vmspace reads '" + kLayoutVersion + "' pools only)", 0, "open", shown);
+  throwCode("ERR_POOL_FORMAT", what + " (this vmspace reads '" + layout::kVersionText + "' pools only)", 0, "open",
+            shown);
 }
 
 }  // namespace
-
-std::string shardName(int i) { return "s" + std::to_string(i); }
-std::string leaseShardName(int i) { return std::string(1, "0123456789abcdef"[i]); }
 
 const std::string& bootId() {
   static const std::string id = [] {
@@ -152,10 +151,10 @@ const std::string& bootId() {
 std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long sharedGid, bool nonEmpty) {
   std::shared_ptr<Pool> pool(new Pool());
   pool->root_ = root;
-  const std::string state = root + "/.vmspace";
+  const std::string state = layout::statePath(root);
   const Trust trust{geteuid(), sharedGid};
   pool->rootFd_ = openTrustedPath(root, create, sharedGid >= 0 ? 02770 : 0755, trust);
-  pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, false, 0, trust);
+  pool->stateFd_ = openPoolDir(pool->rootFd_.get(), layout::kStateDir, state, false, 0, trust);
   if (!pool->stateFd_) {
     if (!create) throwErrno(ENOENT, "open", state);
     if (!nonEmpty && hasEntries(pool->rootFd_.get(), root))
@@ -164,7 +163,7 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
                     "asked for explicitly",
                 ENOTEMPTY, "mkdir", state);
     makeState(pool->rootFd_.get(), root, sharedGid);  // false: another opener made it first, opened below
-    pool->stateFd_ = openPoolDir(pool->rootFd_.get(), ".vmspace", state, false, 0, trust);
+    pool->stateFd_ = openPoolDir(pool->rootFd_.get(), layout::kStateDir, state, false, 0, trust);
     if (!pool->stateFd_) throwErrno(ENOENT, "open", state);
   }
 
@@ -178,28 +177,29 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
   // The layout is checked before anything is made inside .vmspace/: a pool of another layout, or one that lost
   // its version or a directory of its own, is refused untouched, never initialised again (its sweep would take
   // what it does not know for dead builds).
-  std::string versionPath = state + "/version", version;
-  int err = readSmallFile(pool->stateFd_.get(), "version", &version);
+  std::string versionPath = layout::statePath(root, layout::kVersion), version;
+  int err = readSmallFile(pool->stateFd_.get(), layout::kVersion, &version);
   if (err == ENOENT) throwFormat("'" + state + "' has no version file", versionPath);
   if (err) throwErrno(err, "open", versionPath);
   while (!version.empty() && (version.back() == '\n' || version.back() == ' ')) version.pop_back();
-  if (version != kLayoutVersion)
+  if (version != layout::kVersionText)
     throwFormat("pool layout '" + version.substr(0, 32) + "' is not this one", versionPath);
   auto own = [&](int at, const std::string& name, const std::string& shown) {
     UniqueFd fd = openPoolDir(at, name.c_str(), shown, false, 0, trust);
     if (!fd) throwFormat("'" + shown + "' is missing", shown);
     return fd;
   };
-  pool->stagingFd_ = own(pool->stateFd_.get(), "staging", state + "/staging");
-  pool->trashFd_ = own(pool->stateFd_.get(), "trash", state + "/trash");
-  pool->leasesFd_ = own(pool->stateFd_.get(), "leases", state + "/leases");
-  pool->cache_ = std::make_unique<TemplateCache>(own(pool->stateFd_.get(), "cache", state + "/cache"), state + "/cache",
+  auto ownState = [&](const char* name) { return own(pool->stateFd_.get(), name, layout::statePath(root, name)); };
+  pool->stagingFd_ = ownState(layout::kStaging);
+  pool->trashFd_ = ownState(layout::kTrash);
+  pool->leasesFd_ = ownState(layout::kLeases);
+  pool->cache_ = std::make_unique<TemplateCache>(ownState(layout::kCache), layout::statePath(root, layout::kCache),
                                                  kDefaultCacheBytes);
   for (int i = 0; i < kStagingShards; i++)
-    pool->shardFds_[i] = own(pool->stagingFd_.get(), shardName(i), state + "/staging/" + shardName(i));
+    pool->shardFds_[i] = own(pool->stagingFd_.get(), layout::stagingShardName(i), layout::stagingShardPath(root, i));
   // The lease shards are checked here and then named relative to leases/ ("<x>/<name>"): no fd kept for each.
   for (int i = 0; i < kLeaseShards; i++)
-    own(pool->leasesFd_.get(), leaseShardName(i), state + "/leases/" + leaseShardName(i));
+    own(pool->leasesFd_.get(), layout::leaseShardName(i), layout::leaseShardPath(root, layout::leaseShardName(i)));
   pool->noReplaceErr_ = probeNoReplace(pool->stateFd_.get());
   pool->sharedGid_ = sharedGid;
   return pool;
@@ -208,8 +208,7 @@ std::shared_ptr<Pool> Pool::open(const std::string& root, bool create, long long
 // templates/ is made on the first commit: pools without templates have none.
 TemplateStore* Pool::templates(bool create) {
   std::lock_guard<std::mutex> hold(templatesMu_);
-  if (!templates_)
-    templates_ = TemplateStore::open(stateFd_.get(), root_ + "/.vmspace", trashFd_.get(), create, sharedGid_);
+  if (!templates_) templates_ = TemplateStore::open(stateFd_.get(), root_, trashFd_.get(), create, sharedGid_);
   return templates_.get();
 }
 
@@ -221,7 +220,7 @@ int Pool::stagingShard() const {
 }
 
 std::string Pool::stagingPath(int shard, const std::string& name) const {
-  return shard < 0 ? path(name) : root_ + "/.vmspace/staging/" + shardName(shard) + "/" + name;
+  return shard < 0 ? path(name) : layout::stagingShardPath(root_, shard) + "/" + name;
 }
 
 bool Pool::inStaging(const std::string& name) const {
@@ -232,10 +231,10 @@ bool Pool::inStaging(const std::string& name) const {
 }
 
 void Pool::syncLeaseDir(const std::string& name) {
-  std::string shard = leaseShardOf(name);
+  std::string shard = layout::leaseShardOf(name);
   UniqueFd dir(openat(leasesFd_.get(), shard.c_str(), kDirFlags));
-  if (!dir) throwErrno(errno, "open", root_ + "/.vmspace/leases/" + shard);
-  if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", root_ + "/.vmspace/leases/" + shard);
+  if (!dir) throwErrno(errno, "open", layout::leaseShardPath(root_, shard));
+  if (fsync(dir.get()) != 0) throwErrno(errno, "fsync", layout::leaseShardPath(root_, shard));
 }
 
 bool Pool::keepSpare(const std::string& name, int fd) {
@@ -248,7 +247,7 @@ bool Pool::keepSpare(const std::string& name, int fd) {
   // Only the file this fd holds: whatever else someone put at the name is not taken for a lease file. Renamed within
   // its shard (no cross-directory rename here); what a sweep sees at a spare's name is a lease held by us.
   struct stat own;
-  std::string rel = leaseShardOf(name) + "/.spare-" + randomHex(8);
+  std::string rel = layout::leaseShardOf(name) + "/" + layout::kSparePrefix + randomHex(8);
   bool kept = fstat(fd, &own) == 0 && sameEntry(leasesFd_.get(), leaseRel(name), own) &&
               renameat2(leasesFd_.get(), leaseRel(name).c_str(), leasesFd_.get(), rel.c_str(), RENAME_NOREPLACE) == 0;
   std::lock_guard<std::mutex> hold(sparesMu_);
@@ -323,12 +322,12 @@ bool Pool::moveToTrash(const std::string& name) {
     if (err != 0) {
       if (retried) chmodFd(fd.get(), own.st_mode & 07777);  // best effort: leave its mode as it was
       if (err == ENOENT) return false;
-      throwErrno(err, "renameat2", path(name), root_ + "/.vmspace/trash/" + name);
+      throwErrno(err, "renameat2", path(name), layout::trashPath(root_, name));
     }
   }
   struct stat moved;
   if (fstatat(trashFd_.get(), name.c_str(), &moved, AT_SYMLINK_NOFOLLOW) != 0)
-    throwErrno(errno, "stat", root_ + "/.vmspace/trash/" + name);
+    throwErrno(errno, "stat", layout::trashPath(root_, name));
   if (moved.st_dev != own.st_dev || moved.st_ino != own.st_ino) {
     // Whatever was at the name is not the directory we opened: put it back untouched.
     renameat2(trashFd_.get(), name.c_str(), rootFd_.get(), name.c_str(), RENAME_NOREPLACE);
@@ -376,7 +375,7 @@ void Pool::dispose(const std::string& name, int leaseFd, int handoverFd, Dispose
     bool inTrash = atName && moveToTrash(name);
     // Gone from the root: a dispose that failed before may have left it in trash; its lease is ours, so it is too.
     if (!inTrash) inTrash = fstatat(trashFd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
-    if (inTrash) removeWorkspace(trashFd_.get(), name, root_ + "/.vmspace/trash/" + name);
+    if (inTrash) removeWorkspace(trashFd_.get(), name, layout::trashPath(root_, name));
   }
   dropLease(name);
 }

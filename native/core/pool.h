@@ -1,4 +1,4 @@
-// A pool of workspaces under one root directory (DESIGN.md, "The pool on disk"):
+// A pool of workspaces under one root directory (DESIGN.md, "The pool on disk"; every name of it is layout.h's):
 //   <root>/.vmspace/{version, staging/s0..s7/, trash/, leases/0..f/<name>, cache/}, and <root>/<prefix>-<32 hex> per
 //   workspace. A workspace is vmspace's own only while its lease file exists (lease.h): made before its directory,
 //   removed after it; anything else in the root is foreign and never touched.
@@ -20,6 +20,7 @@
 #include "error.h"
 #include "fd.h"
 #include "json_members.h"
+#include "layout.h"
 #include "lease.h"
 #include "quota.h"
 #include "template.h"
@@ -30,8 +31,6 @@
 namespace vmspace {
 
 constexpr int kMaxNameTries = 16;  // DESIGN.md: EEXIST -> fresh name, at most 16 tries, then ERR_NAME_EXHAUSTED
-// The one on-disk layout (.vmspace/version holds kLayoutVersion): anything else is refused with ERR_POOL_FORMAT.
-constexpr const char* kLayoutVersion = "vmspace-pool 1";
 // Builds run in staging/s<i>/ (i fixed per thread) so that parallel builds do not all wait on one directory's lock.
 constexpr int kStagingShards = 8;
 
@@ -136,7 +135,7 @@ class Pool {
   // A new pool's .vmspace/ is built whole under a temp name and renamed into place (RENAME_NOREPLACE), so
   // concurrent first opens make one pool and none ever sees it half made; made only in an empty (or missing)
   // directory unless `nonEmpty` (ERR_POOL_NOT_EMPTY, nothing made).
-  // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version is not kLayoutVersion or one
+  // Errors: the errno of the failing syscall; ERR_POOL_FORMAT when .vmspace/version is not layout::kVersionText or one
   // of the pool's own directories is missing (never made again: a pool that lost them is not re-initialised);
   // EXDEV when .vmspace is on another file system. A file system without RENAME_NOREPLACE (FUSE, some network
   // file systems) opens, and its allocate fails with ERR_RENAME_NOREPLACE_UNSUPPORTED (cause EINVAL/ENOSYS).
@@ -216,9 +215,7 @@ class Pool {
   // pool has none and `create` is false.
   TemplateStore* templates(bool create);
   // The lease file of workspace `name`, as errors show it (it holds the workspace's record).
-  std::string leasePath(const std::string& name) const {
-    return root_ + "/.vmspace/leases/" + leaseShardOf(name) + "/" + name;
-  }
+  std::string leasePath(const std::string& name) const { return layout::leasePath(root_, name); }
 
  private:
   friend class PoolSweep;     // pool_sweep.cc: Pool::sweep's passes
@@ -231,7 +228,7 @@ class Pool {
   // the directory that was at the name, and puts anything else back.
   bool moveToTrash(const std::string& name);
   // The lease file of `name` relative to leases/ ("<x>/<name>").
-  std::string leaseRel(const std::string& name) const { return leaseShardOf(name) + "/" + name; }
+  static std::string leaseRel(const std::string& name) { return layout::leaseRel(name); }
   // fsync of the shard of leases/ that holds the lease file of `name` (durable pools).
   void syncLeaseDir(const std::string& name);
   // Spare lease files (this process's, still locked, at leases/<x>/.spare-<hex>): a lease file whose workspace was

@@ -19,14 +19,13 @@
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
+#include "layout.h"
 #include "lease.h"
 #include "metadata.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
 #include "share.h"
-
-#include "pool_internal.h"
 
 namespace vmspace {
 
@@ -134,7 +133,7 @@ class PoolStage {
     TemplateStore* s = pool_.templates(false);
     if (!s)
       throwCode("ERR_TEMPLATE_NOT_FOUND", "no template with the id or name '" + req_.fromTemplate + "'", ENOENT, "open",
-                pool_.root_ + "/.vmspace/templates");
+                layout::templatesPath(pool_.root_));
     reader_ = s->acquire(req_.fromTemplate);
     store_ = s;
     res_.templateId = reader_.id;

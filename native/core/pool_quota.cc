@@ -20,15 +20,15 @@ namespace vmspace {
 int Pool::projectsFd(bool create) {
   std::lock_guard<std::mutex> lock(projectsMu_);
   if (projectsFd_) return projectsFd_.get();
-  UniqueFd fd(openat(stateFd_.get(), "projects", kDirFlags));
+  UniqueFd fd(openat(stateFd_.get(), layout::kProjects, kDirFlags));
   if (!fd && errno == ENOENT && create) {
-    if (mkdirat(stateFd_.get(), "projects", 0700) != 0 && errno != EEXIST)
-      throwErrno(errno, "mkdir", root_ + "/.vmspace/projects");
-    fd.reset(openat(stateFd_.get(), "projects", kDirFlags));
+    if (mkdirat(stateFd_.get(), layout::kProjects, 0700) != 0 && errno != EEXIST)
+      throwErrno(errno, "mkdir", layout::statePath(root_, layout::kProjects));
+    fd.reset(openat(stateFd_.get(), layout::kProjects, kDirFlags));
   }
   if (!fd) {
     if (errno == ENOENT && !create) return -1;
-    throwErrno(errno, "open", root_ + "/.vmspace/projects");
+    throwErrno(errno, "open", layout::statePath(root_, layout::kProjects));
   }
   projectsFd_ = std::move(fd);
   return projectsFd_.get();
@@ -55,13 +55,14 @@ void Pool::removeWorkspace(int parentFd, const std::string& name, const std::str
   QuotaRef ref = quotaRefOf(parentFd, name, projectIds_, claims >= 0);
   // A template moved into trash (template-<id>, by a removal that did not finish) keeps its tree as a
   // read-only btrfs subvolume, which the walk could not empty (EROFS): destroyed or made writable first.
-  if (name.compare(0, 9, "template-") == 0) {
+  const bool trashedTemplate = layout::hasPrefix(name, layout::kTrashedTemplatePrefix);
+  if (trashedTemplate) {
     UniqueFd dir(openat(parentFd, name.c_str(), kDirFlags));
-    if (dir) dropReadOnlySubvolume(dir.get(), "tree");
+    if (dir) dropReadOnlySubvolume(dir.get(), layout::kTree);
   }
   try {
     // A pool found inside a workspace is not the workspace's to remove (a template's tree holds no live pool).
-    removeTreeNoFollow(parentFd, name, shown, bytes, name.compare(0, 9, "template-") != 0);
+    removeTreeNoFollow(parentFd, name, shown, bytes, !trashedTemplate);
   } catch (const Error& e) {
     // The walk emptied the subvolume and only its rmdir(2) was refused (kernels before 4.18, or a mount that
     // refuses it): delete the empty subvolume by ioctl instead. Anything else (EBUSY at a mount inside) stands.
@@ -77,7 +78,7 @@ void Pool::sweepProjectClaims(bool dryRun, int64_t graceMs) {
   if (claims < 0 || dryRun) return;
   std::vector<std::string> files;
   try {
-    forEachName(claims, root_ + "/.vmspace/projects", [&files](const struct dirent& de) {
+    forEachName(claims, layout::statePath(root_, layout::kProjects), [&files](const struct dirent& de) {
       if (de.d_name[0] >= '0' && de.d_name[0] <= '9') files.push_back(de.d_name);
     });
   } catch (const Error&) {

@@ -21,13 +21,12 @@
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
+#include "layout.h"
 #include "lease.h"
 #include "metadata.h"
 #include "names.h"
 #include "remove.h"
 #include "rename.h"
-
-#include "pool_internal.h"
 
 namespace vmspace {
 namespace {
@@ -108,8 +107,8 @@ bool freedBytes(int dirFd, const std::string& name, const std::string& shown, ui
 class PoolSweep {
  public:
   PoolSweep(Pool& pool, bool dryRun, int64_t graceMs)
-      : pool_(pool), dryRun_(dryRun), graceMs_(graceMs), trashDir_(pool.root_ + "/.vmspace/trash"),
-        stagingDir_(pool.root_ + "/.vmspace/staging") {}
+      : pool_(pool), dryRun_(dryRun), graceMs_(graceMs), trashDir_(layout::statePath(pool.root_, layout::kTrash)),
+        stagingDir_(layout::statePath(pool.root_, layout::kStaging)) {}
 
   SweepReport run() {
     publishedPass();
@@ -245,7 +244,7 @@ class PoolSweep {
       if (handled_.count(name)) continue;  // reported by the pass above, removed or failed
       // A template's entry is named template-<32 hex>, as a workspace of the prefix "template" would be: a workspace
       // has a lease file, a template none.
-      bool templateName = name.compare(0, 9, "template-") == 0;
+      bool templateName = layout::hasPrefix(name, layout::kTrashedTemplatePrefix);
       if (isWorkspaceName(name.c_str()) && !(templateName && !hasLeaseFile(name)))
         leasedEntry(pool_.trashFd_.get(), trashDir_, name, "trash");
       else if (templateName)
@@ -272,7 +271,7 @@ class PoolSweep {
     for (auto& entry : readNames(pool_.stagingFd_.get(), stagingDir_))
       if (!isShardName(entry.first)) foreign(pool_.stagingFd_.get(), entry.first, stagingDir_ + "/" + entry.first);
     for (int i = 0; i < kStagingShards; i++) {
-      std::string dir = stagingDir_ + "/" + shardName(i);
+      std::string dir = layout::stagingShardPath(pool_.root_, i);
       for (auto& entry : readNames(pool_.shardFds_[i].get(), dir)) {
         if (isWorkspaceName(entry.first.c_str()))
           leasedEntry(pool_.shardFds_[i].get(), dir, entry.first, "staging");
@@ -283,7 +282,7 @@ class PoolSweep {
   }
   static bool isShardName(const std::string& name) {
     for (int i = 0; i < kStagingShards; i++)
-      if (name == shardName(i)) return true;
+      if (name == layout::stagingShardName(i)) return true;
     return false;
   }
 
@@ -298,14 +297,14 @@ class PoolSweep {
   // after it was removed), and temp lease files (file systems without O_TMPFILE) of builds that died.
   void leasePass() {
     for (int i = 0; i < kLeaseShards; i++) {
-      std::string dir = pool_.root_ + "/.vmspace/leases/" + leaseShardName(i);
-      UniqueFd shard(openat(pool_.leasesFd_.get(), leaseShardName(i).c_str(), kDirFlags));
+      std::string dir = layout::leaseShardPath(pool_.root_, layout::leaseShardName(i));
+      UniqueFd shard(openat(pool_.leasesFd_.get(), layout::leaseShardName(i).c_str(), kDirFlags));
       if (!shard) throwErrno(errno, "open", dir);
       int dirFd = shard.get();
       for (auto& entry : readNames(dirFd, dir)) {
         const std::string& file = entry.first;  // not a structured binding: the lambda below captures it (clang)
-        bool spare = file.compare(0, 7, ".spare-") == 0;
-        if (spare || file.compare(0, 5, ".tmp-") == 0) {
+        bool spare = layout::hasPrefix(file, layout::kSparePrefix);
+        if (spare || layout::hasPrefix(file, layout::kTmpPrefix)) {
           // A spare is held while its process lives: free, that process is gone. A temp one may be a build's that
           // has not taken its lock yet: free and past the grace period.
           UniqueFd fd(openLeaseFile(dirFd, file));
@@ -332,13 +331,13 @@ class PoolSweep {
   // period has no owner left.
   void leftoverPass() {
     if (dryRun_) return;
-    for (auto& [file, type] : readNames(pool_.stateFd_.get(), pool_.root_ + "/.vmspace")) {
-      if (file.compare(0, sizeof kNoReplaceProbe - 1, kNoReplaceProbe) != 0 || type == DT_DIR) continue;
+    for (auto& [file, type] : readNames(pool_.stateFd_.get(), layout::statePath(pool_.root_))) {
+      if (!layout::hasPrefix(file, layout::kNoReplaceProbe) || type == DT_DIR) continue;
       if (ageMs(pool_.stateFd_.get(), file) < graceMs_) continue;
       unlinkat(pool_.stateFd_.get(), file.c_str(), 0);  // quietly: an opener or another sweep may remove it first
     }
     for (auto& [file, type] : readNames(pool_.rootFd_.get(), pool_.root_)) {
-      if (file.compare(0, sizeof kInitPrefix - 1, kInitPrefix) != 0 || type != DT_DIR) continue;
+      if (!layout::hasPrefix(file, layout::kInitPrefix) || type != DT_DIR) continue;
       if (ageMs(pool_.rootFd_.get(), file) < graceMs_) continue;
       try {
         removeTreeNoFollow(pool_.rootFd_.get(), file, pool_.root_ + "/" + file);

@@ -168,7 +168,7 @@ class PoolRollback {
   RollbackOutcome removeOld(StagedWorkspace& staged) {
     RollbackOutcome out;
     UniqueFd lease = std::move(staged.lease);
-    const std::string trashed = pool_.root_ + "/.vmspace/trash/" + staged.name;
+    const std::string trashed = layout::trashPath(pool_.root_, staged.name);
     try {
       if (renameat2(pool_.stagingDirFd(staged.shard), staged.name.c_str(), pool_.trashFd_.get(), staged.name.c_str(),
                     RENAME_NOREPLACE) != 0)
@@ -205,7 +205,7 @@ int64_t templateExclusiveBytes(Pool& pool, const std::string& id, const std::ato
     TemplateReader& reader;
     ~Held() { store->release(reader); }
   } held{store, reader};
-  UniqueFd tree(openat(reader.fd.get(), "tree", kDirFlags));
+  UniqueFd tree(openat(reader.fd.get(), layout::kTree, kDirFlags));
   if (!tree) throwErrno(errno, "open", reader.treePath);
   return static_cast<int64_t>(workspaceUsage(tree.get(), reader.treePath, QuotaRef{}, cancel).exclusiveBytes);
 }

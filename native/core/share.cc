@@ -16,6 +16,7 @@
 #include "fallback.h"
 #include "fd.h"
 #include "io.h"
+#include "layout.h"
 #include "lease.h"
 
 namespace vmspace {
@@ -82,7 +83,7 @@ ShareSource openSource(int wsFd, const std::string& wsPath, const std::string& r
 // Whether `s` is the inode of shared/<index> of the parent template `parentFd`.
 bool isParentInode(int parentFd, size_t index, const ShareSource& s) {
   struct stat st;
-  std::string name = std::string(kSharedDir) + "/" + std::to_string(index);
+  std::string name = std::string(layout::kShared) + "/" + std::to_string(index);
   return fstatat(parentFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == s.st.st_dev &&
          st.st_ino == s.st.st_ino;
 }
@@ -135,7 +136,7 @@ void throwShareUnsupported(const std::string& path, const std::string& why) {
 std::vector<ShareSource> openShareSources(int wsFd, const std::string& wsPath, const std::vector<std::string>& share,
                                           int parentFd, const std::string& parentPath) {
   std::vector<std::string> inherited;
-  if (parentFd >= 0) inherited = readSharedPaths(parentFd, parentPath + "/" + kSharedPathsFile);
+  if (parentFd >= 0) inherited = readSharedPaths(parentFd, parentPath + "/" + layout::kSharedPaths);
   std::vector<ShareSource> out;
   auto parentIndex = [&](const std::string& rel) {
     for (size_t i = 0; i < inherited.size(); i++)
@@ -164,9 +165,9 @@ std::vector<ShareSource> openShareSources(int wsFd, const std::string& wsPath, c
 
 std::vector<uint64_t> writeSharedFiles(int leaseFd, const std::string& stagingPath, std::vector<ShareSource>& sources,
                                        const CloneOptions& options) {
-  const std::string dirShown = stagingPath + "/" + kSharedDir;
-  if (mkdirat(leaseFd, kSharedDir, 0700) != 0) throwErrno(errno, "mkdir", dirShown);
-  UniqueFd dir(openat(leaseFd, kSharedDir, kDirFlags));
+  const std::string dirShown = stagingPath + "/" + layout::kShared;
+  if (mkdirat(leaseFd, layout::kShared, 0700) != 0) throwErrno(errno, "mkdir", dirShown);
+  UniqueFd dir(openat(leaseFd, layout::kShared, kDirFlags));
   if (!dir) throwErrno(errno, "open", dirShown);
   std::vector<uint64_t> bytes;
   for (size_t i = 0; i < sources.size(); i++) {
@@ -191,7 +192,7 @@ std::vector<uint64_t> writeSharedFiles(int leaseFd, const std::string& stagingPa
 
 std::vector<std::string> readSharedPaths(int templateFd, const std::string& shown) {
   std::string text;
-  int err = readRegularFileAt(templateFd, kSharedPathsFile, O_NOFOLLOW, kMaxSharedPathsBytes, &text);
+  int err = readRegularFileAt(templateFd, layout::kSharedPaths, O_NOFOLLOW, kMaxSharedPathsBytes, &text);
   if (err == ENOENT) return {};
   if (err) throwErrno(err, "open", shown);
   std::vector<std::string> paths;
@@ -207,8 +208,8 @@ std::vector<std::string> readSharedPaths(int templateFd, const std::string& show
 void linkSharedFiles(int templateFd, const std::string& templatePath, const std::vector<std::string>& paths, int wsFd,
                      const std::string& wsPath) {
   if (paths.empty()) return;
-  const std::string dirShown = templatePath + "/" + kSharedDir;
-  UniqueFd dir(openat(templateFd, kSharedDir, kDirFlags));
+  const std::string dirShown = templatePath + "/" + layout::kShared;
+  UniqueFd dir(openat(templateFd, layout::kShared, kDirFlags));
   if (!dir) throwErrno(errno, "open", dirShown);
   for (size_t i = 0; i < paths.size(); i++) {
     std::string leaf, name = std::to_string(i);

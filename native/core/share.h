@@ -17,8 +17,6 @@
 namespace vmspace {
 
 constexpr size_t kMaxSharedFiles = 64;
-constexpr const char* kSharedDir = "shared";
-constexpr const char* kSharedPathsFile = "shared-paths";
 
 // One file a commit shares: its workspace-relative path, an O_PATH descriptor of the inode found there (reached
 // without a symlink), and that inode's stat.

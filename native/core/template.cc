@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -19,6 +20,7 @@
 #include "error.h"
 #include "fd.h"
 #include "io.h"
+#include "layout.h"
 #include "names.h"
 #include "pool.h"
 #include "remove.h"
@@ -40,7 +42,7 @@ constexpr int kMaxResolveTries = 16;  // a name swapped or removed under a reade
 
 void removeTemplateDir(int parentFd, const std::string& name, const std::string& shown, uint64_t* bytes) {
   UniqueFd dir(openat(parentFd, name.c_str(), kDirFlags));
-  if (dir) dropReadOnlySubvolume(dir.get(), "tree");
+  if (dir) dropReadOnlySubvolume(dir.get(), layout::kTree);
   dir.reset();
   removeTreeNoFollow(parentFd, name, shown, bytes);
 }
@@ -67,32 +69,33 @@ bool isLayerKey(const std::string& key) {
   return true;
 }
 
-std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& statePath, int trashFd, bool create,
+std::unique_ptr<TemplateStore> TemplateStore::open(int stateFd, const std::string& root, int trashFd, bool create,
                                                    long long sharedGid) {
   std::unique_ptr<TemplateStore> s(new TemplateStore());
-  s->dir_ = statePath + "/templates";
-  s->trashDir_ = statePath + "/trash";
+  s->dir_ = layout::templatesPath(root);
+  s->trashDir_ = layout::statePath(root, layout::kTrash);
   s->trashFd_ = trashFd;
   s->sharedGid_ = sharedGid;
   // Checked as every directory of the pool (trusted.h), made with the mode of the pool's own: 0700, or 02770 in
   // the shared group.
   const Trust trust{geteuid(), sharedGid};
   const mode_t mode = sharedGid >= 0 ? 02770 : 0700;
-  s->fd_ = openPoolDir(stateFd, "templates", s->dir_, create, mode, trust);
+  s->fd_ = openPoolDir(stateFd, layout::kTemplates, s->dir_, create, mode, trust);
   if (!s->fd_) return nullptr;
   // The subdirectories are made whenever they are missing: a pool whose templates/ an older build of this
   // code made (or a process killed between two mkdirs) is completed, never refused.
-  s->stagingFd_ = openPoolDir(s->fd_.get(), "staging", s->dir_ + "/staging", true, mode, trust);
-  s->namesFd_ = openPoolDir(s->fd_.get(), "names", s->dir_ + "/names", true, mode, trust);
-  s->retiredFd_ = openPoolDir(s->fd_.get(), "retired", s->dir_ + "/retired", true, mode, trust);
-  s->layersFd_ = openPoolDir(s->fd_.get(), "layers", s->dir_ + "/layers", true, mode, trust);
+  s->stagingFd_ =
+      openPoolDir(s->fd_.get(), layout::kTemplateStaging, s->subPath(layout::kTemplateStaging), true, mode, trust);
+  s->namesFd_ = openPoolDir(s->fd_.get(), layout::kNames, s->subPath(layout::kNames), true, mode, trust);
+  s->retiredFd_ = openPoolDir(s->fd_.get(), layout::kRetired, s->subPath(layout::kRetired), true, mode, trust);
+  s->layersFd_ = openPoolDir(s->fd_.get(), layout::kLayers, s->subPath(layout::kLayers), true, mode, trust);
   return s;
 }
 
 std::string TemplateStore::resolve(const std::string& idOrName, bool* byName) {
   *byName = !isHexId(idOrName);
   if (!*byName) return idOrName;
-  std::string shown = dir_ + "/names/" + idOrName;
+  std::string shown = subPath(layout::kNames, idOrName);
   if (!isTemplateName(idOrName)) notFound(idOrName, shown);
   std::string id;
   if (!readLink(namesFd_.get(), idOrName, &id)) {
@@ -123,16 +126,16 @@ TemplateReader TemplateStore::acquire(const std::string& idOrName) {
       notFound(idOrName, path(id));
     }
     r.id = id;
-    r.treePath = path(id) + "/tree";
-    UniqueFd tree(openat(r.fd.get(), "tree", kDirFlags));
+    r.treePath = path(id) + "/" + layout::kTree;
+    UniqueFd tree(openat(r.fd.get(), layout::kTree, kDirFlags));
     if (tree && isSubvolumeRoot(tree.get())) r.subvolume = std::move(tree);
-    r.recordErrno = readRegularFileAt(r.fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &r.record);
+    r.recordErrno = readRegularFileAt(r.fd.get(), layout::kTemplateMeta, O_NOFOLLOW, kMaxTemplateMetaBytes, &r.record);
     // A template whose metadata cannot be read is refused before anything is made (lib/ checks that it parses).
-    if (r.recordErrno) throwErrno(r.recordErrno, "open", path(id) + "/template.json");
-    r.shared = readSharedPaths(r.fd.get(), path(id) + "/" + kSharedPathsFile);
+    if (r.recordErrno) throwErrno(r.recordErrno, "open", path(id) + "/" + layout::kTemplateMeta);
+    r.shared = readSharedPaths(r.fd.get(), path(id) + "/" + layout::kSharedPaths);
     return r;
   }
-  notFound(idOrName, dir_ + "/names/" + idOrName);
+  notFound(idOrName, subPath(layout::kNames, idOrName));
 }
 
 void TemplateStore::release(TemplateReader& reader) noexcept {
@@ -165,7 +168,7 @@ bool TemplateStore::removeIfFree(const std::string& id, int fd, uint64_t* bytes)
   if (!sameEntry(fd_.get(), id, st)) return true;  // moved away by another removal meanwhile
   // Into the pool's trash first: the id is gone atomically, and a removal that fails partway is finished by
   // the sweep's trash pass, never left as a partial template.
-  std::string trashName = "template-" + id;
+  std::string trashName = layout::kTrashedTemplatePrefix + id;
   // The move to another parent needs write permission on the 0555 directory (see commit): given back first by
   // its owner. Refused (EPERM: another user's), the renameat2 below reports its EACCES.
   if (!(st.st_mode & S_IWUSR) && fchmod(fd, (st.st_mode & 07777) | S_IWUSR) != 0) {
@@ -182,7 +185,7 @@ bool TemplateStore::removeIfFree(const std::string& id, int fd, uint64_t* bytes)
 
 std::vector<TemplateListing> TemplateStore::list() {
   std::unordered_map<std::string, std::string> names;  // id -> current name
-  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+  for (auto& entry : readNames(namesFd_.get(), subPath(layout::kNames))) {
     std::string id;
     if (isTemplateName(entry.first) && readLink(namesFd_.get(), entry.first, &id) && isHexId(id))
       names[id] = entry.first;
@@ -196,9 +199,9 @@ std::vector<TemplateListing> TemplateStore::list() {
     t.id = entry.first;
     auto it = names.find(t.id);
     if (it != names.end()) t.currentName = it->second;
-    t.recordErrno = readRegularFileAt(fd.get(), "template.json", O_NOFOLLOW, kMaxTemplateMetaBytes, &t.record);
+    t.recordErrno = readRegularFileAt(fd.get(), layout::kTemplateMeta, O_NOFOLLOW, kMaxTemplateMetaBytes, &t.record);
     struct statx stx;
-    if (statx(fd.get(), "used", AT_SYMLINK_NOFOLLOW, STATX_MTIME, &stx) == 0)
+    if (statx(fd.get(), layout::kUsed, AT_SYMLINK_NOFOLLOW, STATX_MTIME, &stx) == 0)
       t.lastUsedMs = stx.stx_mtime.tv_sec * 1000 + stx.stx_mtime.tv_nsec / 1000000;
     t.retired = entryExists(retiredFd_.get(), t.id);
     out.push_back(std::move(t));
@@ -207,7 +210,7 @@ std::vector<TemplateListing> TemplateStore::list() {
 }
 
 bool TemplateStore::named(const std::string& id) {
-  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+  for (auto& entry : readNames(namesFd_.get(), subPath(layout::kNames))) {
     std::string target;
     if (isTemplateName(entry.first) && readLink(namesFd_.get(), entry.first, &target) && target == id) return true;
   }
@@ -237,7 +240,7 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
     if (named(id)) return false;
     *kept = false;
     UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
-    if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
+    if (!marker) throwErrno(errno, "open", subPath(layout::kRetired, id));
     marker.reset();
     {
       UniqueFd namesLock = lockNames();
@@ -247,14 +250,14 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
   }
   // Retired first, so that a reader resolving the name meanwhile skips it; then every name pointing here goes.
   UniqueFd marker(openat(retiredFd_.get(), id.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY, 0600));
-  if (!marker) throwErrno(errno, "open", dir_ + "/retired/" + id);
+  if (!marker) throwErrno(errno, "open", subPath(layout::kRetired, id));
   marker.reset();
   UniqueFd namesLock = lockNames();  // a replace swapping a new template into the name between check and unlink
-  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+  for (auto& entry : readNames(namesFd_.get(), subPath(layout::kNames))) {
     std::string target;
     if (readLink(namesFd_.get(), entry.first, &target) && target == id &&
         unlinkat(namesFd_.get(), entry.first.c_str(), 0) != 0 && errno != ENOENT)
-      throwErrno(errno, "unlink", dir_ + "/names/" + entry.first);
+      throwErrno(errno, "unlink", subPath(layout::kNames, entry.first));
   }
   dropLayerLinks(id);
   return removeIfFree(id, -1, bytes);
@@ -263,15 +266,25 @@ bool TemplateStore::remove(const std::string& idOrName, std::string* idOut, bool
 std::string TemplateStore::findLayer(const std::string& layerKey) {
   if (!isLayerKey(layerKey))
     throwCode("ERR_INVALID_ARG_VALUE", "not a layer key: '" + layerKey + "'", EINVAL, "readlink",
-              dir_ + "/layers/" + layerKey);
+              subPath(layout::kLayers, layerKey));
   return liveLayer(layerKey);
+}
+
+std::string TemplateStore::nameTarget(const std::string& name) {
+  std::string id;
+  if (!isTemplateName(name)) return "";
+  if (!readLink(namesFd_.get(), name, &id)) {
+    if (errno == ENOENT || errno == EINVAL) return "";  // EINVAL: not a symlink
+    throwErrno(errno, "readlink", subPath(layout::kNames, name));
+  }
+  return id;
 }
 
 std::string TemplateStore::liveLayer(const std::string& layerKey) {
   std::string id;
   if (!readLink(layersFd_.get(), layerKey, &id)) {
     if (errno == ENOENT || errno == EINVAL) return "";
-    throwErrno(errno, "readlink", dir_ + "/layers/" + layerKey);
+    throwErrno(errno, "readlink", subPath(layout::kLayers, layerKey));
   }
   if (!isHexId(id) || !entryExists(fd_.get(), id) || entryExists(retiredFd_.get(), id)) return "";
   return id;
@@ -279,14 +292,14 @@ std::string TemplateStore::liveLayer(const std::string& layerKey) {
 
 size_t TemplateStore::dropLayerLinks(const std::string& id, bool dryRun) {
   size_t dropped = 0;
-  for (auto& entry : readNames(layersFd_.get(), dir_ + "/layers")) {
+  for (auto& entry : readNames(layersFd_.get(), subPath(layout::kLayers))) {
     std::string target;
     if (!readLink(layersFd_.get(), entry.first, &target)) continue;
     bool drop = id.empty() ? !isLayerKey(entry.first) || liveLayer(entry.first).empty() : target == id;
     if (!drop) continue;
     if (!dryRun && unlinkat(layersFd_.get(), entry.first.c_str(), 0) != 0) {
       if (errno == ENOENT) continue;
-      throwErrno(errno, "unlink", dir_ + "/layers/" + entry.first);
+      throwErrno(errno, "unlink", subPath(layout::kLayers, entry.first));
     }
     dropped++;
   }
@@ -296,16 +309,16 @@ size_t TemplateStore::dropLayerLinks(const std::string& id, bool dryRun) {
 UniqueFd TemplateStore::lockNames() {
   // An open file description of our own: flock is per description, and namesFd_ is shared by this process's
   // threads, whose lock would not exclude one another.
-  UniqueFd fd(openat(fd_.get(), "names", kDirFlags));
-  if (!fd) throwErrno(errno, "open", dir_ + "/names");
-  if (flock(fd.get(), LOCK_EX) != 0) throwErrno(errno, "flock", dir_ + "/names");
+  UniqueFd fd(openat(fd_.get(), layout::kNames, kDirFlags));
+  if (!fd) throwErrno(errno, "open", subPath(layout::kNames));
+  if (flock(fd.get(), LOCK_EX) != 0) throwErrno(errno, "flock", subPath(layout::kNames));
   return fd;
 }
 
 bool TemplateStore::liveSwapLink(const std::string& name) {
-  size_t at = name.rfind(".new-");
+  size_t at = name.rfind(layout::kSwapInfix);
   if (name.empty() || name[0] != '.' || at == std::string::npos) return false;
-  std::string id = name.substr(at + 5);
+  std::string id = name.substr(at + strlen(layout::kSwapInfix));
   if (!isHexId(id)) return false;
   UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
   if (!fd) return false;
@@ -318,9 +331,9 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     report.failed.push_back({name, from, 0, e});
   };
   // Commits whose builder is gone: a free lease and past the grace period (a build locks its entry at once).
-  for (auto& entry : readNames(stagingFd_.get(), dir_ + "/staging")) {
+  for (auto& entry : readNames(stagingFd_.get(), subPath(layout::kTemplateStaging))) {
     const std::string& id = entry.first;
-    std::string shown = dir_ + "/staging/" + id;
+    std::string shown = subPath(layout::kTemplateStaging, id);
     try {
       if (ageMs(stagingFd_.get(), id) < graceMs) continue;
       UniqueFd fd(openat(stagingFd_.get(), id.c_str(), kDirFlags));
@@ -329,31 +342,32 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
         if (errno == EWOULDBLOCK) continue;
         throwErrno(errno, "flock", shown);
       }
-      SweepEntry e{"template-" + id, "template-staging", 0, {}};
+      SweepEntry e{layout::kTrashedTemplatePrefix + id, "template-staging", 0, {}};
       if (!dryRun) removeTemplateDir(stagingFd_.get(), id, shown, &e.bytes);
       report.reclaimed.push_back(std::move(e));
     } catch (const Error& e) {
-      if (!(e.code.empty() && e.err == ENOENT && e.path == shown)) failed("template-" + id, "template-staging", e);
+      if (!(e.code.empty() && e.err == ENOENT && e.path == shown))
+        failed(layout::kTrashedTemplatePrefix + id, "template-staging", e);
     }
   }
   // Retired templates no reader holds any more (their last reader was killed before it could remove them).
-  for (auto& entry : readNames(retiredFd_.get(), dir_ + "/retired")) {
+  for (auto& entry : readNames(retiredFd_.get(), subPath(layout::kRetired))) {
     const std::string& id = entry.first;
     if (!isHexId(id)) continue;
     try {
       if (dryRun) {
         UniqueFd fd(openat(fd_.get(), id.c_str(), kDirFlags));
         if (fd && flock(fd.get(), LOCK_EX | LOCK_NB) == 0)
-          report.reclaimed.push_back({"template-" + id, "template", 0, {}});
+          report.reclaimed.push_back({layout::kTrashedTemplatePrefix + id, "template", 0, {}});
         continue;
       }
-      SweepEntry e{"template-" + id, "template", 0, {}};
+      SweepEntry e{layout::kTrashedTemplatePrefix + id, "template", 0, {}};
       if (entryExists(fd_.get(), id) && removeIfFree(id, -1, &e.bytes))
         report.reclaimed.push_back(std::move(e));
       else if (!entryExists(fd_.get(), id))
         unlinkat(retiredFd_.get(), id.c_str(), 0);
     } catch (const Error& e) {
-      failed("template-" + id, "template", e);
+      failed(layout::kTrashedTemplatePrefix + id, "template", e);
     }
   }
   // Layer links whose template is gone or retired (its removal by a last reader leaves the link).
@@ -364,7 +378,7 @@ void TemplateStore::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
     failed("layers", "template", e);
   }
   // Names of commits that died between claiming the name and publishing, and swap temp links of dead replaces.
-  for (auto& entry : readNames(namesFd_.get(), dir_ + "/names")) {
+  for (auto& entry : readNames(namesFd_.get(), subPath(layout::kNames))) {
     const std::string& name = entry.first;
     std::string target;
     bool temp = !isTemplateName(name);

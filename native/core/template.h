@@ -1,4 +1,5 @@
 // Templates: committed, read-only trees in the pool that workspaces are cloned from.
+// Every name below is layout.h's.
 //   <root>/.vmspace/templates/            made on first commit (the pool format stays 1: older vmspace ignore it)
 //     staging/<id>/                       a commit being built; its directory fd holds flock(LOCK_EX)
 //     <id>/                               a published template, mode 0555: tree/ (write bits removed; on
@@ -25,6 +26,7 @@
 #include "clone.h"
 #include "fd.h"
 #include "json_members.h"
+#include "layout.h"
 #include "tree.h"
 
 namespace vmspace {
@@ -74,9 +76,9 @@ struct TemplateReader {
 
 class TemplateStore {
  public:
-  // Opens .vmspace/templates of the pool whose .vmspace is `stateFd` (shown as `statePath`), making it (and its
+  // Opens .vmspace/templates of the pool at `root` whose .vmspace is `stateFd`, making it (and its
   // subdirectories) when `create`; nullptr when it is missing and not made. `trashFd` is the pool's trash.
-  static std::unique_ptr<TemplateStore> open(int stateFd, const std::string& statePath, int trashFd, bool create,
+  static std::unique_ptr<TemplateStore> open(int stateFd, const std::string& root, int trashFd, bool create,
                                              long long sharedGid);
 
   // Builds the template in staging (tree clone, write bits removed, metadata), then publishes it: a name is
@@ -105,7 +107,15 @@ class TemplateStore {
   // retired), or "".
   std::string findLayer(const std::string& layerKey);
 
+  // The id the name link names/<name> holds now, or "" when there is none (or it is not a template name's link):
+  // what a caller that listed the templates compares to see whether a replace ran meanwhile. Throws other errnos.
+  std::string nameTarget(const std::string& name);
+
   std::string path(const std::string& id) const { return dir_ + "/" + id; }
+  // templates/<sub> (a layout.h name: kNames, kRetired, kLayers, kTemplateStaging), or an entry of it, as errors show
+  // it.
+  std::string subPath(const char* sub) const { return dir_ + "/" + sub; }
+  std::string subPath(const char* sub, const std::string& name) const { return subPath(sub) + "/" + name; }
 
  private:
   friend class TemplateCommit;  // template_commit.cc: commit's phases

@@ -12,6 +12,7 @@
 #include "btrfs_subvol.h"
 #include "error.h"
 #include "fd.h"
+#include "layout.h"
 #include "quota.h"
 #include "tree.h"
 
@@ -42,7 +43,7 @@ std::unique_ptr<TemplateBuild> TemplateBuild::start(TemplateStore& store, const 
   b->lease_ = b->claimLease();
   try {
     b->makeTreeFrom(parent);
-    b->tree_.reset(openat(b->lease_.get(), "tree", kDirFlags));
+    b->tree_.reset(openat(b->lease_.get(), layout::kTree, kDirFlags));
     if (!b->tree_) throwErrno(errno, "open", b->treePath());
   } catch (...) {
     store.release(parent);
@@ -59,7 +60,7 @@ void TemplateBuild::makeTreeFrom(TemplateReader& parent) {
   const std::string shown = treePath();
   const bool subvolume = opts_.reflink != Reflink::Never && isSubvolumeFs(leaseFd);
   if (parent.subvolume && subvolume) {
-    int err = snapshotSubvolume(parent.subvolume.get(), leaseFd, "tree", false);
+    int err = snapshotSubvolume(parent.subvolume.get(), leaseFd, layout::kTree, false);
     if (err == 0) {
       res_.clone.tree = res_.clone.snapshot = true;
       res_.readOnlySubvolume = changedAfterSnapshot_ = true;
@@ -68,13 +69,13 @@ void TemplateBuild::makeTreeFrom(TemplateReader& parent) {
     }
   }
   if (!res_.clone.snapshot) {
-    bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
-    if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", shown);
+    bool sub = subvolume && makeWorkspaceDir(leaseFd, layout::kTree, 0700, true) == 0;
+    if (!sub && mkdirat(leaseFd, layout::kTree, 0700) != 0) throwErrno(errno, "mkdir", shown);
     res_.readOnlySubvolume = sub;
     res_.clone.tree = true;
   }
   if (!parent.fd) return;
-  UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+  UniqueFd tree(openat(leaseFd, layout::kTree, kDirFlags));
   if (!tree) throwErrno(errno, "open", shown);
   if (!res_.clone.snapshot) {
     bool sub = res_.readOnlySubvolume;
@@ -89,12 +90,12 @@ CommitResult TemplateBuild::publish(const PublishRequest& request) {
   if (!lease_) throwErrno(EBADF, "templateBuildPublish", stagingPath_);
   if (!request.layerKey.empty() && (!request.name.empty() || !isLayerKey(request.layerKey)))
     throwCode("ERR_INVALID_ARG_VALUE", "a layer key is a chain key ('sha256-<hex>') of an unnamed template", EINVAL,
-              "symlink", store_.dir_ + "/layers/" + request.layerKey);
+              "symlink", store_.subPath(layout::kLayers, request.layerKey));
   req_.info = request.info;
   req_.layerKey = request.layerKey;
   req_.name = request.name;
   req_.replace = request.replace;
-  nameShown_ = store_.dir_ + "/names/" + req_.name;
+  nameShown_ = store_.subPath(layout::kNames, req_.name);
   tree_.reset();
   try {
     checkName();

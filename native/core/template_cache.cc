@@ -16,6 +16,7 @@
 
 #include "error.h"
 #include "io.h"
+#include "layout.h"
 #include "names.h"
 #include "pool.h"
 #include "rename.h"
@@ -24,14 +25,10 @@
 namespace vmspace {
 namespace {
 
-constexpr const char* kLockPrefix = ".lock-";
-constexpr const char* kTmpPrefix = ".tmp-";
 constexpr const char* kSourceXattr = "user.vmspace.source";
 // A hit records its use (the entry's atime and mtime, for the sweep's least-recently-used order) at most once a
 // minute: one metadata write per minute of use, not one per allocate.
 constexpr int64_t kUseMarkSec = 60;
-
-bool startsWith(const std::string& s, const char* prefix) { return s.compare(0, strlen(prefix), prefix) == 0; }
 
 // A key: digits, '-' and '.', as templateCacheKey makes it.
 bool isKey(const std::string& s) {
@@ -49,7 +46,7 @@ void pause(long ns) {
 // name must still be the one locked, else it is opened and locked again. The wait polls (every 5 ms) so that a
 // cancel is seen while another process copies.
 UniqueFd lockKey(int dirFd, const std::string& key, const std::string& shown, CloneProgress* progress) {
-  const std::string name = kLockPrefix + key;
+  const std::string name = layout::kLockPrefix + key;
   for (;;) {
     UniqueFd fd(openat(dirFd, name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600));
     if (!fd) throwErrno(errno, "open", shown + "/" + name);
@@ -136,7 +133,7 @@ bool TemplateCache::fill(int src, const struct stat& st, int dst, const std::str
         entry = copyIn(src, st, key, srcPath, progress);
       } catch (...) {
         // Nothing published: the lock file goes too (a waiter granted it finds it unlinked and makes a new one).
-        unlinkat(dirFd_.get(), (kLockPrefix + key).c_str(), 0);
+        unlinkat(dirFd_.get(), (layout::kLockPrefix + key).c_str(), 0);
         throw;
       }
       use = CacheUse::Miss;
@@ -155,7 +152,7 @@ UniqueFd TemplateCache::copyIn(int src, const struct stat& st, const std::string
   UniqueFd tmp(openat(dirFd_.get(), ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
   if (!tmp) {
     // No O_TMPFILE: a hidden name, locked so that a sweep leaves it while the copy runs (however long).
-    tmpName = kTmpPrefix + randomHex(8);
+    tmpName = layout::kTmpPrefix + randomHex(8);
     tmp.reset(openat(dirFd_.get(), tmpName.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600));
     if (!tmp) throwErrno(errno, "open", shown_ + "/" + tmpName);
     if (flock(tmp.get(), LOCK_EX) != 0) {
@@ -246,11 +243,11 @@ void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
   uint64_t total = 0;  // allocated bytes of every entry, held or not
   for (auto& [name, type] : readNames(dirFd_.get(), shown_)) {
     const std::string shown = shown_ + "/" + name;
-    if (startsWith(name, kTmpPrefix) || startsWith(name, kLockPrefix)) {
-      const bool isTemp = startsWith(name, kTmpPrefix);
+    if (layout::hasPrefix(name, layout::kTmpPrefix) || layout::hasPrefix(name, layout::kLockPrefix)) {
+      const bool isTemp = layout::hasPrefix(name, layout::kTmpPrefix);
       // A lock file goes with its entry: kept while the entry exists (the next miss of its key would remake it).
-      if (dryRun ||
-          (!isTemp && faccessat(dirFd_.get(), name.c_str() + strlen(kLockPrefix), F_OK, AT_SYMLINK_NOFOLLOW) == 0))
+      if (dryRun || (!isTemp && faccessat(dirFd_.get(), name.c_str() + strlen(layout::kLockPrefix), F_OK,
+                                          AT_SYMLINK_NOFOLLOW) == 0))
         continue;
       UniqueFd held = takeLeftover(dirFd_.get(), name, graceMs, isTemp);
       if (held) unlinkat(dirFd_.get(), name.c_str(), 0);  // quietly: another sweep may remove it first
@@ -296,7 +293,7 @@ void TemplateCache::sweep(bool dryRun, int64_t graceMs, SweepReport& report) {
           if (errno == ENOENT) continue;  // another sweep's
           throwErrno(errno, "unlink", shown);
         }
-        std::string lock = kLockPrefix + c.key;
+        std::string lock = layout::kLockPrefix + c.key;
         if (UniqueFd held = takeLeftover(dirFd_.get(), lock, 0, false)) unlinkat(dirFd_.get(), lock.c_str(), 0);
       }
       total -= std::min(total, c.allocated);

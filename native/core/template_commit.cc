@@ -19,6 +19,7 @@
 #include "fs_kind.h"
 #include "io.h"
 #include "json_members.h"
+#include "layout.h"
 #include "names.h"
 #include "pool.h"
 #include "remove.h"
@@ -50,7 +51,7 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly
   if (!src) throwErrno(errno, "open", sourcePath);
   bool nested = true;
   if (!isSubvolumeRoot(src.get()) || hasChildSubvolumes(src.get(), &nested) != 0 || nested) return false;
-  int err = snapshotSubvolume(src.get(), leaseFd, "tree", readOnly);
+  int err = snapshotSubvolume(src.get(), leaseFd, layout::kTree, readOnly);
   if (err == 0) return true;
   if (err == EPERM || err == EACCES || err == EXDEV || err == ENOTTY || err == EINVAL || err == EOPNOTSUPP)
     return false;
@@ -62,7 +63,7 @@ bool snapshotWorkspace(const std::string& sourcePath, int leaseFd, bool readOnly
 bool isSubvolumeFs(int fd) { return fsKindOf(fd) == FsKind::Btrfs; }
 
 TemplateCommit::TemplateCommit(TemplateStore& store, CommitRequest req)
-    : store_(store), req_(std::move(req)), nameShown_(store.dir_ + "/names/" + req_.name) {
+    : store_(store), req_(std::move(req)), nameShown_(store.subPath(layout::kNames, req_.name)) {
   opts_ = req_.clone;
   opts_.overwrite = false;
 }
@@ -89,7 +90,7 @@ void TemplateCommit::checkName() {
 
 void TemplateCommit::finish(UniqueFd lease) {
   try {
-    UniqueFd tree(openat(lease.get(), "tree", kDirFlags));
+    UniqueFd tree(openat(lease.get(), layout::kTree, kDirFlags));
     if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
     writeModes(lease.get(), tree.get());
     writeMeta(lease.get(), tree.get());
@@ -114,7 +115,7 @@ void TemplateCommit::finish(UniqueFd lease) {
 bool TemplateCommit::claimLayerLink(int leaseFd) {
   const int layersFd = store_.layersFd_.get();
   const std::string& key = req_.layerKey;
-  const std::string shown = store_.dir_ + "/layers/" + key;
+  const std::string shown = store_.subPath(layout::kLayers, key);
   for (int tries = 0;; tries++) {
     if (symlinkat(res_.id.c_str(), layersFd, key.c_str()) == 0) return true;
     if (errno != EEXIST || tries == kMaxNameTries) throwErrno(errno, "symlink", shown);
@@ -129,9 +130,9 @@ bool TemplateCommit::claimLayerLink(int leaseFd) {
       res_.id = live;
       res_.existing = true;
       res_.allocatedBytes = 0;
-      int err =
-          readRegularFileAt(store_.fd_.get(), (live + "/template.json").c_str(), O_NOFOLLOW, 16 << 20, &res_.record);
-      if (err) throwErrno(err, "open", store_.path(live) + "/template.json");
+      int err = readRegularFileAt(store_.fd_.get(), (live + "/" + layout::kTemplateMeta).c_str(), O_NOFOLLOW, 16 << 20,
+                                  &res_.record);
+      if (err) throwErrno(err, "open", store_.path(live) + "/" + layout::kTemplateMeta);
       return false;
     }
     if (unlinkat(layersFd, key.c_str(), 0) != 0 && errno != ENOENT) throwErrno(errno, "unlink", shown);
@@ -158,7 +159,7 @@ void TemplateCommit::openShares() {
 UniqueFd TemplateCommit::claimLease() {
   for (int tries = 0;; tries++) {
     claimId();
-    stagingPath_ = store_.dir_ + "/staging/" + res_.id;
+    stagingPath_ = store_.subPath(layout::kTemplateStaging, res_.id);
     UniqueFd lease(openat(store_.stagingFd_.get(), res_.id.c_str(), kDirFlags));
     if (!lease && errno != ENOENT) throwErrno(errno, "open", stagingPath_);
     if (lease) {
@@ -176,10 +177,10 @@ void TemplateCommit::claimId() {
   for (int tries = 0;; tries++) {
     if (tries == kMaxNameTries)
       throwCode("ERR_NAME_EXHAUSTED", "every template id drawn existed already", EEXIST, "mkdir",
-                store_.dir_ + "/staging");
+                store_.subPath(layout::kTemplateStaging));
     res_.id = randomId();
     if (mkdirat(store_.stagingFd_.get(), res_.id.c_str(), 0700) == 0) break;
-    if (errno != EEXIST) throwErrno(errno, "mkdir", store_.dir_ + "/staging/" + res_.id);
+    if (errno != EEXIST) throwErrno(errno, "mkdir", store_.subPath(layout::kTemplateStaging, res_.id));
   }
 }
 
@@ -192,9 +193,10 @@ void TemplateCommit::makeTree(int leaseFd) {
   if (!res_.clone.snapshot) {
     // A subvolume where one can be made (any user may: BTRFS_IOC_SUBVOL_CREATE needs only write access to
     // staging); where it is refused, a plain directory, whose template is then read-only by its modes only.
-    bool sub = subvolume && makeWorkspaceDir(leaseFd, "tree", 0700, true) == 0;
-    if (!sub && mkdirat(leaseFd, "tree", 0700) != 0) throwErrno(errno, "mkdir", stagingPath_ + "/tree");
-    UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+    bool sub = subvolume && makeWorkspaceDir(leaseFd, layout::kTree, 0700, true) == 0;
+    if (!sub && mkdirat(leaseFd, layout::kTree, 0700) != 0)
+      throwErrno(errno, "mkdir", stagingPath_ + "/" + layout::kTree);
+    UniqueFd tree(openat(leaseFd, layout::kTree, kDirFlags));
     if (!tree) throwErrno(errno, "open", stagingPath_ + "/tree");
     res_.clone = cloneTreeInto(req_.sourcePath, tree.get(), stagingPath_ + "/tree", opts_, req_.progress);
     res_.readOnlySubvolume = sub;
@@ -211,7 +213,7 @@ void TemplateCommit::snapshotTree(int leaseFd) {
   res_.clone.snapshot = snapshotWorkspace(req_.sourcePath, leaseFd, !filter);
   if (!res_.clone.snapshot || !filter) return;
   const std::string shown = stagingPath_ + "/tree";
-  UniqueFd tree(openat(leaseFd, "tree", kDirFlags));
+  UniqueFd tree(openat(leaseFd, layout::kTree, kDirFlags));
   if (!tree) throwErrno(errno, "open", shown);
   dropGuestPrivileges(tree.get(), shown, opts_.keepDevices, opts_.keepSetId, &res_.clone.skippedDevices);
   if (int err = setSubvolumeReadOnly(tree.get(), true)) throwErrno(err, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", shown);
@@ -254,9 +256,9 @@ void TemplateCommit::writeMeta(int leaseFd, int treeFd) {
   std::string shared = writeSharedPaths(leaseFd);
   if (!shared.empty()) members.emplace_back("shared", std::move(shared));
   std::string json = jsonObject(members) + "\n";
-  writeNewFile(leaseFd, "template.json", json, 0444, opts_.durable, stagingPath_ + "/template.json");
+  writeNewFile(leaseFd, layout::kTemplateMeta, json, 0444, opts_.durable, stagingPath_ + "/" + layout::kTemplateMeta);
   res_.record = json;
-  writeNewFile(leaseFd, "used", "", 0644, false, stagingPath_ + "/used");
+  writeNewFile(leaseFd, layout::kUsed, "", 0644, false, stagingPath_ + "/" + layout::kUsed);
   if (opts_.durable && (fsync(treeFd) != 0 || fsync(leaseFd) != 0)) throwErrno(errno, "fsync", stagingPath_);
   // Read-only last (a snapshot was made so): the tree cannot change from here on, whoever holds it.
   if (res_.readOnlySubvolume && (!res_.clone.snapshot || changedAfterSnapshot_)) {
@@ -276,7 +278,7 @@ std::string TemplateCommit::writeSharedPaths(int leaseFd) {
     list += shares_[i].path;
     list.push_back('\0');
   }
-  writeNewFile(leaseFd, kSharedPathsFile, list, 0444, opts_.durable, stagingPath_ + "/" + kSharedPathsFile);
+  writeNewFile(leaseFd, layout::kSharedPaths, list, 0444, opts_.durable, stagingPath_ + "/" + layout::kSharedPaths);
   return json + "]";
 }
 
@@ -304,9 +306,9 @@ void TemplateCommit::swapName() {
   const int namesFd = store_.namesFd_.get();
   // Named after the new id, whose directory the commit holds LOCK_EX on until the swap is done: a sweep leaves
   // the link while that lock is held, whatever graceMs (TemplateStore::sweep).
-  std::string tmp = "." + req_.name + ".new-" + res_.id;
+  std::string tmp = "." + req_.name + layout::kSwapInfix + res_.id;
   if (symlinkat(res_.id.c_str(), namesFd, tmp.c_str()) != 0)
-    throwErrno(errno, "symlink", store_.dir_ + "/names/" + tmp);
+    throwErrno(errno, "symlink", store_.subPath(layout::kNames, tmp));
   UniqueFd namesLock;
   try {
     namesLock = store_.lockNames();
@@ -331,7 +333,7 @@ void TemplateCommit::swapName() {
     }
     int err = errno;
     unlinkat(namesFd, tmp.c_str(), 0);
-    throwErrno(err, "renameat2", store_.dir_ + "/names/" + tmp, nameShown_);
+    throwErrno(err, "renameat2", store_.subPath(layout::kNames, tmp), nameShown_);
   }
 }
 

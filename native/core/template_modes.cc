@@ -17,6 +17,7 @@
 #include "error.h"
 #include "fd.h"
 #include "io.h"
+#include "layout.h"
 #include "template.h"
 #include "template_modes.h"
 #include "walk.h"
@@ -24,7 +25,7 @@
 namespace vmspace {
 
 ModesFile openModesFile(int dirFd, int flags, const char* mode, const std::string& shown) {
-  int fd = openat(dirFd, "modes", flags | O_CLOEXEC | O_NOCTTY, 0600);
+  int fd = openat(dirFd, layout::kModes, flags | O_CLOEXEC | O_NOCTTY, 0600);
   if (fd < 0) throwErrno(errno, "open", shown);
   FILE* f = fdopen(fd, mode);
   if (!f) {
@@ -262,7 +263,7 @@ void TemplateStore::restoreModes(const TemplateReader& reader, int wsFd, const s
   }
   // The last-used time (TemplateListing.lastUsedMs): informative only, so a refusal (a pool shared by a group,
   // whose member does not own the file: EPERM) does not fail the allocate.
-  if (utimensat(reader.fd.get(), "used", nullptr, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (utimensat(reader.fd.get(), layout::kUsed, nullptr, AT_SYMLINK_NOFOLLOW) != 0) {
     // deliberately ignored: see above
   }
 }

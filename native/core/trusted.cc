@@ -16,6 +16,7 @@
 
 #include "error.h"
 #include "io.h"
+#include "layout.h"
 #include "pool.h"
 
 namespace vmspace {
@@ -76,18 +77,19 @@ std::string pathOfFd(int fd, const std::string& fallback) {
 }  // namespace
 
 bool isPoolRoot(int dirFd) {
-  UniqueFd state(openat(dirFd, ".vmspace", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  UniqueFd state(openat(dirFd, layout::kStateDir, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   struct stat st;
   if (!state || fstat(state.get(), &st) != 0 || !ownedByPoolOwner(st)) return false;
-  if (fstatat(state.get(), "version", &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || !ownedByPoolOwner(st))
+  if (fstatat(state.get(), layout::kVersion, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+      !ownedByPoolOwner(st))
     return false;
-  UniqueFd file(openRegularAtNoFollow(state.get(), "version", O_RDONLY, st.st_dev, st.st_ino));
+  UniqueFd file(openRegularAtNoFollow(state.get(), layout::kVersion, O_RDONLY, st.st_dev, st.st_ino));
   char buf[64];
   ssize_t n = file ? pread(file.get(), buf, sizeof buf, 0) : -1;
   if (n <= 0) return false;
   std::string text(buf, static_cast<size_t>(n));
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return text == kLayoutVersion;
+  return text == layout::kVersionText;
 }
 
 void refuseNestedPool(int dirFd, const std::string& root) {

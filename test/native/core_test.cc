@@ -23,6 +23,7 @@
 #include "../../native/core/fd.h"
 #include "../../native/core/io.h"
 #include "../../native/core/json_file.h"
+#include "../../native/core/layout.h"
 #include "../../native/core/lock.h"
 #include "../../native/core/names.h"
 #include "../../native/core/pool.h"
@@ -142,6 +143,31 @@ static std::string readAll(const std::string& path) {
     return "<unreadable>";
   }
   return out;
+}
+
+// The layout's paths are the documented ones (docs/pool-on-disk.md), and every lease file of a pool made here sits
+// where layout::leasePath says; hasPrefix matches whole prefixes only.
+static void layoutPathsAreThePoolsOwn() {
+  const std::string id = "0123456789abcdef0123456789abcdef";
+  CHECK(layout::leasePath("/p", "vm-" + id) == "/p/.vmspace/leases/0/vm-" + id);
+  CHECK(layout::leaseRel("a_b-" + std::string(32, 'f')) == "f/a_b-" + std::string(32, 'f'));
+  CHECK(layout::stagingShardPath("/p", 7) == "/p/.vmspace/staging/s7");
+  CHECK(layout::leaseShardPath("/p", layout::leaseShardName(15)) == "/p/.vmspace/leases/f");
+  CHECK(layout::trashPath("/p", "x") == "/p/.vmspace/trash/x");
+  CHECK(layout::templateMetaPath("/p", id) == "/p/.vmspace/templates/" + id + "/template.json");
+  CHECK(layout::statePath("/p", layout::kProjects) == "/p/.vmspace/projects");
+  CHECK(layout::hasPrefix(".spare-00", layout::kSparePrefix) && !layout::hasPrefix(".spare", layout::kSparePrefix));
+  CHECK(layout::hasPrefix(".tmp-", layout::kTmpPrefix) && !layout::hasPrefix("x.tmp-", layout::kTmpPrefix));
+  std::string d = fresh();
+  auto pool = Pool::open(d + "/pool", true);
+  AllocateRequest req;
+  req.prefix = "vm";
+  AllocateResult r = pool->allocate(req);
+  CHECK(exists(layout::leasePath(d + "/pool", r.name)) &&
+        pool->leasePath(r.name) == layout::leasePath(d + "/pool", r.name));
+  pool->dispose(r.name, r.leaseFd, -1);
+  pool->close();
+  removeTreeNoFollow(d);
 }
 
 static void namesAreRandomLowercaseHex() {
@@ -766,6 +792,7 @@ int main() {
   cloneKeepsHolesAndRefusesExisting();
   poolNamesAreDistinctAndCollisionsRetry();
   namesAreRandomLowercaseHex();
+  layoutPathsAreThePoolsOwn();
   forkedChildDrawsOtherIds();
   renameNoReplaceNeverReplaces();
   removeTakesSymlinksNeverTheirTargets();
