@@ -4,7 +4,7 @@
  * (ERR_LEASE_HELD while its owner or a process it was handed to runs). `vmspace inspect` lists the checkpoints.
  */
 import { openPool, type Checkpoint } from 'vmspace'
-import { EXIT_OK, humanBytes, printJson, poolRoot, UsageError } from './common.js'
+import { EXIT_OK, humanBytes, ID, printJson, poolRoot, UsageError } from './common.js'
 import { metaArg, workspaceId } from './template.js'
 
 /** The flags `vmspace checkpoint` takes. */
@@ -45,7 +45,7 @@ export async function checkpoint(rootArg: string, idArg: string, o: CheckpointFl
 export async function rollback(rootArg: string, idArg: string, checkpointArg: string, o: { json?: boolean }): Promise<number> {
   const root = poolRoot(rootArg)
   const id = workspaceId(idArg)
-  if (!/^[0-9a-f]{32}$/.test(checkpointArg)) throw new UsageError(`CHECKPOINT must be a checkpoint id (32 lowercase hex characters), got ${JSON.stringify(checkpointArg)}`)
+  if (!ID.test(checkpointArg)) throw new UsageError(`CHECKPOINT must be a checkpoint id (32 lowercase hex characters), got ${JSON.stringify(checkpointArg)}`)
   const pool = await openPool(root, { create: false })
   try {
     const r = await pool.rollback(id, checkpointArg)

@@ -56,6 +56,11 @@ export function existingDir(what: string, arg: string): string {
   return dir
 }
 
+/** A workspace's, template's or checkpoint's id: 32 lowercase hex digits (128 random bits; docs/pool-on-disk.md). */
+export const ID = /^[0-9a-f]{32}$/
+/** A workspace's name: `<prefix>-<id>` (a prefix of 1–64 letters, digits, `_` and `-`, starting with a letter or digit). */
+export const WORKSPACE_NAME = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}-[0-9a-f]{32}$/
+
 /** `arg` as the root of an existing pool (it has `.vmspace/version`, see docs/pool-on-disk.md). */
 export function poolRoot(arg: string): string {
   const root = existingDir('ROOT', arg)

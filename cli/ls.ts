@@ -1,7 +1,7 @@
 /** `vmspace ls ROOT` and `vmspace inspect ROOT ID`: what the pool holds, from Pool.list() and a walk of each tree. */
 import * as fs from 'node:fs'
 import { openPool, type Template, type WorkspaceInfo } from 'vmspace'
-import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, poolRoot, printJson, table, UsageError } from './common.js'
+import { EXIT_FAILED, EXIT_OK, errorJson, humanAge, humanBytes, ID, poolRoot, printJson, table, UsageError, WORKSPACE_NAME } from './common.js'
 import { treeUsage, type TreeUsage } from './du.js'
 import { checkpointJson } from './checkpoint.js'
 
@@ -246,9 +246,6 @@ function quotaCell(q: NonNullable<WorkspaceJson['quota']>): string {
   return q.limitInodes ? `${bytes},${q.usedInodes}/${q.limitInodes}i` : bytes
 }
 
-const ID = /^[0-9a-f]{32}$/
-const NAME = /^[A-Za-z0-9][A-Za-z0-9_-]{0,63}-[0-9a-f]{32}$/
-
 function currentBootId(): string | null {
   try {
     return fs.readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim()
@@ -289,7 +286,7 @@ interface Inspected extends WorkspaceJson {
 
 /** Everything the pool knows about one workspace. Exit 1 when there is no such workspace or it cannot be read. */
 export async function inspect(rootArg: string, idArg: string, opts: { json?: boolean }): Promise<number> {
-  if (!ID.test(idArg) && !NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
+  if (!ID.test(idArg) && !WORKSPACE_NAME.test(idArg)) throw new UsageError(`ID must be a workspace id (32 lowercase hex characters) or name, got ${JSON.stringify(idArg)}`)
   // With usage, as ls: exclusiveBytes and sharedBytes are the same numbers in both (Pool.list walks every tree).
   const { root, infos, leasePath } = await listPool(rootArg, true)
   const info = infos.find((i) => i.id === idArg || i.name === idArg)

@@ -5,9 +5,7 @@
  * nobody adopts). `vmspace run --from` allocates from a template (cli/run.ts).
  */
 import { openPool, type JsonObject, type Template } from 'vmspace'
-import { EXIT_OK, printJson, poolRoot, UsageError } from './common.js'
-
-const ID = /^[0-9a-f]{32}$/
+import { EXIT_OK, ID, printJson, poolRoot, UsageError } from './common.js'
 
 export function workspaceId(arg: string): string {
   const id = /-([0-9a-f]{32})$/.exec(arg)?.[1] ?? arg

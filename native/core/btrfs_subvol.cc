@@ -103,6 +103,8 @@ int snapshotSubvolume(int srcFd, int parentFd, const std::string& name, bool rea
 int setSubvolumeReadOnly(int fd, bool readOnly) {
   uint64_t flags = 0;
   if (ioctl(fd, BTRFS_IOC_SUBVOL_GETFLAGS, &flags) != 0) return errno;
+  // Already so: no SETFLAGS, which needs ownership even when it changes nothing.
+  if (((flags & BTRFS_SUBVOL_RDONLY) != 0) == readOnly) return 0;
   flags = readOnly ? (flags | BTRFS_SUBVOL_RDONLY) : (flags & ~uint64_t{BTRFS_SUBVOL_RDONLY});
   return ioctl(fd, BTRFS_IOC_SUBVOL_SETFLAGS, &flags) == 0 ? 0 : errno;
 }

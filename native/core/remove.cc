@@ -168,8 +168,14 @@ class Remover {
     }
     // A read-only btrfs subvolume (its owner makes one without privilege: a guest can) refuses every unlink in
     // it: made writable first, as its owner or root may (inode 256 first: no extra syscall for other directories).
-    if (stx.stx_ino == kBtrfsFirstFreeObjectId && isSubvolumeRoot(fd)) setSubvolumeReadOnly(fd, false);
-    if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR)) fchmod(fd, stx.stx_mode | S_IRWXU);
+    // A failure of either is recorded (the first errno that went wrong: the unlinks in it then fail too) and the
+    // walk goes on, removing what it can.
+    if (stx.stx_ino == kBtrfsFirstFreeObjectId && isSubvolumeRoot(fd)) {
+      if (int e = setSubvolumeReadOnly(fd, false)) record(e, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", depth, name);
+    }
+    if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR) &&
+        fchmod(fd, stx.stx_mode | S_IRWXU) != 0)
+      record(errno, "fchmod", depth, name);
     if (bytes_) *bytes_ += stx.stx_blocks * 512;
     if (int e = walk_.push(fd, name, dev, static_cast<ino_t>(stx.stx_ino))) record(e, "fdopendir", depth, name);
     return true;
