@@ -15,6 +15,7 @@
 #include <ctime>
 #include <new>
 
+#include "clone_path.h"
 #include "error.h"
 #include "io.h"
 #include "json_members.h"

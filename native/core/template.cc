@@ -19,10 +19,11 @@
 #include "fd.h"
 #include "io.h"
 #include "names.h"
-#include "pool.h"
+#include "quota.h"
 #include "remove.h"
 #include "rename.h"
 #include "share.h"
+#include "sweep_report.h"
 #include "trusted.h"
 
 namespace vmspace {

@@ -17,8 +17,8 @@
 #include "error.h"
 #include "io.h"
 #include "names.h"
-#include "pool.h"
 #include "rename.h"
+#include "sweep_report.h"
 #include "usage.h"
 
 namespace vmspace {

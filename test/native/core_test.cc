@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../../native/core/clone.h"
+#include "../../native/core/clone_path.h"
 #include "../../native/core/error.h"
 #include "../../native/core/fd.h"
 #include "../../native/core/io.h"
