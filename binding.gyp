@@ -19,6 +19,7 @@
         "native/binding/quota.cc",
         "native/binding/rollback.cc",
         "native/core/clone.cc",
+        "native/core/clone_path.cc",
         "native/core/names.cc",
         "native/core/pool.cc",
         "native/core/lease.cc",

@@ -1,6 +1,7 @@
-// clone: clonePath, clonePathBeneath, cloneOutBeneath and their progress/cancel handles (native/core/clone.h).
+// clone: clonePath, clonePathBeneath, cloneOutBeneath and their progress/cancel handles (native/core/clone_path.h).
 #include <cstdint>
 
+#include "../core/clone_path.h"
 #include "common.h"
 
 namespace vmspace::binding {

@@ -1,5 +1,6 @@
-// The clone engine for regular files: reflink (ioctl(FICLONE)) into a temp name, a copy that keeps holes where
-// reflink is refused, publish with renameat2(RENAME_NOREPLACE).
+// The clone engine's shared parts: options, progress and results; a regular file's data (reflink, ioctl(FICLONE), or a
+// copy that keeps holes where reflink is refused) and the check that its source did not change meanwhile. Cloning a
+// path (a file or a tree, published whole) is clone_path.h's; the tree walk is tree.h's.
 #pragma once
 
 #include <sys/stat.h>
@@ -98,21 +99,6 @@ int linkTmpfile(int fd, int dirFd, const char* name);
 CloneFileResult cloneData(int src, int dst, const struct stat& before, Reflink reflink, const std::string& srcPath,
                           const std::string& dstPath, CloneProgress* progress = nullptr);
 
-// Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
-// cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete: without `overwrite` it is
-// an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
-// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
-// errors. A source that changed while it was cloned (checkSourceUnchanged) is ERR_SOURCE_CHANGED, nothing published.
-// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller:
-// set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group is the source's
-// (as cp(1) drops them when it does not keep the owner). The named temp file is published with publishFileNoReplace
-// (rename.h), or rename(2) with `overwrite`. Errors: the errno of the failing syscall; EISDIR for a directory;
-// ERR_SOURCE_TYPE (no errno) for a fifo, socket or device node; ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink
-// is Always and the file systems refuse it.
-CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity = nullptr,
-                            CloneProgress* progress = nullptr);
-
 // The directory a path beneath a base fd ends in: the base itself (borrowed; `owned` empty) or a directory opened
 // beneath it (owned, closed with this).
 struct ParentDir {
@@ -154,41 +140,5 @@ struct CloneSummary {
 // (every regular file was copied, or there were none: no extent was shared, every entry was made anew) or "mixed"
 // (both). The Reflink asked for does not change the answer (kept in the signature for its callers).
 const char* methodName(const CloneSummary& s, Reflink reflink);
-
-// Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
-// does) to `dstName` in `dstDirFd`. The source is opened once, and file or tree chosen from its fstat (a source
-// that cannot be opened: the errno of "open", path and dest). Built under a temp name and published with
-// renameat2(RENAME_NOREPLACE) (with `overwrite`: rename(2) for a file, RENAME_EXCHANGE and removal of the old tree for
-// a directory). On any failure, or on cancel (ECANCELED), the temp tree is removed and the error names the entry that
-// failed (path: the source entry, dest: its destination). With reflink Always, a source on another file system than the
-// destination fails (ERR_REFLINK_UNSUPPORTED, cause EXDEV) before anything is written.
-// Kept: mode incl. setuid/setgid/sticky, owner and group (where permitted), atime/mtime in ns, xattrs
-// (incl. security.capability, set after chown, which clears it); directory metadata is set after its contents.
-// A tree never enters another mount (mount id, statx.h's mountOf): a mount point becomes an empty directory with the
-// metadata seen at it, as cp -x makes it. A regular file that changed while it was cloned is ERR_SOURCE_CHANGED (a
-// file source: its fstat before and after the data; a tree entry: the walk's fstatat of its name and the open fd's
-// fstat after the data); a source neither regular nor a directory is ERR_SOURCE_TYPE. `identity`: a file source's
-// stat after its data was cloned, a tree's root directory as opened.
-CloneSummary clonePathAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                         const std::string& dstPath, const CloneOptions& options, CloneProgress* progress,
-                         SourceIdentity* identity = nullptr);
-
-// clonePathAt for an absolute destination path; its parent directory must exist (ENOENT otherwise).
-CloneSummary clonePath(const std::string& srcPath, const std::string& dstPath, const CloneOptions& options,
-                       CloneProgress* progress);
-
-// clonePathAt for `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace's lease
-// fd): no symlink on the way is followed, and the last component is only ever replaced by rename, so nothing
-// planted in the workspace can redirect the write outside it. Its parent directory must exist.
-CloneSummary clonePathBeneath(const std::string& srcPath, int baseFd, const std::string& basePath,
-                              const std::string& rel, const CloneOptions& options, CloneProgress* progress);
-
-// Clones `rel`, a normalised relative path resolved beneath the directory `baseFd` (a workspace, whose entries are
-// the guest's: hostile), out to the absolute `dstPath` (its parent must exist), as clonePathAt does. No symlink on
-// the way is followed (ENOTDIR; a symlink as the leaf: ELOOP), so a guest's link to a host file copies nothing; a
-// device node, fifo or socket is ERR_SOURCE_TYPE before it is ever opened. Nothing is written at `dstPath` on
-// any failure. Reopening the checked entry needs /proc (ENOENT, syscall open, without it).
-CloneSummary cloneOutBeneath(int baseFd, const std::string& basePath, const std::string& rel,
-                             const std::string& dstPath, const CloneOptions& options, CloneProgress* progress);
 
 }  // namespace vmspace

@@ -7,7 +7,6 @@
 #include <cerrno>
 
 #include "io.h"
-#include "pool.h"
 
 namespace vmspace {
 namespace {

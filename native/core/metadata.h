@@ -13,7 +13,13 @@
 
 namespace vmspace {
 
-struct ClonedEntry;  // pool.h
+// A source cloned into a workspace (pool.h: an allocate's template and entries), as its record names it.
+struct ClonedEntry {
+  std::string dest;  // "" for templateDir
+  std::string source;
+  CloneSummary result;
+  SourceIdentity identity;
+};
 
 constexpr const char* kRecordXattr = "user.vmspace.record";
 

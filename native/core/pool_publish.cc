@@ -16,6 +16,7 @@
 #include <new>
 
 #include "btrfs_subvol.h"
+#include "clone_path.h"
 #include "error.h"
 #include "io.h"
 #include "json_members.h"
@@ -26,6 +27,7 @@
 #include "remove.h"
 #include "rename.h"
 #include "share.h"
+#include "tree.h"
 
 namespace vmspace {
 

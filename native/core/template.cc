@@ -22,10 +22,10 @@
 #include "io.h"
 #include "layout.h"
 #include "names.h"
-#include "pool.h"
 #include "remove.h"
 #include "rename.h"
 #include "share.h"
+#include "sweep_report.h"
 #include "trusted.h"
 
 namespace vmspace {

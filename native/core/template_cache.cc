@@ -18,8 +18,8 @@
 #include "io.h"
 #include "layout.h"
 #include "names.h"
-#include "pool.h"
 #include "rename.h"
+#include "sweep_report.h"
 #include "usage.h"
 
 namespace vmspace {

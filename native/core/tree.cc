@@ -14,7 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -29,6 +29,7 @@
 #include "remove.h"
 #include "rename.h"
 #include "statx.h"
+#include "walk.h"
 #include "walk_threads.h"
 
 namespace vmspace {
@@ -219,20 +220,15 @@ class MetaCopier {
   bool keepSetId_;  // CloneOptions::keepSetId
 };
 
-// The walk: depth first, each thread over a stack of directories (a source DIR and a destination fd each) of
-// which only the kMaxOpenFrames deepest are open; the ones above are closed and, when the walk climbs back,
-// reopened through ".." (checked by device and inode, so a rename meanwhile cannot redirect the walk) and their
-// readdir resumed where it stopped (seekdir to the telldir cookie: the d_off that getdents(2) reports, stable
-// across opens on the file systems NFS can export, which is what nfsd relies on). So memory is proportional to
-// depth (a name and a few numbers per level), fds are bounded and time is linear in entries, at any depth.
-// The threads and the queue of directories between them are WalkThreads'; the metadata of each entry is
-// MetaCopier's.
+// The walk: depth first, each thread over walk.h's frames (a source directory, its destination the pair) with its
+// share of the fd budget, and beside each frame what finishing its directory needs (Dir). So memory is
+// proportional to depth (a name and a few numbers per level), fds are bounded and time is linear in entries, at any
+// depth, and a climb back into a closed directory is checked on both sides (walk.h). The threads and the queue of
+// directories between them are WalkThreads'; the metadata of each entry is MetaCopier's.
 // A directory's mode and times are set when its own entries are done: what is written below it later (by
 // another thread, through fds it already holds) changes neither its mtime nor needs a permission of it.
 class TreeCloner {
  public:
-  static constexpr size_t kMaxOpenFrames = 16;  // per thread: 2 fds each
-
   TreeCloner(const CloneOptions& opts, CloneProgress* progress, int srcRootFd, int dstRootFd, std::string srcRoot,
              std::string dstRoot)
       : opts_(opts), progress_(progress), srcRootFd_(srcRootFd), dstRootFd_(dstRootFd),
@@ -274,149 +270,84 @@ class TreeCloner {
   CloneSummary summary;  // complete after cloneContents returns
 
  private:
-  struct Frame {
-    DIR* src = nullptr;  // null (and dst -1) while closed: above the kMaxOpenFrames deepest of its stack
-    int dst = -1;
-    long pos = 0;  // telldir(src) when it was closed: where its readdir resumes
-    Dir dir;
-  };
+  // Each thread's walk shares the fd budget with the others' (walk.h).
+  static constexpr size_t kFramesPerThread = TreeWalk::kMaxOpenFrames / WalkThreads<Task>::kMaxThreads;
 
-  // One thread's directories, its task's root first. Closes what is open, deepest first (so that the names are
-  // freed one at a time, never as a chain).
+  // One thread's walk of a task, its root first: walk.h's frames, and dirs[i] beside frame i.
   struct Stack {
-    std::deque<Frame> frames;
-    Stack() = default;
-    Stack(const Stack&) = delete;
-    Stack& operator=(const Stack&) = delete;
-    ~Stack() {
-      while (!frames.empty()) pop();
-    }
-    void pop() {
-      Frame& f = frames.back();
-      if (f.src) closedir(f.src);
-      if (f.dst >= 0) ::close(f.dst);
-      frames.pop_back();
-    }
+    TreeWalk walk;
+    std::vector<Dir> dirs;
+    explicit Stack(std::function<void()> fdsShort)
+        : walk(std::string(), TreeWalk::Resume::AtPosition, kFramesPerThread, std::move(fdsShort)) {}
   };
 
   std::string srcPath(const Rel& rel) const { return meta_.srcPath(rel); }
   std::string dstPath(const Rel& rel) const { return meta_.dstPath(rel); }
-  static Rel self(const Frame& f) { return Rel{f.dir.name.get(), nullptr}; }
+  static Rel self(const Dir& d) { return Rel{d.name.get(), nullptr}; }
+  static Rel self(const Stack& stack) { return self(stack.dirs.back()); }
 
   // New entries are owned by our uid, and our gid or the directory's where it is setgid (mkdir(2)/open(2)
   // inherit the group of a setgid directory).
   Owner createdIn(const struct stat& dst) const { return Owner{euid_, (dst.st_mode & S_ISGID) ? dst.st_gid : egid_}; }
 
   void walk(Task& task, CloneSummary& local) {
-    Stack stack;
-    push(stack, std::move(task.src), std::move(task.dst), std::move(task.dir));
-    while (!stack.frames.empty()) {
-      Frame& top = stack.frames.back();
-      errno = 0;
-      struct dirent* de = readdir(top.src);
+    Stack stack([this] { threads_.fdsShort(); });
+    enter(stack, std::move(task.src), std::move(task.dst), std::move(task.dir));
+    while (!stack.walk.empty()) {
+      struct dirent* de;
+      if (int err = stack.walk.next(&de)) throwErrno(err, "readdir", srcPath(self(stack)));
       if (!de) {
-        if (errno) throwErrno(errno, "readdir", srcPath(self(top)));
         finish(stack);
         continue;
       }
-      const char* name = de->d_name;
-      if (isDotOrDotDot(name)) continue;
       if (threads_.stopping() || (progress_ && progress_->cancel.load(std::memory_order_relaxed)))
-        throwErrno(ECANCELED, "clone", srcPath(self(top)), dstPath(self(top)));
-      entry(stack, top, name, local);
+        throwErrno(ECANCELED, "clone", srcPath(self(stack)), dstPath(self(stack)));
+      entry(stack, de->d_name, local);
     }
   }
 
-  // Enters a directory (its fds taken over); closes the one kMaxOpenFrames above it.
-  void push(Stack& stack, UniqueFd src, UniqueFd dst, Dir dir) {
-    stack.frames.emplace_back();
-    Frame& f = stack.frames.back();
-    f.dir = std::move(dir);
-    f.dst = dst.release();
-    f.src = fdopendir(src.get());
-    if (!f.src) throwErrno(errno, "opendir", srcPath(self(f)));
-    src.release();
-    if (stack.frames.size() > kMaxOpenFrames) {
-      Frame& old = stack.frames[stack.frames.size() - kMaxOpenFrames - 1];
-      if (old.src) closeFrame(old);
-    }
+  // Enters a directory (its fds taken over): the walk's new top frame. Its name is the Dir's (Name, whose chain
+  // names entries across threads), not the frame's, which names walk.h's errors only.
+  void enter(Stack& stack, UniqueFd src, UniqueFd dst, Dir dir) {
+    stack.dirs.push_back(std::move(dir));
+    const Dir& d = stack.dirs.back();
+    if (int err = stack.walk.push(src.release(), "", d.srcId.dev, d.srcId.ino,
+                                  TreeWalk::Pair{dst.release(), d.dstId.dev, d.dstId.ino}))
+      throwErrno(err, "opendir", srcPath(self(d)));
   }
 
   // The top directory's entries are done: reopen its parent if it was closed (while this one still has the
   // permissions that ".." needs), set its mode and times, and leave it.
   void finish(Stack& stack) {
-    Frame& top = stack.frames.back();
-    if (stack.frames.size() > 1) {
-      Frame& parent = stack.frames[stack.frames.size() - 2];
-      if (!parent.src) reopen(stack, parent, top);
-    }
-    if (top.dir.applyMeta) meta_.setModeTimes(top.dst, top.dir.meta, self(top));
-    stack.pop();
+    const char* syscall = "openat";
+    bool pairSide = false;
+    if (int err = stack.walk.climb(&syscall, &pairSide)) climbFailed(stack, err, syscall, pairSide);
+    const Dir& top = stack.dirs.back();
+    if (top.applyMeta) meta_.setModeTimes(stack.walk.pairFd(), top.meta, self(top));
+    TreeWalk::Left left;
+    if (int err = stack.walk.pop(&left, &syscall)) climbFailed(stack, err, syscall, false);
+    stack.dirs.pop_back();
   }
 
-  // openat(2) that, under a low RLIMIT_NOFILE (EMFILE, ENFILE), closes the shallowest open directory of the
-  // thread's stack but the top one and tries again: the walk needs six fds (a directory and its child on both
-  // sides, and a file), not kMaxOpenFrames.
+  // The climb from the top directory to its parent failed (walk.h: ESTALE where another directory is there now),
+  // on the source side or (pairSide) on the destination's: named by that side's path of the parent.
+  [[noreturn]] void climbFailed(const Stack& stack, int err, const char* syscall, bool pairSide) const {
+    Rel parent = self(stack.dirs[stack.dirs.size() - 2]);
+    if (pairSide) throwErrno(err, "open", dstPath(parent));
+    throwErrno(err, strcmp(syscall, "fdopendir") == 0 ? "opendir" : "open", srcPath(parent));
+  }
+
+  // openat(2) that, under a low RLIMIT_NOFILE (EMFILE, ENFILE), closes the shallowest open frame of the thread's
+  // walk but the top one and tries again (walk.h's withFds; the thread pool's queue shrinks first).
   int openIn(Stack& stack, int dirFd, const char* name, int flags, mode_t mode = 0) {
-    return withFds(stack, [&] { return openat(dirFd, name, flags, mode); });
+    return stack.walk.withFds([&] { return openat(dirFd, name, flags, mode); });
   }
 
-  // Runs `open` (an fd, or -1 with errno) again while it fails with EMFILE or ENFILE and a directory of `stack`
-  // can be closed to free one (the thread pool's queue shrinks first).
-  template <typename Open>
-  int withFds(Stack& stack, Open open) {
-    for (;;) {
-      int fd = open();
-      if (fd >= 0 || (errno != EMFILE && errno != ENFILE)) return fd;
-      int err = errno;
-      threads_.fdsShort();
-      if (!closeShallowest(stack)) {
-        errno = err;
-        return -1;
-      }
-    }
-  }
-
-  // Only the kMaxOpenFrames + 1 deepest frames can be open (push closes the one above them).
-  static bool closeShallowest(Stack& stack) {
-    size_t n = stack.frames.size();
-    for (size_t i = n > kMaxOpenFrames + 1 ? n - kMaxOpenFrames - 1 : 0; i + 1 < n; i++) {
-      if (stack.frames[i].src) {
-        closeFrame(stack.frames[i]);
-        return true;
-      }
-    }
-    return false;
-  }
-
-  static void closeFrame(Frame& f) {
-    f.pos = telldir(f.src);
-    closedir(f.src);
-    f.src = nullptr;
-    ::close(f.dst);
-    f.dst = -1;
-  }
-
-  void reopen(Stack& stack, Frame& parent, const Frame& child) {
-    UniqueFd src(openIn(stack, dirfd(child.src), "..", kDirFlags));
-    UniqueFd dst(openIn(stack, child.dst, "..", kDirFlags));
-    struct stat s, d;
-    if (!src || fstat(src.get(), &s) != 0 || !(InodeKey{s.st_dev, s.st_ino} == parent.dir.srcId))
-      throwErrno(src ? ESTALE : errno, "open", srcPath(self(parent)));
-    if (!dst || fstat(dst.get(), &d) != 0 || !(InodeKey{d.st_dev, d.st_ino} == parent.dir.dstId))
-      throwErrno(dst ? ESTALE : errno, "open", dstPath(self(parent)));
-    DIR* dir = fdopendir(src.get());
-    if (!dir) throwErrno(errno, "opendir", srcPath(self(parent)));
-    src.release();
-    seekdir(dir, parent.pos);
-    parent.src = dir;
-    parent.dst = dst.release();
-  }
-
-  void entry(Stack& stack, Frame& top, const char* name, CloneSummary& local) {
-    int sdir = dirfd(top.src), ddir = top.dst;
-    Owner created = top.dir.created;
-    Rel rel{top.dir.name.get(), name};
+  void entry(Stack& stack, const char* name, CloneSummary& local) {
+    int sdir = stack.walk.topFd(), ddir = stack.walk.pairFd();
+    const Dir& top = stack.dirs.back();
+    Owner created = top.created;
+    Rel rel{top.name.get(), name};
     struct stat st;
     if (fstatat(sdir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) return;  // removed from the source since readdir
@@ -427,13 +358,13 @@ class TreeCloner {
         if (st.st_dev == skip_.dev && st.st_ino == skip_.ino) return;
         if (mkdirat(ddir, name, 0700) != 0) throwErrno(errno, "mkdir", srcPath(rel), dstPath(rel));
         local.dirs++;
-        subdirectory(stack, top, name);
+        subdirectory(stack, name);
         return;
       }
       case S_IFREG:
         // A path is built only for a name that ends a skipped one.
         if (!skipLeaves_.empty() && skipLeaves_.count(name) && skipPaths_.count(joinPath(std::string(), rel))) return;
-        regular(stack, sdir, ddir, name, top.dir.name, rel, st, created, local);
+        regular(stack, sdir, ddir, name, top.name, rel, st, created, local);
         return;
       default:
         node(sdir, ddir, name, rel, st, created, local);
@@ -490,14 +421,14 @@ class TreeCloner {
 
   // The directory `name` of `top`, just made in the destination: opened on both sides, its owner and xattrs
   // set (mode and times come in finish()), then handed to another thread or entered.
-  void subdirectory(Stack& stack, Frame& top, const char* name) {
+  void subdirectory(Stack& stack, const char* name) {
     auto task = std::make_unique<Task>();
-    NameRef node = std::make_shared<Name>(top.dir.name, name);
+    NameRef node = std::make_shared<Name>(stack.dirs.back().name, name);
     Rel rel{node.get(), nullptr};
-    task->src.reset(openIn(stack, dirfd(top.src), name, kDirFlags));
+    task->src.reset(openIn(stack, stack.walk.topFd(), name, kDirFlags));
     if (!task->src && goneSinceStat(errno)) throwSourceChanged(srcPath(rel), dstPath(rel));
     if (!task->src) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
-    task->dst.reset(openIn(stack, top.dst, name, kDirFlags));
+    task->dst.reset(openIn(stack, stack.walk.pairFd(), name, kDirFlags));
     if (!task->dst) throwErrno(errno, "open", srcPath(rel), dstPath(rel));
     // The metadata of the directory opened (not of the name as fstatat saw it: it may have been replaced).
     struct stat st, dst;
@@ -517,7 +448,7 @@ class TreeCloner {
     task->dir =
         Dir{std::move(node), {st.st_dev, st.st_ino}, {dst.st_dev, dst.st_ino}, metaOf(st), createdIn(dst), true};
     if (threads_.handOff(task)) return;
-    push(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
+    enter(stack, std::move(task->src), std::move(task->dst), std::move(task->dir));
   }
 
   // Whether the directory `fd` is on another mount than the source root (statx.h's mountOf, as removal compares).
@@ -551,7 +482,7 @@ class TreeCloner {
     int flags = O_RDONLY | O_NONBLOCK;
     if (euid_ == 0 || st.st_uid == euid_) flags |= O_NOATIME;
     auto open = [&](int f) {
-      return withFds(stack, [&] { return openRegularAtNoFollow(sdir, name, f, st.st_dev, st.st_ino); });
+      return stack.walk.withFds([&] { return openRegularAtNoFollow(sdir, name, f, st.st_dev, st.st_ino); });
     };
     UniqueFd src(open(flags));
     if (!src && errno == EPERM && (flags & O_NOATIME)) src.reset(open(flags & ~O_NOATIME));

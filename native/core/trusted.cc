@@ -17,7 +17,6 @@
 #include "error.h"
 #include "io.h"
 #include "layout.h"
-#include "pool.h"
 
 namespace vmspace {
 namespace {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../../native/core/clone.h"
+#include "../../native/core/clone_path.h"
 #include "../../native/core/error.h"
 #include "../../native/core/fd.h"
 #include "../../native/core/io.h"
@@ -31,6 +32,7 @@
 #include "../../native/core/rename.h"
 #include "../../native/core/tar.h"
 #include "../../native/core/tree.h"
+#include "../../native/core/walk.h"
 
 using namespace vmspace;
 
@@ -786,6 +788,73 @@ static void tarReaderChecksNumbersAndChecksums() {
   CHECK(tarOutcome(tarHeader("a", 0, "0000001") + std::string(512, '\0')) == "");  // one end block, then EOF
 }
 
+// Pushes `name` of the top directory, with its pair of the same name, onto `walk`: true when both opened.
+static bool pushPair(TreeWalk& walk, const char* name) {
+  int fd = walk.openDir(walk.topFd(), name);
+  int pair = walk.openDir(walk.pairFd(), name);
+  struct stat s {
+  }, p{};
+  bool ok = fd >= 0 && pair >= 0 && fstat(fd, &s) == 0 && fstat(pair, &p) == 0;
+  CHECK(ok);
+  if (!ok) {
+    if (fd >= 0) close(fd);
+    if (pair >= 0) close(pair);
+    return false;
+  }
+  return walk.push(fd, name, s.st_dev, s.st_ino, TreeWalk::Pair{pair, p.st_dev, p.st_ino}) == 0;
+}
+
+// The root of a walk of `d`/src paired with `d`/dst, keeping one frame open.
+static void pushPairRoot(TreeWalk& walk, const std::string& d) {
+  int fd = open((d + "/src").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int pair = open((d + "/dst").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  struct stat s {
+  }, p{};
+  CHECK(fd >= 0 && pair >= 0 && fstat(fd, &s) == 0 && fstat(pair, &p) == 0);
+  CHECK(walk.push(fd, "", s.st_dev, s.st_ino, TreeWalk::Pair{pair, p.st_dev, p.st_ino}) == 0);
+}
+
+// A walk with pairs (a clone's source and destination) keeping one frame open: every entry is read once, however
+// often the frames above are closed and reopened, and a directory moved on either side while its frame was closed
+// is ESTALE on the climb back, naming the side.
+static void walkPairsClimbCheckedOnBothSides() {
+  std::string d = fresh();
+  for (const char* side : {"/src", "/dst"})
+    for (const char* dir : {"", "/a", "/a/b", "/a/b/c", "/x", "/x/y"})
+      CHECK(mkdir((d + side + dir).c_str(), 0700) == 0);
+  {
+    TreeWalk walk(d + "/src", TreeWalk::Resume::AtPosition, 1);
+    pushPairRoot(walk, d);
+    size_t seen = 0;
+    while (!walk.empty()) {
+      struct dirent* de = nullptr;
+      CHECK(walk.next(&de) == 0);
+      if (de) {
+        seen++;
+        if (!pushPair(walk, de->d_name)) break;
+        continue;
+      }
+      TreeWalk::Left left;
+      const char* syscall = nullptr;
+      CHECK(walk.pop(&left, &syscall) == 0);
+    }
+    CHECK(seen == 5);  // a, a/b, a/b/c, x, x/y
+  }
+  for (const char* side : {"/src", "/dst"}) {
+    TreeWalk walk(d + "/src", TreeWalk::Resume::AtPosition, 1);
+    pushPairRoot(walk, d);
+    CHECK(pushPair(walk, "a") && pushPair(walk, "b") && pushPair(walk, "c"));
+    // c moves under x on one side: its ".." is x now, not the b the walk came down through.
+    CHECK(rename((d + side + "/a/b/c").c_str(), (d + side + "/x/c").c_str()) == 0);
+    const char* syscall = nullptr;
+    bool pairSide = false;
+    CHECK(walk.climb(&syscall, &pairSide) == ESTALE);
+    CHECK(pairSide == (std::string(side) == "/dst"));
+    CHECK(rename((d + side + "/x/c").c_str(), (d + side + "/a/b/c").c_str()) == 0);
+  }
+  removeTreeNoFollow(d);
+}
+
 int main() {
   tarReaderChecksNumbersAndChecksums();
   removeNeverFollowsSymlinks();
@@ -813,6 +882,7 @@ int main() {
   cloneOfATreeCountsEveryKindAndLeavesNoTemp();
   sweepPassesOnAHandBuiltPool();
   errorTextIsBoundedPathIsWhole();
+  walkPairsClimbCheckedOnBothSides();
   std::printf("%s\n", failures ? "core tests FAILED" : "core tests passed");
   return failures ? 1 : 0;
 }
