@@ -11,8 +11,7 @@ import { ID, integerIn, invalidType, invalidValue, isPlainObject, optionsObject 
 import { call, vmspaceError } from './errors.js'
 import { leaseShardPath, templatesPath } from './layout.js'
 import { Workspace } from './workspace.js'
-import type { Checkpoint, CheckpointOptions, CheckpointRecord, Template } from './types.js'
-import type { CommitOptions } from './template.js'
+import type { Checkpoint, CheckpointOptions, CheckpointRecord, CommitOptions, Template } from './types.js'
 
 /** checkpoint()'s options, checked: the retention, and the rest as commit() takes them (commitOptions checks those). */
 export function checkpointOptions(options: CheckpointOptions | undefined): { keepNewest?: number; maxAgeMs?: number; commit: CommitOptions } {

@@ -52,12 +52,12 @@ import {
   readySource,
   templateRecordMembers,
   templateRef,
-  type CommitOptions,
-  type ForkOptions,
 } from './template.js'
 import type {
   AllocateOptions,
   Checkpoint,
+  CommitOptions,
+  ForkOptions,
   CheckpointOptions,
   CheckpointRecord,
   CommitResult,

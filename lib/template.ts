@@ -13,7 +13,20 @@ import { metaText } from './metadata.js'
 import { checkpointCreatedAt, parseCheckpointRecord } from './checkpoint.js'
 import { templateMetaPath, templatesPath, templateTreePath } from './layout.js'
 import { Workspace, workspaceMode } from './workspace.js'
-import type { AllocateOptions, CheckpointRecord, CommitResult, ImageRecord, JsonObject, LayerRecord, PruneOptions, SharedFile, Template, TemplateUsage } from './types.js'
+import type {
+  AllocateOptions,
+  CheckpointRecord,
+  CommitOptions,
+  CommitResult,
+  ForkOptions,
+  ImageRecord,
+  JsonObject,
+  LayerRecord,
+  PruneOptions,
+  SharedFile,
+  Template,
+  TemplateUsage,
+} from './types.js'
 
 /** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
 export function parseTemplateMeta(
@@ -112,33 +125,6 @@ export function templateName(name: string, value: unknown): string | undefined {
   return value
 }
 
-/** Pool.commit's options. */
-export interface CommitOptions {
-  /** The template's name: 1–128 of `[A-Za-z0-9._-]`, not 32 hex characters. Default: none (found by its id). */
-  name?: string
-  /** A JSON object kept in the template's record (`Template.meta`). */
-  meta?: JsonObject
-  /** With `name`: swap the name to the new template atomically and retire the old one. Default false (`EEXIST`). */
-  replace?: boolean
-  /** Abort the commit: rejects with an AbortError, nothing is left. */
-  signal?: AbortSignal
-  /** Called as the tree is cloned, with the files and bytes done so far. */
-  onProgress?: (p: { files: number; bytes: number }) => void
-  /**
-   * Carry the workspace's device nodes into the template. Default false: a guest's device node (its host's disk,
-   * say) is not made, and counted in `clone.skipped.devices` (docs/templates.md, "What a guest's tree may carry").
-   */
-  keepDevices?: boolean
-  /** Carry set-user-ID/set-group-ID bits (of anything but directories) and security.capability. Default false. */
-  keepSetId?: boolean
-  /**
-   * Files every workspace made from the template holds as a hard link of one read-only inode (`Template.shared`):
-   * 1–64 workspace-relative paths of regular files, as given (no empty, `.` or `..` component; docs/templates.md,
-   * "Shared files"). A file the workspace's template shared that is still that inode stays shared unnamed.
-   */
-  share?: string[]
-}
-
 /** commit()'s arguments, checked (nothing is touched yet): the name ('' for none), and `meta` as JSON text. */
 export function commitOptions(ws: unknown, options: CommitOptions | undefined) {
   if (!(ws instanceof Workspace) && typeof ws !== 'string') throw invalidType('ws', 'a Workspace or a workspace id', ws)
@@ -183,24 +169,6 @@ export function commitResult(
   const result: CommitResult = { ...base, clone: toResult(r.clone, base.path) }
   if (r.replacedId !== undefined) result.replaced = { id: r.replacedId, removed: r.replacedRemoved === true }
   return result
-}
-
-/** Pool.fork's options. */
-export interface ForkOptions {
-  /** A JSON object kept in every child's record (`WorkspaceInfo.meta`). */
-  meta?: JsonObject
-  /** Every child's directory mode, as allocate()'s `mode`. */
-  mode?: number
-  /** Abort the fork: rejects with an AbortError; every child made is disposed. */
-  signal?: AbortSignal
-  /** Called after each child is made: `done` of `count`. */
-  onProgress?: (p: { done: number; count: number }) => void
-  /** As commit()'s: the guest's device nodes are carried only when true. Default false. */
-  keepDevices?: boolean
-  /** As commit()'s: set-id bits and security.capability are carried only when true. Default false. */
-  keepSetId?: boolean
-  /** As commit()'s: files every child holds as a hard link of one read-only inode. */
-  share?: string[]
 }
 
 /** The Pool's calls fork uses (the Pool itself). */
