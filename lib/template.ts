@@ -28,21 +28,21 @@ import type {
   TemplateUsage,
 } from './types.js'
 
-/** The template.json text of `id`, parsed; an error (with the file's path) when it is not a JSON object. */
+/** A template's record (its template.json text, read from `recordPath`), parsed; an error naming the file when it is not a JSON object. */
 export function parseTemplateMeta(
-  metaText: string,
-  metaPath: string,
+  record: string,
+  recordPath: string,
 ): { ok: true; value: Record<string, unknown> } | { ok: false; error: VmspaceError } {
   let parsed: unknown
   try {
-    parsed = JSON.parse(metaText)
+    parsed = JSON.parse(record)
   } catch {
     parsed = undefined
   }
   if (!isPlainObject(parsed))
     return {
       ok: false,
-      error: vmspaceError('ERR_CORRUPT_METADATA', `template metadata ${metaPath} is not a JSON object`, { path: metaPath }),
+      error: vmspaceError('ERR_CORRUPT_METADATA', `template metadata ${recordPath} is not a JSON object`, { path: recordPath }),
     }
   return { ok: true, value: parsed }
 }
