@@ -135,7 +135,17 @@ UniqueFd openSourceBeneath(int baseFd, const std::string& basePath, const std::s
   return src;
 }
 
-// cloneFileAt for the source `src` already open (stat `st`, a regular file: openSource).
+// Clones the regular file `src`, open (stat `st`: openSource or openSourceBeneath), to `dstName` in directory
+// `dstDirFd` (clonePathAt for a file). The destination appears only complete: without `overwrite` it is
+// an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
+// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
+// errors. A source that changed while it was cloned (checkSourceUnchanged) is ERR_SOURCE_CHANGED, nothing published.
+// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller:
+// set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group is the source's
+// (as cp(1) drops them when it does not keep the owner). The named temp file is published with publishFileNoReplace
+// (rename.h), or rename(2) with `overwrite`. Errors: the errno of the failing syscall; EISDIR for a directory;
+// ERR_SOURCE_TYPE (no errno) for a fifo, socket or device node; ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink
+// is Always and the file systems refuse it.
 CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string& srcPath, int dstDirFd,
                               const std::string& dstName, const std::string& dstPath, const CloneOptions& options,
                               SourceIdentity* identity, CloneProgress* progress) {
@@ -190,14 +200,6 @@ CloneFileResult cloneOpenFile(int src, const struct stat& st, const std::string&
 }
 
 }  // namespace
-
-CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity,
-                            CloneProgress* progress) {
-  struct stat st;
-  UniqueFd src = openSource(srcPath, dstPath, &st);
-  return cloneOpenFile(src.get(), st, srcPath, dstDirFd, dstName, dstPath, options, identity, progress);
-}
 
 namespace {
 

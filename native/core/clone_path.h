@@ -9,21 +9,6 @@
 
 namespace vmspace {
 
-// Clones the regular file at `srcPath` (opened read-only; a symlink given as the source itself is followed, as
-// cp does) to `dstName` in directory `dstDirFd`. The destination appears only complete: without `overwrite` it is
-// an unnamed O_TMPFILE file named by linkat(2) (EEXIST, syscall "linkat", never a replace), else (or where
-// O_TMPFILE or the link is refused) a named temp file, removed on every failure. `dstPath` names the destination in
-// errors. A source that changed while it was cloned (checkSourceUnchanged) is ERR_SOURCE_CHANGED, nothing published.
-// Fills `identity` when given, from the source's stat after the data was cloned. The clone is owned by the caller:
-// set-user-ID is kept only where that is the source's owner, set-group-ID only where the clone's group is the source's
-// (as cp(1) drops them when it does not keep the owner). The named temp file is published with publishFileNoReplace
-// (rename.h), or rename(2) with `overwrite`. Errors: the errno of the failing syscall; EISDIR for a directory;
-// ERR_SOURCE_TYPE (no errno) for a fifo, socket or device node; ERR_REFLINK_UNSUPPORTED (errno as cause) when reflink
-// is Always and the file systems refuse it.
-CloneFileResult cloneFileAt(const std::string& srcPath, int dstDirFd, const std::string& dstName,
-                            const std::string& dstPath, const CloneOptions& options, SourceIdentity* identity = nullptr,
-                            CloneProgress* progress = nullptr);
-
 // Clones `srcPath` (a regular file or a directory; a symlink given as the source itself is followed, as cp
 // does) to `dstName` in `dstDirFd`. The source is opened once, and file or tree chosen from its fstat (a source
 // that cannot be opened: the errno of "open", path and dest). Built under a temp name and published with
