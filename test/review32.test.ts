@@ -4,8 +4,11 @@
  */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
+import { spawn } from 'node:child_process'
+import { once } from 'node:events'
 import { describe, expect, test } from 'vitest'
-import { Child, fixtures, freshDir, needs, unprivilegedChildren } from './helpers.js'
+import { openPool } from '../lib/index.js'
+import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, snapshotTree, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
 
@@ -53,3 +56,84 @@ describe.skipIf(!unprivilegedChildren)(
     })
   },
 )
+
+describe.skipIf(!mounts.xfs)(`a guest moving its tree about during a commit ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
+  const DEPTH = 40 // past the 16 frames a clone thread keeps open: the climb back reopens through ".."
+
+  /** The guest's tree: a chain `d/d/...`, at each level `w0`..`w3` with a file, a link out of the workspace. */
+  function guestTree(top: string, outside: string): void {
+    let dir = top
+    for (let i = 0; i < DEPTH; i++) {
+      for (let w = 0; w < 4; w++) {
+        fs.mkdirSync(path.join(dir, `w${w}`))
+        fs.writeFileSync(path.join(dir, `w${w}`, 'f'), `guest ${i}/${w}`)
+      }
+      fs.symlinkSync(outside, path.join(dir, 'out'))
+      dir = path.join(dir, 'd')
+      fs.mkdirSync(dir)
+    }
+  }
+
+  /**
+   * A guest process that, until killed, swaps chain directories for a symlink to `outside` and back and moves
+   * subtrees between levels and a chain's lower part up to the top and back, at depths past the open frames.
+   */
+  function moverLoop(top: string, outside: string): ReturnType<typeof spawn> {
+    const script = [
+      'import os, random, sys',
+      'top, outside, depth = sys.argv[1], sys.argv[2], int(sys.argv[3])',
+      'at = lambda k: os.path.join(top, *(["d"] * k))',
+      'while True:',
+      '    k = random.randrange(1, depth - 1)',
+      '    d = os.path.join(at(k), "d")',
+      '    try:',
+      '        os.rename(d, d + ".x"); os.symlink(outside, d); os.unlink(d); os.rename(d + ".x", d)',
+      '        j = random.randrange(k + 1, depth)',
+      '        os.rename(os.path.join(at(k), "w1"), os.path.join(at(j), "w1moved"))',
+      '        os.rename(os.path.join(at(j), "w1moved"), os.path.join(at(k), "w1"))',
+      '        os.rename(d, os.path.join(top, "moved")); os.rename(os.path.join(top, "moved"), d)',
+      '    except OSError:',
+      '        pass',
+    ].join('\n')
+    return spawn('python3', ['-c', script, top, outside, String(DEPTH)], { stdio: 'ignore' })
+  }
+
+  test('every commit is an exact tree of guest files (nothing read from outside) or rejects with a code; nothing is left, nothing outside changes', { timeout: 120_000 }, async () => {
+    const dir = freshDir(mounts.xfs!)
+    await using pool = await openPool(path.join(dir, 'pool'))
+    const outside = outsideTree(dir)
+    const before = snapshotTree(outside)
+    const ws = await pool.allocate()
+    guestTree(ws.path, outside)
+    const mover = moverLoop(ws.path, outside)
+    const made: string[] = []
+    const codes = new Set<string>()
+    try {
+      for (let i = 0; i < 30; i++) {
+        try {
+          made.push((await pool.commit(ws)).id)
+        } catch (e) {
+          const code = (e as { code?: unknown }).code
+          expect(typeof code, String(e)).toBe('string')
+          codes.add(code as string)
+        }
+      }
+    } finally {
+      mover.kill('SIGKILL')
+      await once(mover, 'exit')
+    }
+    console.log(`commits under a moving tree: ${made.length} made, rejections ${[...codes].join(', ') || 'none'}`)
+    expect(snapshotTree(outside)).toEqual(before)
+    for (const id of made) {
+      const tree = path.join(dir, 'pool', '.vmspace', 'templates', id, 'tree')
+      for (const [rel, desc] of Object.entries(snapshotTree(tree))) {
+        if (desc.includes(' -> ')) expect(desc.endsWith(` -> ${outside}`), rel).toBe(true)
+        else if (desc.includes('sha256=')) expect(fs.readFileSync(path.join(tree, rel), 'utf8'), rel).toMatch(/^guest \d+\/\d$/)
+      }
+    }
+    expect((await pool.templates()).map((t) => t.id).sort()).toEqual([...made].sort())
+    expect(ls(path.join(dir, 'pool', '.vmspace', 'templates', 'staging'))).toEqual([])
+    expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [] })
+    await ws.dispose()
+  })
+})
