@@ -8,7 +8,7 @@ import { spawn } from 'node:child_process'
 import { once } from 'node:events'
 import { describe, expect, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, snapshotTree, unprivilegedChildren } from './helpers.js'
+import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, snapshotTree, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
 
@@ -136,4 +136,36 @@ describe.skipIf(!mounts.xfs)(`a guest moving its tree about during a commit ${ne
     expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [] })
     await ws.dispose()
   })
+})
+
+describe.skipIf(!mounts.xfs)(`a chain 10,000 deep with links out at a low RLIMIT_NOFILE ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
+  for (const headroom of [1, 6, 16]) {
+    test(`${headroom} free fds: clone() is exact or rejects EMFILE and leaves nothing; allocate({ template }) + dispose + sweep leave the pool empty`, { timeout: 120_000 }, async () => {
+      const dir = freshDir(mounts.xfs!)
+      const outside = outsideTree(dir)
+      const before = snapshotTree(outside)
+      expect((await run({ op: 'build', dir, depth: 10_000, links: true })).event).toBe('result')
+      const src = path.join(dir, 'chain')
+      fs.symlinkSync(outside, path.join(src, 'out'))
+      fs.symlinkSync(path.join(outside, 'keep.txt'), path.join(src, 'd', 'd', 'outf'))
+      const r = await run({ op: 'clone', src, dst: path.join(dir, 'dst'), limits: { nofileHeadroom: headroom } })
+      console.log(`clone of a chain 10,000 deep with ${headroom} free fds: ${JSON.stringify(r.event === 'result' ? r : r.error)}`)
+      if (r.event === 'result') {
+        expect(r).toMatchObject({ dirs: 10_000, files: 1, hardlinks: 1 })
+        expect(fs.readlinkSync(path.join(dir, 'dst', 'out'))).toBe(outside)
+        expect(ls(dir)).toEqual(['chain', 'dst', 'outside'])
+      } else {
+        expect(r).toMatchObject({ event: 'failed', error: { code: 'EMFILE' } })
+        expect(ls(dir)).toEqual(['chain', 'outside'])
+      }
+      const pool = path.join(dir, 'pool')
+      const d = await run({ op: 'dispose', src, pool, limits: { nofileHeadroom: headroom } })
+      console.log(`allocate + dispose + sweep with ${headroom} free fds: ${JSON.stringify(d.event === 'result' ? d.entries : d.error)}`)
+      if (d.event === 'result') expect(d.entries).toEqual(['.vmspace'])
+      else expect(d).toMatchObject({ event: 'failed', error: { code: 'EMFILE' } })
+      if (fs.existsSync(path.join(pool, '.vmspace'))) expect(poolState(pool)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
+      expect(snapshotTree(outside)).toEqual(before)
+      runCommand('rm', ['-rf', '--one-file-system', path.join(dir, 'chain'), path.join(dir, 'dst')])
+    })
+  }
 })
