@@ -4,11 +4,11 @@
  */
 import * as fs from 'node:fs'
 import * as path from 'node:path'
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { once } from 'node:events'
 import { describe, expect, test } from 'vitest'
 import { openPool } from '../lib/index.js'
-import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, snapshotTree, unprivilegedChildren } from './helpers.js'
+import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, repoRoot, snapshotTree, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
 
@@ -168,4 +168,46 @@ describe.skipIf(!mounts.xfs)(`a chain 10,000 deep with links out at a low RLIMIT
       runCommand('rm', ['-rf', '--one-file-system', path.join(dir, 'chain'), path.join(dir, 'dst')])
     })
   }
+})
+
+describe('Pool.leasePath with what a careless caller passes', () => {
+  test('junk is refused with the argument error of its kind; a workspace name of any prefix gives its lease file; a closed pool still answers', async () => {
+    const dir = freshDir()
+    const pool = await openPool(path.join(dir, 'pool'))
+    const id = 'a'.repeat(31) + '7'
+    for (const junk of [undefined, null, 42, { toString: () => `vm-${id}` }, [`vm-${id}`]])
+      expect(() => pool.leasePath(junk as string), String(junk)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_TYPE' }))
+    for (const junk of ['', id, `-${id}`, `vm-${id.toUpperCase()}`, `vm-${id.slice(1)}`, `../vm-${id}`, `a/vm-${id}`, `vm-${id}\0`, `vm-${id}/`, `${'p'.repeat(65)}-${id}`])
+      expect(() => pool.leasePath(junk), JSON.stringify(junk)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_VALUE' }))
+    expect(pool.leasePath(`vm-${id}`)).toBe(path.join(pool.root, '.vmspace', 'leases', 'a', `vm-${id}`))
+    await pool.close()
+    expect(pool.leasePath(`other_prefix-${id}`)).toBe(path.join(pool.root, '.vmspace', 'leases', 'a', `other_prefix-${id}`))
+  })
+})
+
+describe('an entry Pool.list() reports whose name is outside openPool\'s prefix rule', () => {
+  /** A pool holding `x.y-<id>` with its (empty) lease file, as a hand-made or foreign entry: listed by the core. */
+  async function poolWithDottedEntry(): Promise<{ root: string; id: string; name: string }> {
+    const pool = await openPool(path.join(freshDir(), 'pool'))
+    const id = 'b'.repeat(32)
+    const name = `x.y-${id}`
+    fs.mkdirSync(path.join(pool.root, name))
+    fs.writeFileSync(path.join(pool.root, '.vmspace', 'leases', 'b', name), '')
+    expect((await pool.list()).map((w) => w.name)).toEqual([name])
+    await pool.close()
+    return { root: pool.root, id, name }
+  }
+
+  test('Pool.leasePath answers for every name list() gives', async () => {
+    const { root, name } = await poolWithDottedEntry()
+    await using pool = await openPool(root)
+    for (const w of await pool.list()) expect(pool.leasePath(w.name)).toBe(path.join(root, '.vmspace', 'leases', 'b', name))
+  })
+
+  test('vmspace inspect ROOT ID shows it (its error, its lease file), as before the cleanup, instead of failing on Pool.leasePath', async () => {
+    const { root, id, name } = await poolWithDottedEntry()
+    const r = spawnSync(process.execPath, [path.join(repoRoot, 'dist', 'cli', 'vmspace.js'), 'inspect', '--json', root, id], { encoding: 'utf8' })
+    expect(r.stderr).not.toMatch(/ERR_INVALID_ARG/)
+    expect(JSON.parse(r.stdout)).toMatchObject({ id, name, metadataPath: path.join(root, '.vmspace', 'leases', 'b', name) })
+  })
 })
