@@ -177,7 +177,7 @@ describe('Pool.leasePath with what a careless caller passes', () => {
     const id = 'a'.repeat(31) + '7'
     for (const junk of [undefined, null, 42, { toString: () => `vm-${id}` }, [`vm-${id}`]])
       expect(() => pool.leasePath(junk as string), String(junk)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_TYPE' }))
-    for (const junk of ['', id, `-${id}`, `vm-${id.toUpperCase()}`, `vm-${id.slice(1)}`, `../vm-${id}`, `a/vm-${id}`, `vm-${id}\0`, `vm-${id}/`, `${'p'.repeat(65)}-${id}`])
+    for (const junk of ['', id, `-${id}`, `vm-${id.toUpperCase()}`, `vm-${id.slice(1)}`, `../vm-${id}`, `a/vm-${id}`, `vm-${id}\0`, `vm-${id}/`, `.vm-${id}`, `${'p'.repeat(223)}-${id}`])
       expect(() => pool.leasePath(junk), JSON.stringify(junk)).toThrow(expect.objectContaining({ code: 'ERR_INVALID_ARG_VALUE' }))
     expect(pool.leasePath(`vm-${id}`)).toBe(path.join(pool.root, '.vmspace', 'leases', 'a', `vm-${id}`))
     await pool.close()
