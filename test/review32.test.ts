@@ -136,6 +136,66 @@ describe.skipIf(!mounts.xfs)(`a guest moving its tree about during a commit ${ne
     expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [] })
     await ws.dispose()
   })
+  /** Every file below `tree` is a guest's (no byte read from outside) and every link the guest's link out. */
+  function guestFilesOnly(tree: string, outside: string): void {
+    for (const [rel, desc] of Object.entries(snapshotTree(tree))) {
+      if (desc.includes(' -> ')) expect(desc.endsWith(` -> ${outside}`), rel).toBe(true)
+      else if (desc.includes('sha256=')) expect(fs.readFileSync(path.join(tree, rel), 'utf8'), rel).toMatch(/^guest \d+\/\d$/)
+    }
+  }
+
+  test('fork, checkpoint and copyOut of it meanwhile: guest files only or a coded rejection; nothing left, nothing outside changes', { timeout: 120_000 }, async () => {
+    const dir = freshDir(mounts.xfs!)
+    await using pool = await openPool(path.join(dir, 'pool'))
+    const outside = outsideTree(dir)
+    const before = snapshotTree(outside)
+    const ws = await pool.allocate()
+    guestTree(ws.path, outside)
+    const mover = moverLoop(ws.path, outside)
+    const outcomes: string[] = []
+    const coded = (e: unknown) => {
+      const code = (e as { code?: unknown }).code
+      expect(typeof code, String(e)).toBe('string')
+      outcomes.push(code as string)
+    }
+    try {
+      for (let i = 0; i < 8; i++) {
+        try {
+          const [child] = await pool.fork(ws, 1)
+          guestFilesOnly(child.path, outside)
+          await child.dispose()
+          outcomes.push('fork')
+        } catch (e) {
+          coded(e)
+        }
+        try {
+          const cp = await pool.checkpoint(ws)
+          guestFilesOnly(cp.path, outside)
+          outcomes.push('checkpoint')
+        } catch (e) {
+          coded(e)
+        }
+        const dest = path.join(dir, `out${i}`)
+        try {
+          await ws.copyOut('d', dest)
+          guestFilesOnly(dest, outside)
+          outcomes.push('copyOut')
+        } catch (e) {
+          coded(e)
+          expect(fs.existsSync(dest)).toBe(false)
+        }
+      }
+    } finally {
+      mover.kill('SIGKILL')
+      await once(mover, 'exit')
+    }
+    console.log(`fork/checkpoint/copyOut under a moving tree: ${outcomes.join(' ')}`)
+    expect(snapshotTree(outside)).toEqual(before)
+    expect(ls(path.join(dir, 'pool', '.vmspace', 'templates', 'staging'))).toEqual([])
+    expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [], visible: [ws.name] })
+    expect(ls(dir).filter((n) => n.startsWith('.vmspace-tmp-'))).toEqual([])
+    await ws.dispose()
+  })
 })
 
 describe.skipIf(!mounts.xfs)(`a chain 10,000 deep with links out at a low RLIMIT_NOFILE ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
