@@ -7,7 +7,7 @@ import * as path from 'node:path'
 import { spawn, spawnSync } from 'node:child_process'
 import { once } from 'node:events'
 import { describe, expect, test } from 'vitest'
-import { openPool } from '../lib/index.js'
+import { metricsText, openPool, poolGauges } from '../lib/index.js'
 import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, repoRoot, snapshotTree, unprivilegedChildren } from './helpers.js'
 
 type Message = Record<string, unknown>
@@ -269,5 +269,42 @@ describe('an entry Pool.list() reports whose name is outside openPool\'s prefix 
     const r = spawnSync(process.execPath, [path.join(repoRoot, 'dist', 'cli', 'vmspace.js'), 'inspect', '--json', root, id], { encoding: 'utf8' })
     expect(r.stderr).not.toMatch(/ERR_INVALID_ARG/)
     expect(JSON.parse(r.stdout)).toMatchObject({ id, name, metadataPath: path.join(root, '.vmspace', 'leases', 'b', name) })
+  })
+})
+
+describe('pool metrics of a pool whose own directories are gone', () => {
+  test('no trash: 0 in the trash; no staging: poolGauges rejects ENOENT naming it and metricsText shows vmspace_pool_up 0', async () => {
+    await using pool = await openPool(path.join(freshDir(), 'pool'))
+    fs.rmSync(path.join(pool.root, '.vmspace', 'trash'), { recursive: true })
+    expect((await poolGauges(pool)).workspaces).toEqual({ live: 0, free: 0, staging: 0, trash: 0 })
+    fs.rmSync(path.join(pool.root, '.vmspace', 'staging'), { recursive: true })
+    await expect(poolGauges(pool)).rejects.toMatchObject({ code: 'ENOENT', path: path.join(pool.root, '.vmspace', 'staging') })
+    expect(await metricsText({ pools: [pool] })).toContain(`vmspace_pool_up{root=${JSON.stringify(pool.root)}} 0`)
+  })
+})
+
+describe('the vmspace command with junk ids and names', () => {
+  const bin = path.join(repoRoot, 'dist', 'cli', 'vmspace.js')
+  const cli = (args: string[]) => spawnSync(process.execPath, [bin, ...args], { encoding: 'utf8' })
+
+  test('each is a usage error (exit 2, one line naming the argument) or not found (exit 1), and the pool is unchanged', async () => {
+    const root = path.join(freshDir(), 'pool')
+    await (await openPool(root)).close()
+    const before = snapshotTree(root)
+    const id = 'a'.repeat(32)
+    const usage: string[][] = [
+      ['inspect', root, '../../etc'], ['inspect', root, ''], ['inspect', root, id.toUpperCase()],
+      ['checkpoint', root, 'xyz'], ['checkpoint', root, `../${id}`],
+      ['rollback', root, id, '../x'], ['rollback', root, 'x', id],
+      ['template', 'rm', root, '../x'], ['template', 'rm', root, ''],
+      ['ls', path.join(root, '.vmspace')],
+    ]
+    for (const args of usage) {
+      const r = cli(args)
+      expect([r.status, r.stderr.trim().split('\n').length], args.join(' ')).toEqual([2, 1])
+    }
+    for (const args of [['inspect', root, id], ['inspect', root, `vm-${id}`], ['checkpoint', root, id], ['rollback', root, id, id], ['template', 'rm', root, id]])
+      expect(cli(args).status, args.join(' ')).toBe(1)
+    expect(snapshotTree(root)).toEqual(before)
   })
 })
