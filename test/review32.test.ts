@@ -6,22 +6,11 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { spawn, spawnSync } from 'node:child_process'
 import { once } from 'node:events'
-import { describe, expect, test } from 'vitest'
-import { metricsText, openPool, poolGauges } from '../lib/index.js'
-import { Child, fixtures, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, repoRoot, snapshotTree, unprivilegedChildren } from './helpers.js'
+import { describe, expect, onTestFinished, test } from 'vitest'
+import { metricsText, openPool, poolGauges, type Pool, type Workspace } from '../lib/index.js'
+import { faultsChild, freshDir, ls, mounts, needs, outsideTree, poolState, runCommand, repoRoot, snapshotTree, unprivilegedChildren } from './helpers.js'
 
-type Message = Record<string, unknown>
-
-/** One op of test/fixtures/faults-child.cjs in a child of its own (limits, uid). */
-async function run(req: object): Promise<Message> {
-  const child = new Child(path.join(fixtures, 'faults-child.cjs'), [JSON.stringify(req)])
-  child.proc.stdin!.end()
-  const m = await child.next()
-  const exit = await child.exited
-  expect(m.event, `${JSON.stringify(m)}; stderr: ${child.stderr}`).not.toBe('error')
-  expect(exit.code, child.stderr).toBe(0)
-  return m
-}
+const run = faultsChild
 
 describe.skipIf(!unprivilegedChildren)(
   `removal by a user who is not a directory's owner ${needs('root, and the checkout reachable by uid 65534', !unprivilegedChildren && 'not available here')}`,
@@ -98,44 +87,6 @@ describe.skipIf(!mounts.xfs)(`a guest moving its tree about during a commit ${ne
     return spawn('python3', ['-c', script, top, outside, String(DEPTH)], { stdio: 'ignore' })
   }
 
-  test('every commit is an exact tree of guest files (nothing read from outside) or rejects with a code; nothing is left, nothing outside changes', { timeout: 120_000 }, async () => {
-    const dir = freshDir(mounts.xfs!)
-    await using pool = await openPool(path.join(dir, 'pool'))
-    const outside = outsideTree(dir)
-    const before = snapshotTree(outside)
-    const ws = await pool.allocate()
-    guestTree(ws.path, outside)
-    const mover = moverLoop(ws.path, outside)
-    const made: string[] = []
-    const codes = new Set<string>()
-    try {
-      for (let i = 0; i < 30; i++) {
-        try {
-          made.push((await pool.commit(ws)).id)
-        } catch (e) {
-          const code = (e as { code?: unknown }).code
-          expect(typeof code, String(e)).toBe('string')
-          codes.add(code as string)
-        }
-      }
-    } finally {
-      mover.kill('SIGKILL')
-      await once(mover, 'exit')
-    }
-    console.log(`commits under a moving tree: ${made.length} made, rejections ${[...codes].join(', ') || 'none'}`)
-    expect(snapshotTree(outside)).toEqual(before)
-    for (const id of made) {
-      const tree = path.join(dir, 'pool', '.vmspace', 'templates', id, 'tree')
-      for (const [rel, desc] of Object.entries(snapshotTree(tree))) {
-        if (desc.includes(' -> ')) expect(desc.endsWith(` -> ${outside}`), rel).toBe(true)
-        else if (desc.includes('sha256=')) expect(fs.readFileSync(path.join(tree, rel), 'utf8'), rel).toMatch(/^guest \d+\/\d$/)
-      }
-    }
-    expect((await pool.templates()).map((t) => t.id).sort()).toEqual([...made].sort())
-    expect(ls(path.join(dir, 'pool', '.vmspace', 'templates', 'staging'))).toEqual([])
-    expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [] })
-    await ws.dispose()
-  })
   /** Every file below `tree` is a guest's (no byte read from outside) and every link the guest's link out. */
   function guestFilesOnly(tree: string, outside: string): void {
     for (const [rel, desc] of Object.entries(snapshotTree(tree))) {
@@ -144,57 +95,80 @@ describe.skipIf(!mounts.xfs)(`a guest moving its tree about during a commit ${ne
     }
   }
 
-  test('fork, checkpoint and copyOut of it meanwhile: guest files only or a coded rejection; nothing left, nothing outside changes', { timeout: 120_000 }, async () => {
+  /**
+   * Runs `round` `rounds` times on a workspace holding guestTree while moverLoop moves it about; each outcome is
+   * what `round` returns, or a rejection's code (which it must have). Then: nothing outside changed, no template
+   * build, staging or trash entry is left, and the workspace is disposed.
+   */
+  async function underMovingGuest(
+    rounds: number,
+    round: (pool: Pool, ws: Workspace, outside: string, dir: string, i: number) => Promise<string>,
+  ): Promise<{ outcomes: string[]; pool: Pool; dir: string }> {
     const dir = freshDir(mounts.xfs!)
-    await using pool = await openPool(path.join(dir, 'pool'))
+    const pool = await openPool(path.join(dir, 'pool'))
+    onTestFinished(() => pool.close())
     const outside = outsideTree(dir)
     const before = snapshotTree(outside)
     const ws = await pool.allocate()
     guestTree(ws.path, outside)
     const mover = moverLoop(ws.path, outside)
     const outcomes: string[] = []
-    const coded = (e: unknown) => {
-      const code = (e as { code?: unknown }).code
-      expect(typeof code, String(e)).toBe('string')
-      outcomes.push(code as string)
-    }
     try {
-      for (let i = 0; i < 8; i++) {
+      for (let i = 0; i < rounds; i++) {
         try {
-          const [child] = await pool.fork(ws, 1)
-          guestFilesOnly(child.path, outside)
-          await child.dispose()
-          outcomes.push('fork')
+          outcomes.push(await round(pool, ws, outside, dir, i))
         } catch (e) {
-          coded(e)
-        }
-        try {
-          const cp = await pool.checkpoint(ws)
-          guestFilesOnly(cp.path, outside)
-          outcomes.push('checkpoint')
-        } catch (e) {
-          coded(e)
-        }
-        const dest = path.join(dir, `out${i}`)
-        try {
-          await ws.copyOut('d', dest)
-          guestFilesOnly(dest, outside)
-          outcomes.push('copyOut')
-        } catch (e) {
-          coded(e)
-          expect(fs.existsSync(dest)).toBe(false)
+          const code = (e as { code?: unknown }).code
+          expect(typeof code, String(e)).toBe('string')
+          outcomes.push(code as string)
         }
       }
     } finally {
       mover.kill('SIGKILL')
       await once(mover, 'exit')
     }
-    console.log(`fork/checkpoint/copyOut under a moving tree: ${outcomes.join(' ')}`)
+    console.log(`under a moving tree: ${outcomes.join(' ')}`)
     expect(snapshotTree(outside)).toEqual(before)
     expect(ls(path.join(dir, 'pool', '.vmspace', 'templates', 'staging'))).toEqual([])
     expect(poolState(path.join(dir, 'pool'))).toMatchObject({ staging: [], trash: [], visible: [ws.name] })
-    expect(ls(dir).filter((n) => n.startsWith('.vmspace-tmp-'))).toEqual([])
     await ws.dispose()
+    return { outcomes, pool, dir }
+  }
+
+  test('every commit is an exact tree of guest files (nothing read from outside) or rejects with a code; nothing is left, nothing outside changes', { timeout: 120_000 }, async () => {
+    const made: string[] = []
+    const { pool } = await underMovingGuest(30, async (pool, ws, outside) => {
+      const t = await pool.commit(ws)
+      guestFilesOnly(t.path, outside)
+      made.push(t.id)
+      return 'commit'
+    })
+    expect((await pool.templates()).map((t) => t.id).sort()).toEqual([...made].sort())
+  })
+
+  test('fork, checkpoint and copyOut of it meanwhile: guest files only or a coded rejection; nothing left, nothing outside changes', { timeout: 120_000 }, async () => {
+    const { dir } = await underMovingGuest(24, async (pool, ws, outside, dir, i) => {
+      if (i % 3 === 0) {
+        const [child] = await pool.fork(ws, 1)
+        guestFilesOnly(child.path, outside)
+        await child.dispose()
+        return 'fork'
+      }
+      if (i % 3 === 1) {
+        guestFilesOnly((await pool.checkpoint(ws)).path, outside)
+        return 'checkpoint'
+      }
+      const dest = path.join(dir, `out${i}`)
+      try {
+        await ws.copyOut('d', dest)
+      } catch (e) {
+        expect(fs.existsSync(dest)).toBe(false)
+        throw e
+      }
+      guestFilesOnly(dest, outside)
+      return 'copyOut'
+    })
+    expect(ls(dir).filter((n) => n.startsWith('.vmspace-tmp-'))).toEqual([])
   })
 })
 
