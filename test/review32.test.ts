@@ -282,3 +282,27 @@ describe('the vmspace command with junk ids and names', () => {
     expect(snapshotTree(root)).toEqual(before)
   })
 })
+
+describe.skipIf(!mounts.xfs)(`a workspace holding a chain 10,000 deep ${needs('a loop-mounted XFS', mounts.missing.xfs)}`, () => {
+  /** Depth, link count and size of every regular file below `dir`, and its directory count, by find(1) (fts: any depth). */
+  const shape = (dir: string) => runCommand('find', [dir, '-printf', '%y %d %n %s\n']).stdout.toString().split('\n').filter((l) => l !== '').sort()
+
+  test('checkpoint copies it exactly, a rollback to it after the chain is cut restores it, and dispose + sweep leave the pool empty', { timeout: 120_000 }, async () => {
+    const dir = freshDir(mounts.xfs!)
+    const root = path.join(dir, 'pool')
+    await using pool = await openPool(root)
+    const ws = await pool.allocate()
+    expect((await run({ op: 'build', dir: ws.path, depth: 10_000, links: true })).event).toBe('result')
+    const before = shape(ws.path)
+    const cp = await pool.checkpoint(ws)
+    expect(shape(cp.path)).toEqual(before)
+    runCommand('rm', ['-rf', path.join(ws.path, 'chain', 'd', 'd')])
+    expect(shape(ws.path)).not.toEqual(before)
+    await ws.rollback(cp)
+    expect(shape(ws.path)).toEqual(before)
+    await ws.dispose()
+    await pool.removeTemplate(cp.id)
+    await pool.sweep()
+    expect(poolState(root)).toEqual({ visible: [], staging: [], trash: [], leases: [] })
+  })
+})
