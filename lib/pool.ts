@@ -192,6 +192,11 @@ function isRegularFile(p: string): boolean {
 // A workspace's name in a pool root, of any prefix (PREFIX, then a 128-bit id in hex).
 const WORKSPACE_NAME = /^[A-Za-z0-9_-]{1,64}-[0-9a-f]{32}$/
 
+// Any name Pool.list() can report (the core's isWorkspaceName): an entry of the root, not hidden, ending in
+// -<32 hex>, whatever its prefix (a foreign or hand-made entry with a lease file is listed too).
+const LISTED_NAME = /^[^./\0][^/\0]*-[0-9a-f]{32}$/
+const NAME_MAX = 255
+
 /** An open pool: a root directory of workspaces with `.vmspace/` beside them. Made by {@link openPool}. */
 export class Pool implements AsyncDisposable {
   /** Absolute path of the pool's root directory. */
@@ -415,7 +420,8 @@ export class Pool implements AsyncDisposable {
   }
 
   /**
-   * The path of the lease file of workspace `name` (`<prefix>-<32 hex>`, any prefix): `<root>/.vmspace/leases/<the
+   * The path of the lease file of workspace `name` (`<prefix>-<32 hex>`, any prefix, as list() reports names, so
+   * also one openPool's prefix rule would refuse, such as `x.y-<id>`): `<root>/.vmspace/leases/<the
    * id's first hex digit>/<name>` (docs/pool-on-disk.md), the file `ws.leaseFd` and a handed-over fd are open on,
    * whose xattr `user.vmspace.record` holds the workspace's record. For tools that look at a pool from outside
    * (matching a lease in /proc/locks, reading the record); no syscall: a name with no workspace gives where its
@@ -423,7 +429,8 @@ export class Pool implements AsyncDisposable {
    */
   leasePath(name: string): string {
     if (typeof name !== 'string') throw invalidType('name', 'a workspace name string', name)
-    if (!WORKSPACE_NAME.test(name)) throw invalidValue('name', 'a workspace name (<prefix>-<32 lowercase hex>)', name)
+    if (!LISTED_NAME.test(name) || Buffer.byteLength(name) > NAME_MAX)
+      throw invalidValue('name', 'a workspace name (<prefix>-<32 lowercase hex>)', name)
     return leasePath(this.root, name)
   }
 

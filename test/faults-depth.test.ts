@@ -8,19 +8,9 @@ import * as fs from 'node:fs'
 import * as path from 'node:path'
 import { describe, expect, onTestFinished, test } from 'vitest'
 import { removeTree } from '../lib/index.js'
-import { Child, emptyPoolState, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, spinCpus, unprivilegedChildren } from './helpers.js'
+import { emptyPoolState, faultsChild, fixtures, freshDir, GiB, MiB, mounts, needs, poolState, runCommand, spinCpus, unprivilegedChildren } from './helpers.js'
 
-type Message = Record<string, unknown>
-
-async function run(req: object): Promise<Message> {
-  const child = new Child(path.join(fixtures, 'faults-child.cjs'), [JSON.stringify(req)])
-  child.proc.stdin!.end()
-  const m = await child.next()
-  const exit = await child.exited
-  expect(m.event, `${JSON.stringify(m)}; stderr: ${child.stderr}`).not.toBe('error')
-  expect(exit.code, child.stderr).toBe(0)
-  return m
-}
+const run = faultsChild
 
 const DEPTH = 100_000
 const AS_LIMIT = 3 * GiB

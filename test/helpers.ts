@@ -521,6 +521,20 @@ export class Child {
   }
 }
 
+/**
+ * One op of test/fixtures/faults-child.cjs (tree operations under resource limits) in a child of its own, so that
+ * the limits, the RSS and the uid are its own: its one JSON message, after it exited 0.
+ */
+export async function faultsChild(req: object): Promise<Record<string, unknown>> {
+  const child = new Child(path.join(fixtures, 'faults-child.cjs'), [JSON.stringify(req)])
+  child.proc.stdin!.end()
+  const m = await child.next()
+  const exit = await child.exited
+  expect(m.event, `${JSON.stringify(m)}; stderr: ${child.stderr}`).not.toBe('error')
+  expect(exit.code, child.stderr).toBe(0)
+  return m
+}
+
 /** Starts test/fixtures/workspace-child.cjs on the pool at `root` (see that file for its commands). */
 export function workspaceChild(root: string): Child {
   return new Child(path.join(fixtures, 'workspace-child.cjs'), [root])

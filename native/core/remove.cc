@@ -168,13 +168,15 @@ class Remover {
     }
     // A read-only btrfs subvolume (its owner makes one without privilege: a guest can) refuses every unlink in
     // it: made writable first, as its owner or root may (inode 256 first: no extra syscall for other directories).
-    // A failure of either is recorded (the first errno that went wrong: the unlinks in it then fail too) and the
+    // The flag's failure is recorded (the first errno that went wrong: the unlinks in it then fail too) and the
     // walk goes on, removing what it can.
     if (stx.stx_ino == kBtrfsFirstFreeObjectId && isSubvolumeRoot(fd)) {
       if (int e = setSubvolumeReadOnly(fd, false)) record(e, "ioctl(BTRFS_IOC_SUBVOL_SETFLAGS)", depth, name);
     }
+    // The fchmod is a fallback, not a step: a non-owner gets EPERM while the group or other bits may still let it
+    // remove every entry. So its failure is no error; an unlink it did not make possible reports its own errno.
     if (!root_ && (stx.stx_mode & (S_IWUSR | S_IXUSR)) != (S_IWUSR | S_IXUSR) &&
-        fchmod(fd, stx.stx_mode | S_IRWXU) != 0)
+        fchmod(fd, stx.stx_mode | S_IRWXU) != 0 && errno != EPERM)
       record(errno, "fchmod", depth, name);
     if (bytes_) *bytes_ += stx.stx_blocks * 512;
     if (int e = walk_.push(fd, name, dev, static_cast<ino_t>(stx.stx_ino))) record(e, "fdopendir", depth, name);
