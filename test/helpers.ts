@@ -475,12 +475,17 @@ export class Child {
       if (w) w.resolve(m)
       else this.#messages.push(m)
     })
+    // 'exit' can come before the last lines the child wrote are read from the pipe: its answers are awaited to the
+    // pipe's end (bounded: a process the child started may hold the pipe open) before a waiter is told it exited.
+    const stdoutClosed = new Promise<void>((resolve) => this.proc.stdout!.once('close', () => resolve()))
     this.exited = new Promise((resolve) => {
       this.proc.on('exit', (code, signal) => {
-        this.#done = true
-        for (const w of this.#waiters.splice(0))
-          w.reject(new Error(`child exited (${code ?? signal}) before answering; stderr: ${this.stderr}`))
-        resolve({ code, signal })
+        void Promise.race([stdoutClosed, new Promise((r) => setTimeout(r, 2000).unref())]).then(() => {
+          this.#done = true
+          for (const w of this.#waiters.splice(0))
+            w.reject(new Error(`child exited (${code ?? signal}) before answering; stderr: ${this.stderr}`))
+          resolve({ code, signal })
+        })
       })
     })
     // A failed spawn (EAGAIN under load) or a write after the child died: a failed wait, not an uncaught error.
